@@ -1,0 +1,1 @@
+"""loraplex admin_ui."""

@@ -1,0 +1,145 @@
+"""Contracts for the attention and LoRA backends, and the registry that picks one.
+
+Two implementations exist for each contract: a PyTorch one (``torch_ref``), which
+is both the CPU path of the engine and the reference the tests compare against,
+and a Triton one (``triton``), used on CUDA. ``select_*_backend("auto", device)``
+picks Triton on CUDA and torch elsewhere; ``"torch"`` or ``"triton"`` forces one
+(the Triton one runs on the CPU under ``TRITON_INTERPRET=1``, slowly, for tests).
+
+KV cache layout (per layer, one tensor each for K and V)::
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+
+so one block's tokens are contiguous and one token's heads are contiguous.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Literal
+
+import torch
+
+from loraplex.kernels.metadata import AttentionMetadata, LoRAMetadata
+
+BackendName = Literal["auto", "torch", "triton"]
+
+
+class AttentionBackend(abc.ABC):
+    """Paged attention over a flat batch of decode and prefill/extend tokens."""
+
+    name: str
+
+    @abc.abstractmethod
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+    ) -> None:
+        """Store each token's K/V at its slot (``block_id * block_size + offset``)."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Causal attention of each new token over its sequence's paged context.
+
+        The new tokens' K/V must already be in the cache (``write_kv`` first): token
+        ``j`` of sequence ``i`` sees context positions ``0 .. cached_prefix_len + j``.
+        """
+
+    @abc.abstractmethod
+    def copy_blocks(
+        self,
+        caches: list[torch.Tensor],  # each [num_blocks, block_size, num_kv_heads, head_dim]
+        src: torch.Tensor,  # [num_pairs] int64
+        dst: torch.Tensor,  # [num_pairs] int64
+    ) -> None:
+        """Copy whole blocks ``src[i] -> dst[i]`` in every cache (copy-on-write)."""
+
+
+class LoRABackend(abc.ABC):
+    """Batched multi-adapter LoRA: ``y[t] += scale[s] * (x[t] @ A[s]^T) @ B[s]^T``.
+
+    ``s = token_slots[t]``; tokens with ``s == -1`` are left untouched. The stacked
+    weights hold every resident adapter, rank-padded to ``max_rank`` with zeros, and
+    one projection may stack several output slices (q/k/v, gate/up) so a single
+    call serves a fused projection.
+    """
+
+    name: str
+
+    @abc.abstractmethod
+    def shrink(
+        self,
+        x: torch.Tensor,  # [num_tokens, in_features]
+        lora_a: torch.Tensor,  # [num_slices, max_loras, max_rank, in_features]
+        meta: LoRAMetadata,
+    ) -> torch.Tensor:  # [num_slices, num_tokens, max_rank]
+        """Project into rank space per slice; rows of tokens without adapter are 0."""
+
+    @abc.abstractmethod
+    def expand(
+        self,
+        y: torch.Tensor,  # [num_tokens, sum(slice_sizes)], updated in place
+        x_rank: torch.Tensor,  # [num_slices, num_tokens, max_rank]
+        lora_b: torch.Tensor,  # [num_slices, max_loras, max_out, max_rank]
+        scales: torch.Tensor,  # [max_loras] float32
+        slice_sizes: tuple[int, ...],  # output width of each slice, in order
+        meta: LoRAMetadata,
+    ) -> None:
+        """Add ``scale * x_rank @ B^T`` into each slice's columns of ``y``."""
+
+    def apply(
+        self,
+        y: torch.Tensor,  # [num_tokens, sum(slice_sizes)]
+        x: torch.Tensor,  # [num_tokens, in_features]
+        lora_a: torch.Tensor,  # [num_slices, max_loras, max_rank, in_features]
+        lora_b: torch.Tensor,  # [num_slices, max_loras, max_out, max_rank]
+        scales: torch.Tensor,  # [max_loras]
+        slice_sizes: tuple[int, ...],
+        meta: LoRAMetadata,
+    ) -> None:
+        """Shrink then expand: the whole LoRA delta of one (fused) projection."""
+        if meta.num_active_slots == 0:
+            return
+        x_rank = self.shrink(x, lora_a, meta)
+        self.expand(y, x_rank, lora_b, scales, slice_sizes, meta)
+
+
+def _resolve(name: BackendName, device: torch.device) -> Literal["torch", "triton"]:
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if name not in ("torch", "triton"):
+        raise ValueError(f"unknown kernel backend {name!r}; choose 'auto', 'torch' or 'triton'")
+    return name
+
+
+def select_attention_backend(name: BackendName, device: torch.device) -> AttentionBackend:
+    """Return the attention backend for ``name`` on ``device`` (Triton on CUDA by default)."""
+    if _resolve(name, device) == "triton":
+        from loraplex.kernels.triton.attention_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    from loraplex.kernels.torch_ref.attention import TorchAttentionBackend
+
+    return TorchAttentionBackend()
+
+
+def select_lora_backend(name: BackendName, device: torch.device) -> LoRABackend:
+    """Return the LoRA backend for ``name`` on ``device`` (Triton on CUDA by default)."""
+    if _resolve(name, device) == "triton":
+        from loraplex.kernels.triton.lora_backend import TritonLoRABackend
+
+        return TritonLoRABackend()
+    from loraplex.kernels.torch_ref.lora import TorchLoRABackend
+
+    return TorchLoRABackend()

@@ -1,0 +1,1 @@
+"""loraplex kernels/torch_ref."""

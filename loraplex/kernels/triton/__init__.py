@@ -1,0 +1,1 @@
+"""loraplex kernels/triton."""

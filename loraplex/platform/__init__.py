@@ -1,0 +1,1 @@
+"""loraplex platform."""

@@ -1,0 +1,325 @@
+"""The engine loop: schedule -> execute -> sample -> stop checks -> outputs.
+
+``LLMEngine`` is synchronous and single-threaded; the offline ``LLM`` API drives
+it directly and the server runs it in its own thread. One ``step()`` runs one
+forward over every scheduled sequence, whatever mix of prefill chunks and decodes
+(and, with LoRA, adapters) the scheduler picked.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loraplex.kernels.backend import select_attention_backend
+from loraplex.platform.config import EngineConfig, RuntimeInfo, parse_dtype
+from loraplex.platform.detokenizer import IncrementalDetokenizer
+from loraplex.platform.model.loader import load_hf_config, load_model
+from loraplex.platform.model.runner import ModelRunner
+from loraplex.platform.model.source import resolve_model_dir
+from loraplex.platform.outputs import CompletionOutput, RequestOutput
+from loraplex.platform.sampler import Sampler
+from loraplex.platform.sampling_params import SamplingParams
+from loraplex.platform.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from loraplex.platform.sequence import Request, Sequence, SeqStatus
+from loraplex.storage.kv.block_manager import AllocStatus, KVBlockManager
+from loraplex.storage.kv.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_budget
+
+logger = logging.getLogger(__name__)
+
+
+def _eos_ids(model_dir: Path, tokenizer: Any) -> tuple[int, ...]:
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_cfg = model_dir / "generation_config.json"
+    if gen_cfg.exists():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(e) for e in eos)
+    return tuple(sorted(ids))
+
+
+class LLMEngine:
+    """Owns tokenizer, model runner, scheduler, KV blocks and sampler."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config
+        device = config.torch_device()
+        dtype = parse_dtype(config.dtype, device)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_dir = resolve_model_dir(config.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+        hf_config = load_hf_config(self.model_dir)
+        from loraplex.platform.model.arch import ModelArch
+
+        arch = ModelArch.from_hf_config(hf_config)
+        max_model_len = config.max_model_len or arch.max_position_embeddings
+        if max_model_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's context of {arch.max_position_embeddings}"
+            )
+        self.model, self.arch, self.hf_config = load_model(self.model_dir, dtype, device, max_model_len)
+        per_block = kv_bytes_per_block(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype)
+        num_blocks = config.num_kv_blocks or num_blocks_for_budget(
+            per_block, device, config.kv_cache_memory, config.gpu_memory_utilization
+        )
+        self.info = RuntimeInfo(
+            device=device,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            num_kv_blocks=num_blocks,
+            kv_bytes_per_block=per_block,
+            eos_token_ids=_eos_ids(self.model_dir, self.tokenizer),
+        )
+        kv_cache = KVCache(arch.num_layers, num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim, dtype, device)
+        self.block_manager = KVBlockManager(num_blocks, config.block_size)
+        self.runner = ModelRunner(self.model, kv_cache, select_attention_backend(config.attention_backend, device), device)
+        limits = SchedulerLimits(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            policy=config.scheduling_policy,
+            watermark_blocks=max(1, num_blocks // 100) if num_blocks > 100 else 0,
+        )
+        self.lora_manager: Any = None
+        admit_hook = release_hook = None
+        if config.enable_lora:
+            from loraplex.platform.lora_runtime import LoRARuntime
+
+            self.lora_manager = LoRARuntime(config, self.hf_config, device, dtype, self.runner)
+            admit_hook, release_hook = self.lora_manager.admit, self.lora_manager.release
+        self.scheduler = Scheduler(limits, self.block_manager, admit_hook, release_hook)
+        self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+        logger.info(
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
+            self.model_dir.name, device, dtype, num_blocks, config.block_size, max_model_len,
+        )
+
+    # -- requests ----------------------------------------------------------------
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        lora_request: Any = None,
+        priority: int = 0,
+    ) -> Request:
+        """Validate and queue a request; raises ``ValueError`` naming the bad parameter."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            text: str | None = prompt
+            token_ids = self.tokenize(prompt)
+        else:
+            text = None
+            token_ids = [int(t) for t in prompt]
+        if not token_ids:
+            raise ValueError("prompt must not be empty (it has no tokens)")
+        vocab = self.arch.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        max_len = self.info.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, which leaves no room to generate within "
+                f"max_model_len={max_len}"
+            )
+        if self.block_manager.can_allocate(-1, len(token_ids) + 1) is AllocStatus.NEVER:
+            raise ValueError(
+                f"prompt of {len(token_ids)} tokens needs more KV blocks than the whole pool "
+                f"({self.block_manager.num_blocks} blocks of {self.config.block_size}); raise kv_cache_memory"
+            )
+        if lora_request is not None:
+            if self.lora_manager is None:
+                raise ValueError("lora_request given but the engine was built without enable_lora=True")
+            self.lora_manager.check_request(lora_request)
+        req = Request(request_id, text, token_ids, params, priority=priority, lora=lora_request)
+        req.seqs.append(self._new_sequence(req, 0, list(token_ids)))
+        self.requests[request_id] = req
+        self.scheduler.add(req.seqs[0])
+        return req
+
+    def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+        gen = None
+        if req.params.seed is not None:
+            # Each completion of a seeded request gets its own stream: seed for the
+            # first, derived seeds for forked siblings.
+            gen = torch.Generator().manual_seed(req.params.seed + 1_000_003 * index)
+        detok = IncrementalDetokenizer(
+            self.tokenizer,
+            req.prompt_token_ids,
+            skip_special_tokens=req.params.skip_special_tokens,
+            stop=req.params.stop_strings,
+            include_stop_str_in_output=req.params.include_stop_str_in_output,
+        )
+        return Sequence(request=req, index=index, token_ids=token_ids, generator=gen, detokenizer=detok)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free everything it holds (unknown ids are ignored)."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        self.scheduler.abort(req.seqs)
+        req.forked = True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- the step ----------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one forward; return the state of every request that progressed."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        self.num_steps += 1
+        lora_hook, lora_slots = (None, None)
+        if self.lora_manager is not None:
+            lora_hook, lora_slots = self.lora_manager.prepare_step(out)
+        logits, sample_idx = self.runner.execute(out, self.block_manager, lora_hook, lora_slots)
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+        touched = self._sample_and_stop(out, logits, sample_idx)
+        return [self._output(req) for req in touched]
+
+    def _sample_and_stop(self, out: SchedulerOutput, logits: torch.Tensor, sample_idx: list[int]) -> list[Request]:
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        for row, i in enumerate(sample_idx):
+            seq = out.scheduled[i].seq
+            req = seq.request
+            if req.params.n > 1 and not req.forked:
+                req.forked = True
+                for j in range(1, req.params.n):
+                    child = self._new_sequence(req, j, list(seq.token_ids))
+                    child.detokenizer = seq.detokenizer.clone()
+                    child.num_computed_tokens = seq.num_computed_tokens
+                    self.block_manager.fork(seq.seq_id, child.seq_id)
+                    req.seqs.append(child)
+                    self.scheduler.add_running(child)
+                    if self.lora_manager is not None:
+                        self.lora_manager.on_fork(seq, child)
+                    rows.append(row)
+                    seqs.append(child)
+            rows.append(row)
+            seqs.append(seq)
+        if not seqs:
+            return []
+        row_logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+        self._ban_early_stops(row_logits, seqs)
+        results = self.sampler.sample(
+            row_logits,
+            [s.params for s in seqs],
+            [s.request.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs],
+            [s.generator for s in seqs],
+        )
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for seq, res in zip(seqs, results, strict=True):
+            seq.token_ids.append(res.token_id)
+            if seq.params.logprobs is not None:
+                seq.cumulative_logprob += res.logprob
+                if res.top_logprobs is not None:
+                    seq.logprobs.append(res.top_logprobs)
+            stop_str = seq.detokenizer.append(res.token_id)
+            status = self._stop_status(seq, res.token_id, stop_str)
+            if status is not None:
+                self.scheduler.finish(seq, status)
+            req = seq.request
+            if req.first_token_time is None:
+                req.first_token_time = now
+            touched[req.request_id] = req
+        for req in touched.values():
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+        return list(touched.values())
+
+    def _ban_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Before ``min_tokens``, EOS and stop tokens cannot be sampled (vLLM semantics)."""
+        for r, seq in enumerate(seqs):
+            p = seq.params
+            if p.min_tokens and seq.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids or [])
+                if not p.ignore_eos:
+                    banned.extend(self.info.eos_token_ids)
+                if banned:
+                    logits[r, banned] = float("-inf")
+
+    def _stop_status(self, seq: Sequence, token_id: int, stop_str: str | None) -> SeqStatus | None:
+        p = seq.params
+        seq_len_cap = self.info.max_model_len
+        if stop_str is not None:
+            seq.stop_reason = stop_str
+            return SeqStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= p.min_tokens:
+            if p.stop_token_ids and token_id in p.stop_token_ids:
+                seq.stop_reason = token_id
+                return SeqStatus.FINISHED_STOPPED
+            if not p.ignore_eos and token_id in self.info.eos_token_ids:
+                return SeqStatus.FINISHED_STOPPED
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return SeqStatus.FINISHED_LENGTH
+        if seq.num_tokens >= seq_len_cap:
+            return SeqStatus.FINISHED_LENGTH
+        return None
+
+    def _output(self, req: Request) -> RequestOutput:
+        outs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.detokenizer.text,
+                token_ids=s.output_token_ids,
+                cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
+                logprobs=s.logprobs if s.params.logprobs is not None else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in sorted(req.seqs, key=lambda s: s.index)
+        ]
+        metrics = {"arrival_time": req.arrival_time}
+        if req.first_token_time is not None:
+            metrics["first_token_time"] = req.first_token_time
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=outs,
+            finished=req.finished,
+            num_cached_tokens=0,
+            lora_name=req.lora_name,
+            metrics=metrics,
+        )
+
+    # -- invariants ----------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """KV blocks conserved and ref counts consistent (and adapter slots, with LoRA)."""
+        self.block_manager.check_integrity()
+        live = {s.seq_id for s in self.scheduler.running}
+        for seq_id in list(self.block_manager._tables):
+            if seq_id not in live and seq_id not in {s.seq_id for s in self.scheduler.waiting}:
+                raise AssertionError(f"seq {seq_id} holds KV blocks but is neither running nor waiting")
+        if self.lora_manager is not None:
+            self.lora_manager.check_integrity()

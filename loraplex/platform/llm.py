@@ -1,0 +1,129 @@
+"""Offline batch inference, shaped like vLLM's ``LLM`` so users can switch.
+
+    from loraplex import LLM, SamplingParams
+    llm = LLM()                                  # bundled SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+    print(outs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from loraplex.platform.config import EngineConfig
+from loraplex.platform.engine import LLMEngine
+from loraplex.platform.outputs import RequestOutput
+from loraplex.platform.sampling_params import SamplingParams
+
+PromptType = str | list[int]
+
+
+class LLM:
+    """A model with its engine; ``generate`` and ``chat`` run batches to completion."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        lora_request: Any = None,
+        priority: Seq[int] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        ``prompts`` are strings or token-id lists. ``sampling_params`` and
+        ``lora_request`` are one for all or one per prompt. All requests are
+        validated before any is queued, so a bad one leaves the engine untouched.
+        """
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompt_list: list[PromptType] = [prompts]  # type: ignore[list-item]
+        else:
+            prompt_list = list(prompts)  # type: ignore[arg-type]
+        n = len(prompt_list)
+        params = self._per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
+        loras = self._per_prompt(lora_request, n, "lora_request")
+        prios = list(priority) if priority is not None else [0] * n
+        if len(prios) != n:
+            raise ValueError(f"priority has {len(prios)} entries for {n} prompts")
+        engine = self.llm_engine
+        ids = [engine.next_request_id() for _ in range(n)]
+        added: list[str] = []
+        try:
+            for rid, prompt, sp, lora, prio in zip(ids, prompt_list, params, loras, prios, strict=True):
+                engine.add_request(rid, prompt, sp, lora_request=lora, priority=prio)
+                added.append(rid)
+        except Exception:
+            for rid in added:
+                engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        lora_request: Any = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        convs: list[list[dict[str, str]]] = (
+            [messages] if messages and isinstance(messages[0], dict) else messages  # type: ignore[list-item]
+        )
+        tok = self.llm_engine.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use generate()")
+        prompts = [
+            tok.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt) for c in convs
+        ]
+        # The template already carries BOS where the model wants it.
+        token_lists: list[PromptType] = [list(tok.encode(p, add_special_tokens=False)) for p in prompts]
+        return self.generate(token_lists, sampling_params, lora_request=lora_request, use_tqdm=use_tqdm)
+
+    @staticmethod
+    def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
+        if isinstance(value, list | tuple):
+            if len(value) != n:
+                raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+            return list(value)
+        return [value] * n
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        pending = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", disable=not use_tqdm or len(ids) < 2)
+        out_tokens = 0
+        try:
+            while pending:
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError(f"engine idle with {len(pending)} requests unfinished")
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        done[out.request_id] = out
+                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        bar.update(1)
+                        elapsed = bar.format_dict.get("elapsed") or 0.0
+                        if elapsed:
+                            bar.set_postfix(out_tok_s=f"{out_tokens / elapsed:.0f}")
+        except BaseException:
+            for rid in pending:
+                engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [done[i] for i in ids]

@@ -1,0 +1,151 @@
+"""Our Llama-family forward over a flat batch that reads and writes a paged KV cache.
+
+Projections are fused (q|k|v into one matrix, gate|up into one) so each layer runs
+four matmuls; the LoRA hook adds every adapter's delta to those fused outputs in
+the same pass, each token with its own adapter slot. The arithmetic mirrors HF
+transformers (RMSNorm in float32, RoPE tables in float32 cast to the model dtype)
+so greedy tokens match token for token in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraplex.kernels.backend import AttentionBackend
+from loraplex.kernels.metadata import AttentionMetadata
+from loraplex.platform.model.arch import ModelArch, rope_inv_freq
+from loraplex.storage.kv.kv_cache import KVCache
+
+LORA_GROUPS = ("qkv", "o", "gate_up", "down")
+
+
+class LoRAHook(Protocol):
+    """Adds the batch's LoRA deltas to a fused projection's output, in place."""
+
+    def __call__(self, layer_idx: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None: ...
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm: normalise in float32, scale in the input dtype."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm decoder block: attention then SwiGLU MLP, each with a residual."""
+
+    def __init__(self, arch: ModelArch, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.arch = arch
+        h, q, kv, i = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+        self.input_norm = param(h)
+        self.qkv_weight = param(q + 2 * kv, h)  # rows: q | k | v
+        self.qkv_bias = param(q + 2 * kv) if arch.qkv_bias else None
+        self.o_weight = param(h, q)
+        self.o_bias = param(h) if arch.o_bias else None
+        self.post_norm = param(h)
+        self.gate_up_weight = param(2 * i, h)  # rows: gate | up
+        self.gate_up_bias = param(2 * i) if arch.mlp_bias else None
+        self.down_weight = param(h, i)
+        self.down_bias = param(h) if arch.mlp_bias else None
+        self.scale = arch.head_dim**-0.5
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, head_dim]
+        sin: torch.Tensor,  # [T, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        attn: AttentionBackend,
+        lora: LoRAHook | None,
+    ) -> torch.Tensor:
+        arch = self.arch
+        num_tokens = hidden.shape[0]
+        x = rms_norm(hidden, self.input_norm, arch.rms_norm_eps)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        if lora is not None:
+            lora(self.layer_idx, "qkv", x, qkv)
+        q, k, v = qkv.split([arch.q_size, arch.kv_size, arch.kv_size], dim=-1)
+        q = q.view(num_tokens, arch.num_heads, arch.head_dim)
+        k = k.view(num_tokens, arch.num_kv_heads, arch.head_dim)
+        v = v.view(num_tokens, arch.num_kv_heads, arch.head_dim)
+        cos_h, sin_h = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = q * cos_h + rotate_half(q) * sin_h
+        k = k * cos_h + rotate_half(k) * sin_h
+        attn.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = attn.forward(q, k_cache, v_cache, meta, self.scale).reshape(num_tokens, arch.q_size)
+        o = F.linear(out, self.o_weight, self.o_bias)
+        if lora is not None:
+            lora(self.layer_idx, "o", out, o)
+        hidden = hidden + o
+
+        x = rms_norm(hidden, self.post_norm, arch.rms_norm_eps)
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        if lora is not None:
+            lora(self.layer_idx, "gate_up", x, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        down = F.linear(act, self.down_weight, self.down_bias)
+        if lora is not None:
+            lora(self.layer_idx, "down", act, down)
+        return hidden + down
+
+
+class LlamaForCausalLM(nn.Module):
+    """Token ids in, last-position logits out; K/V go through the paged cache."""
+
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, max_positions: int) -> None:
+        super().__init__()
+        self.arch = arch
+        self.dtype = dtype
+        self.embed = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList([DecoderLayer(arch, i, dtype) for i in range(arch.num_layers)])
+        self.norm = nn.Parameter(torch.empty(arch.hidden_size, dtype=dtype), requires_grad=False)
+        self.lm_head: nn.Parameter | None = (
+            None
+            if arch.tie_word_embeddings
+            else nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype), requires_grad=False)
+        )
+        inv_freq = rope_inv_freq(arch)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("rope_cos", emb.cos(), persistent=False)
+        self.register_buffer("rope_sin", emb.sin(), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        attn: AttentionBackend,
+        lora: LoRAHook | None = None,
+    ) -> torch.Tensor:  # [T, hidden]
+        hidden = F.embedding(input_ids, self.embed)
+        cos = self.rope_cos[positions].to(self.dtype)
+        sin = self.rope_sin[positions].to(self.dtype)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos, sin, kv_cache.k[i], kv_cache.v[i], meta, attn, lora)
+        return rms_norm(hidden, self.norm, self.arch.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
+        weight = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,101 @@
+"""Load weights from a local Hugging Face directory (safetensors) into our model.
+
+Separate q/k/v and gate/up matrices are concatenated into the fused layout the
+forward uses. Pickle checkpoints (``.bin``/``.pt``) are refused: loading them can
+run arbitrary code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from loraplex.platform.model.arch import ModelArch
+from loraplex.platform.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+def load_hf_config(model_dir: Path) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        pickles = [p.name for p in model_dir.glob("*.bin")] + [p.name for p in model_dir.glob("*.pt")]
+        hint = f" (found pickle files {pickles}, which are refused: convert them to safetensors)" if pickles else ""
+        raise FileNotFoundError(f"no .safetensors weights in {model_dir}{hint}")
+    return files
+
+
+def _read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for path in _safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as fh:
+            for name in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
+                state[name] = fh.get_tensor(name)
+    return state
+
+
+def load_model(
+    model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> tuple[LlamaForCausalLM, ModelArch, Any]:
+    """Build our model for ``model_dir`` and fill it with its weights (cast to ``dtype``)."""
+    hf_config = load_hf_config(model_dir)
+    arch = ModelArch.from_hf_config(hf_config)
+    state = _read_state_dict(model_dir)
+    prefix = "model." if any(k.startswith("model.") for k in state) else ""
+
+    def take(name: str) -> torch.Tensor:
+        key = prefix + name
+        if key not in state:
+            raise KeyError(f"weight {key!r} missing from {model_dir}")
+        return state.pop(key).to(dtype)
+
+    weights: dict[str, torch.Tensor] = {"embed": take("embed_tokens.weight"), "norm": take("norm.weight")}
+    for i in range(arch.num_layers):
+        p = f"layers.{i}."
+        weights[p + "input_norm"] = take(p + "input_layernorm.weight")
+        weights[p + "post_norm"] = take(p + "post_attention_layernorm.weight")
+        weights[p + "qkv_weight"] = torch.cat(
+            [take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")], dim=0
+        )
+        if arch.qkv_bias:
+            weights[p + "qkv_bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")])
+        weights[p + "o_weight"] = take(p + "self_attn.o_proj.weight")
+        if arch.o_bias:
+            weights[p + "o_bias"] = take(p + "self_attn.o_proj.bias")
+        weights[p + "gate_up_weight"] = torch.cat(
+            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0
+        )
+        weights[p + "down_weight"] = take(p + "mlp.down_proj.weight")
+        if arch.mlp_bias:
+            weights[p + "gate_up_bias"] = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
+            weights[p + "down_bias"] = take(p + "mlp.down_proj.bias")
+    if not arch.tie_word_embeddings:
+        weights["lm_head"] = state.pop("lm_head.weight").to(dtype)
+    state.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
+    leftover = [k for k in state if "rotary_emb" not in k]
+    if leftover:
+        logger.warning("ignoring %d unused weights, e.g. %s", len(leftover), leftover[:3])
+
+    with torch.device(device):
+        model = LlamaForCausalLM(arch, dtype, max_positions=max_positions)
+    # assign=True adopts the loaded tensors instead of copying into fresh ones.
+    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
+    if missing or unexpected:
+        raise KeyError(f"weights do not fit the model: missing {missing}, unexpected {list(unexpected)}")
+    model.eval()
+    return model, arch, hf_config

