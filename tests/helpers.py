@@ -101,6 +101,10 @@ def assert_greedy_match(ours: list[int], ref: Reference, tol: float = 1e-4, what
         if a != b:
             top2 = ref.step_logprobs[i].topk(2).values
             gap = float(top2[0] - top2[1])
-            assert gap < tol, f"{what}: token {i} differs ({a} vs {b}) and the reference's top-2 gap is {gap:.3g}"
+            assert gap < tol, (
+                f"{what}: token {i} differs ({a} vs {b}) and the reference's top-2 gap is {gap:.3g}"
+            )
             return  # after a legitimate near-tie the continuations may differ
-    assert len(ours) == len(ref.tokens), f"{what}: lengths differ: {len(ours)} vs {len(ref.tokens)}\n{ours}\n{ref.tokens}"
+    assert len(ours) == len(ref.tokens), (
+        f"{what}: lengths differ: {len(ours)} vs {len(ref.tokens)}\n{ours}\n{ref.tokens}"
+    )

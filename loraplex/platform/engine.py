@@ -27,7 +27,7 @@ from loraplex.platform.outputs import CompletionOutput, RequestOutput
 from loraplex.platform.sampler import Sampler
 from loraplex.platform.sampling_params import SamplingParams
 from loraplex.platform.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
-from loraplex.platform.sequence import Request, Sequence, SeqStatus
+from loraplex.platform.sequence import Request, SeqStatus, Sequence
 from loraplex.storage.kv.block_manager import AllocStatus, KVBlockManager
 from loraplex.storage.kv.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_budget
 
@@ -71,7 +71,9 @@ class LLMEngine:
                 f"max_model_len={max_model_len} exceeds the model's context of {arch.max_position_embeddings}"
             )
         self.model, self.arch, self.hf_config = load_model(self.model_dir, dtype, device, max_model_len)
-        per_block = kv_bytes_per_block(arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype)
+        per_block = kv_bytes_per_block(
+            arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype
+        )
         num_blocks = config.num_kv_blocks or num_blocks_for_budget(
             per_block, device, config.kv_cache_memory, config.gpu_memory_utilization
         )
@@ -83,9 +85,13 @@ class LLMEngine:
             kv_bytes_per_block=per_block,
             eos_token_ids=_eos_ids(self.model_dir, self.tokenizer),
         )
-        kv_cache = KVCache(arch.num_layers, num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim, dtype, device)
+        kv_cache = KVCache(
+            arch.num_layers, num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim, dtype, device
+        )
         self.block_manager = KVBlockManager(num_blocks, config.block_size)
-        self.runner = ModelRunner(self.model, kv_cache, select_attention_backend(config.attention_backend, device), device)
+        self.runner = ModelRunner(
+            self.model, kv_cache, select_attention_backend(config.attention_backend, device), device
+        )
         limits = SchedulerLimits(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -106,7 +112,12 @@ class LLMEngine:
         self.num_steps = 0
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
-            self.model_dir.name, device, dtype, num_blocks, config.block_size, max_model_len,
+            self.model_dir.name,
+            device,
+            dtype,
+            num_blocks,
+            config.block_size,
+            max_model_len,
         )
 
     # -- requests ----------------------------------------------------------------
@@ -204,7 +215,9 @@ class LLMEngine:
         touched = self._sample_and_stop(out, logits, sample_idx)
         return [self._output(req) for req in touched]
 
-    def _sample_and_stop(self, out: SchedulerOutput, logits: torch.Tensor, sample_idx: list[int]) -> list[Request]:
+    def _sample_and_stop(
+        self, out: SchedulerOutput, logits: torch.Tensor, sample_idx: list[int]
+    ) -> list[Request]:
         rows: list[int] = []
         seqs: list[Sequence] = []
         for row, i in enumerate(sample_idx):
@@ -317,9 +330,9 @@ class LLMEngine:
     def check_integrity(self) -> None:
         """KV blocks conserved and ref counts consistent (and adapter slots, with LoRA)."""
         self.block_manager.check_integrity()
-        live = {s.seq_id for s in self.scheduler.running}
-        for seq_id in list(self.block_manager._tables):
-            if seq_id not in live and seq_id not in {s.seq_id for s in self.scheduler.waiting}:
+        live = {s.seq_id for s in self.scheduler.running} | {s.seq_id for s in self.scheduler.waiting}
+        for seq_id in self.block_manager.seq_ids():
+            if seq_id not in live:
                 raise AssertionError(f"seq {seq_id} holds KV blocks but is neither running nor waiting")
         if self.lora_manager is not None:
             self.lora_manager.check_integrity()

@@ -1,15 +1,15 @@
 """Offline batch inference, shaped like vLLM's ``LLM`` so users can switch.
 
-    from loraplex import LLM, SamplingParams
-    llm = LLM()                                  # bundled SmolLM2-135M-Instruct
-    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
-    print(outs[0].outputs[0].text)
+from loraplex import LLM, SamplingParams
+llm = LLM()                                  # bundled SmolLM2-135M-Instruct
+outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+print(outs[0].outputs[0].text)
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -48,7 +48,7 @@ class LLM:
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
-            prompt_list: list[PromptType] = [prompts]  # type: ignore[list-item]
+            prompt_list: list[PromptType] = [prompts]  # type: ignore[list-item,unused-ignore]
         else:
             prompt_list = list(prompts)  # type: ignore[arg-type]
         n = len(prompt_list)
@@ -80,14 +80,15 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate."""
-        convs: list[list[dict[str, str]]] = (
-            [messages] if messages and isinstance(messages[0], dict) else messages  # type: ignore[list-item]
+        convs = cast(
+            list[list[dict[str, str]]], [messages] if messages and isinstance(messages[0], dict) else messages
         )
         tok = self.llm_engine.tokenizer
         if not getattr(tok, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use generate()")
         prompts = [
-            tok.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt) for c in convs
+            tok.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
+            for c in convs
         ]
         # The template already carries BOS where the model wants it.
         token_lists: list[PromptType] = [list(tok.encode(p, add_special_tokens=False)) for p in prompts]

@@ -45,7 +45,9 @@ def apply_penalties(
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
 
 
-def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def filter_logits(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
     """Mask tokens outside top-k / top-p / min-p with -inf; rows are sequences.
 
     logits [rows, vocab] (already divided by temperature); top_k [rows] int (<=0 off);
@@ -117,13 +119,13 @@ class Sampler:
             lp = 0.0
             top: dict[int, Logprob] | None = None
             if raw_logprobs is not None and params[i].logprobs is not None:
-                row = raw_logprobs[i]
-                lp = float(row[tok])
-                rank = int((row > row[tok]).sum()) + 1
+                dist = raw_logprobs[i]
+                lp = float(dist[tok])
+                rank = int((dist > dist[tok]).sum()) + 1
                 top = {tok: Logprob(lp, rank)}
                 k = params[i].logprobs or 0
                 if k > 0:
-                    vals, idx = row.topk(k)
+                    vals, idx = dist.topk(k)
                     for r, (v, t) in enumerate(zip(vals.tolist(), idx.tolist(), strict=True)):
                         top.setdefault(t, Logprob(v, r + 1))
             results.append(SampleResult(tok, lp, top))

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from loraplex.platform.sequence import Sequence, SeqStatus
+from loraplex.platform.sequence import SeqStatus, Sequence
 from loraplex.storage.kv.block_manager import AllocStatus, BlockCopy, KVBlockManager
 
 logger = logging.getLogger(__name__)
@@ -209,5 +209,7 @@ class Scheduler:
 
         # Decodes (one query token) first: backends batch them with one kernel.
         items = list(scheduled.values())
-        out.scheduled = [s for s in items if s.num_new_tokens == 1] + [s for s in items if s.num_new_tokens > 1]
+        out.scheduled = [s for s in items if s.num_new_tokens == 1] + [
+            s for s in items if s.num_new_tokens > 1
+        ]
         return out

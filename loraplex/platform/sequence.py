@@ -101,8 +101,10 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return bool(self.seqs) and all(s.status.finished for s in self.seqs) and (
-            self.forked or self.params.n == 1
+        return (
+            bool(self.seqs)
+            and all(s.status.finished for s in self.seqs)
+            and (self.forked or self.params.n == 1)
         )
 
     @property

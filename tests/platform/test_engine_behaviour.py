@@ -12,7 +12,9 @@ from loraplex import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(tiny_dirs: dict[str, Path]) -> LLM:
-    return LLM(model=str(tiny_dirs["gqa_tied"]), dtype="float32", num_kv_blocks=64, block_size=8, max_num_seqs=16)
+    return LLM(
+        model=str(tiny_dirs["gqa_tied"]), dtype="float32", num_kv_blocks=64, block_size=8, max_num_seqs=16
+    )
 
 
 PROMPT = [5, 17, 300, 4000, 12, 9, 77, 81, 1000, 2000]
@@ -76,18 +78,24 @@ def test_abort_frees_all_blocks(llm: LLM) -> None:
 
 
 def test_max_tokens_and_finish_reason(llm: LLM) -> None:
-    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False
+    )[0]
     assert len(out.outputs[0].token_ids) == 5
     assert out.outputs[0].finish_reason == "length"
     assert out.prompt_token_ids == PROMPT
 
 
 def test_stop_token_ids(llm: LLM) -> None:
-    ref = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    ref = llm.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )[0]
     toks = ref.outputs[0].token_ids
     stop_at = toks[3]
     first = toks.index(stop_at)
-    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_at]), use_tqdm=False)[0]
+    out = llm.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_at]), use_tqdm=False
+    )[0]
     assert out.outputs[0].token_ids == toks[: first + 1]
     assert out.outputs[0].finish_reason == "stop"
     assert out.outputs[0].stop_reason == stop_at
@@ -98,18 +106,26 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm: LLM) -> None
     alone = llm.generate([PROMPT], p, use_tqdm=False)[0].outputs[0].token_ids
     again = llm.generate([PROMPT], p, use_tqdm=False)[0].outputs[0].token_ids
     others = SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True)
-    mixed = llm.generate(
-        [[9, 8, 7], PROMPT, [1000] * 30, [3, 4]], [others, p, others, others], use_tqdm=False
-    )[1].outputs[0].token_ids
+    mixed = (
+        llm.generate([[9, 8, 7], PROMPT, [1000] * 30, [3, 4]], [others, p, others, others], use_tqdm=False)[1]
+        .outputs[0]
+        .token_ids
+    )
     assert alone == again == mixed
-    different = llm.generate([PROMPT], SamplingParams(temperature=1.0, top_k=50, max_tokens=10, seed=99, ignore_eos=True), use_tqdm=False)
+    different = llm.generate(
+        [PROMPT],
+        SamplingParams(temperature=1.0, top_k=50, max_tokens=10, seed=99, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert different[0].outputs[0].token_ids != alone
 
 
 def test_logprobs_match_model_distribution(llm: LLM, tiny_dirs: dict[str, Path]) -> None:
     from transformers import AutoModelForCausalLM
 
-    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True), use_tqdm=False
+    )[0]
     comp = out.outputs[0]
     model = AutoModelForCausalLM.from_pretrained(tiny_dirs["gqa_tied"], dtype=torch.float32)
     with torch.no_grad():
@@ -122,11 +138,19 @@ def test_logprobs_match_model_distribution(llm: LLM, tiny_dirs: dict[str, Path])
         assert entry[tok].rank == 1  # greedy picks the top token
         for v, t in zip(top.values.tolist(), top.indices.tolist(), strict=True):
             assert abs(entry[t].logprob - v) < 1e-4
-    assert comp.cumulative_logprob == pytest.approx(sum(comp.logprobs[j][t].logprob for j, t in enumerate(comp.token_ids)))
+    assert comp.cumulative_logprob == pytest.approx(
+        sum(comp.logprobs[j][t].logprob for j, t in enumerate(comp.token_ids))
+    )
 
 
 def test_priority_policy_runs_urgent_first(tiny_dirs: dict[str, Path]) -> None:
-    llm = LLM(model=str(tiny_dirs["gqa_tied"]), dtype="float32", num_kv_blocks=64, max_num_seqs=1, scheduling_policy="priority")
+    llm = LLM(
+        model=str(tiny_dirs["gqa_tied"]),
+        dtype="float32",
+        num_kv_blocks=64,
+        max_num_seqs=1,
+        scheduling_policy="priority",
+    )
     engine = llm.llm_engine
     engine.add_request("late", PROMPT, SamplingParams(max_tokens=2), priority=5)
     engine.add_request("urgent", PROMPT, SamplingParams(max_tokens=2), priority=0)
@@ -142,7 +166,9 @@ def test_chat_uses_template(tiny_dirs: dict[str, Path]) -> None:
     out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3), use_tqdm=False)[0]
     tok = llm.get_tokenizer()
     expected = tok.encode(
-        tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True),
+        tok.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+        ),
         add_special_tokens=False,
     )
     assert out.prompt_token_ids == expected

@@ -70,7 +70,9 @@ def test_tiny_models_match_hf(name: str, tiny_dirs: dict[str, Path]) -> None:
     _check(_run(llm, prompts, MAX_NEW), refs, f"{name} batch32")
 
     # Token budget so small that 70-token prompts take many chunked steps.
-    chunked = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=256, max_num_seqs=4, max_num_batched_tokens=7)
+    chunked = LLM(
+        model=str(model_dir), dtype="float32", num_kv_blocks=256, max_num_seqs=4, max_num_batched_tokens=7
+    )
     _check(_run(chunked, prompts, MAX_NEW), refs, f"{name} chunked")
 
     # A pool of 24 blocks of 8 tokens cannot hold the batch: preemption + recompute.

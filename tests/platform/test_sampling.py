@@ -32,7 +32,8 @@ def naive_filter(logits: list[float], top_k: int, top_p: float, min_p: float) ->
 
 
 @pytest.mark.parametrize(
-    ("top_k", "top_p", "min_p"), [(5, 1.0, 0.0), (-1, 0.7, 0.0), (10, 0.5, 0.0), (-1, 1.0, 0.2), (8, 0.9, 0.1), (1, 1.0, 0.0)]
+    ("top_k", "top_p", "min_p"),
+    [(5, 1.0, 0.0), (-1, 0.7, 0.0), (10, 0.5, 0.0), (-1, 1.0, 0.2), (8, 0.9, 0.1), (1, 1.0, 0.0)],
 )
 def test_filter_matches_naive(top_k: int, top_p: float, min_p: float) -> None:
     g = torch.Generator().manual_seed(0)

@@ -116,17 +116,23 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.dtype = dtype
-        self.embed = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype), requires_grad=False)
+        self.embed = nn.Parameter(
+            torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype), requires_grad=False
+        )
         self.layers = nn.ModuleList([DecoderLayer(arch, i, dtype) for i in range(arch.num_layers)])
         self.norm = nn.Parameter(torch.empty(arch.hidden_size, dtype=dtype), requires_grad=False)
         self.lm_head: nn.Parameter | None = (
             None
             if arch.tie_word_embeddings
-            else nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype), requires_grad=False)
+            else nn.Parameter(
+                torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype), requires_grad=False
+            )
         )
         inv_freq = rope_inv_freq(arch)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
+        self.rope_cos: torch.Tensor
+        self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", emb.cos(), persistent=False)
         self.register_buffer("rope_sin", emb.sin(), persistent=False)
 

@@ -35,7 +35,11 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         pickles = [p.name for p in model_dir.glob("*.bin")] + [p.name for p in model_dir.glob("*.pt")]
-        hint = f" (found pickle files {pickles}, which are refused: convert them to safetensors)" if pickles else ""
+        hint = (
+            f" (found pickle files {pickles}, which are refused: convert them to safetensors)"
+            if pickles
+            else ""
+        )
         raise FileNotFoundError(f"no .safetensors weights in {model_dir}{hint}")
     return files
 
@@ -73,7 +77,9 @@ def load_model(
             [take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")], dim=0
         )
         if arch.qkv_bias:
-            weights[p + "qkv_bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")])
+            weights[p + "qkv_bias"] = torch.cat(
+                [take(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")]
+            )
         weights[p + "o_weight"] = take(p + "self_attn.o_proj.weight")
         if arch.o_bias:
             weights[p + "o_bias"] = take(p + "self_attn.o_proj.bias")
@@ -82,7 +88,9 @@ def load_model(
         )
         weights[p + "down_weight"] = take(p + "mlp.down_proj.weight")
         if arch.mlp_bias:
-            weights[p + "gate_up_bias"] = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
+            weights[p + "gate_up_bias"] = torch.cat(
+                [take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")]
+            )
             weights[p + "down_bias"] = take(p + "mlp.down_proj.bias")
     if not arch.tie_word_embeddings:
         weights["lm_head"] = state.pop("lm_head.weight").to(dtype)

@@ -7,6 +7,7 @@ costs one row of logits, not 2,000.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -88,7 +89,7 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=block_tables.to(dev),
             num_decodes=num_decodes,
-            max_query_len=max((b - a for a, b in zip(starts, starts[1:], strict=False)), default=0),
+            max_query_len=max((b - a for a, b in itertools.pairwise(starts)), default=0),
             max_seq_len=max(seq_lens, default=0),
             query_start_loc_cpu=tuple(starts),
             seq_lens_cpu=tuple(seq_lens),

@@ -69,7 +69,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     if getattr(model.config, "quantization_config", None) is not None:
         del model.config.quantization_config
     if hasattr(model, "hf_quantizer"):
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:

@@ -65,6 +65,10 @@ class KVBlockManager:
     def has_table(self, seq_id: int) -> bool:
         return seq_id in self._tables
 
+    def seq_ids(self) -> list[int]:
+        """Sequences that hold a block table."""
+        return list(self._tables)
+
     def usage(self) -> float:
         """Fraction of blocks in use."""
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
@@ -144,7 +148,11 @@ class KVBlockManager:
         self, seq_ids: list[int], max_blocks: int | None = None, device: torch.device | None = None
     ) -> torch.Tensor:
         """Block tables of ``seq_ids`` as an int32 ``[num_seqs, max_blocks]`` tensor (0-padded)."""
-        width = max_blocks if max_blocks is not None else max((len(self.block_table(s)) for s in seq_ids), default=0)
+        width = (
+            max_blocks
+            if max_blocks is not None
+            else max((len(self.block_table(s)) for s in seq_ids), default=0)
+        )
         rows = [self.block_table(s) + [0] * (width - len(self.block_table(s))) for s in seq_ids]
         return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(seq_ids), width)
 
@@ -163,9 +171,9 @@ class KVBlockManager:
                 counts[block_id] += 1
         for block in self.pool.blocks:
             if counts[block.block_id] != block.ref_cnt:
-                raise AssertionError(
-                    f"block {block.block_id}: ref_cnt {block.ref_cnt} but {counts[block.block_id]} tables hold it"
-                )
+                held = counts[block.block_id]
+                msg = f"block {block.block_id}: ref_cnt {block.ref_cnt} but {held} tables hold it"
+                raise AssertionError(msg)
         used = sum(1 for c in counts if c > 0)
         if used + self.pool.num_free_blocks != self.pool.num_blocks:
             raise AssertionError(

@@ -81,8 +81,12 @@ class KVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.k: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v: list[torch.Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
+        self.v: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
         logger.info(
             "KV cache: %d blocks x %d tokens (%d token slots), %.1f MiB",
             num_blocks,
