@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from loraplex.platform.config import EngineConfig
 
@@ -47,6 +48,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     serve.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
+    serve.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    serve.add_argument(
+        "--lora-modules",
+        nargs="*",
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters to serve: clients select one with model=NAME (implies --enable-lora)",
+    )
+    serve.add_argument("--max-loras", type=int, default=4, help="adapter slots in accelerator memory")
+    serve.add_argument("--max-cpu-loras", type=int, default=None, help="adapters cached in host memory")
+    serve.add_argument("--max-lora-rank", type=int, default=64)
     serve.add_argument("--log-level", default="info")
     return parser
 
@@ -59,6 +71,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args)
     return 2
+
+
+def _register_loras(engine: Any, specs: list[str]) -> dict[str, Any]:
+    """Validate and register ``NAME=PATH`` adapters; return name -> LoRARequest."""
+    from loraplex.adapters import LoRARequest
+
+    loras: dict[str, Any] = {}
+    for i, spec in enumerate(specs, start=1):
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules expects NAME=PATH, got {spec!r}")
+        if name in loras:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        lora = LoRARequest(name, i, path)
+        engine.add_lora(lora)
+        loras[name] = lora
+    return loras
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -82,8 +111,13 @@ def _serve(args: argparse.Namespace) -> int:
             seed=args.seed,
             scheduling_policy=args.scheduling_policy,
             attention_backend=args.attention_backend,
+            enable_lora=args.enable_lora or bool(args.lora_modules),
+            max_loras=args.max_loras,
+            max_cpu_loras=args.max_cpu_loras,
+            max_lora_rank=args.max_lora_rank,
         )
         engine = LLMEngine(config)
+        loras = _register_loras(engine, args.lora_modules)
     except (ValueError, FileNotFoundError) as exc:
         print(f"loraplex: {exc}", file=sys.stderr)
         return 2
@@ -94,7 +128,9 @@ def _serve(args: argparse.Namespace) -> int:
     )
     async_engine = AsyncEngine(engine)
     try:
-        uvicorn.run(build_app(async_engine, name), host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(
+            build_app(async_engine, name, loras), host=args.host, port=args.port, log_level=args.log_level
+        )
     finally:
         async_engine.shutdown()
     return 0

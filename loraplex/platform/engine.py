@@ -196,6 +196,23 @@ class LLMEngine:
         self.scheduler.abort(req.seqs)
         req.forked = True
 
+    # -- adapters -------------------------------------------------------------------
+    def _lora(self) -> Any:
+        if self.lora_manager is None:
+            raise ValueError("LoRA is disabled: build the engine with enable_lora=True")
+        return self.lora_manager
+
+    def add_lora(self, lora_request: Any, owner: str | None = None) -> None:
+        """Validate and register an adapter (it loads into a slot when first used)."""
+        self._lora().add_lora(lora_request, owner=owner)
+
+    def remove_lora(self, int_id: int) -> None:
+        """Refuse new requests for the adapter; running ones finish with its old weights."""
+        self._lora().remove_lora(int_id)
+
+    def list_loras(self) -> list[int]:
+        return list(self._lora().list_loras())
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
@@ -203,8 +220,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one forward; return the state of every request that progressed."""
         out = self.scheduler.schedule()
+        rejected = self._rejected_outputs(out)
         if out.is_empty:
-            return []
+            return rejected
         self.num_steps += 1
         lora_hook, lora_slots = (None, None)
         if self.lora_manager is not None:
@@ -213,7 +231,18 @@ class LLMEngine:
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
         touched = self._sample_and_stop(out, logits, sample_idx)
-        return [self._output(req) for req in touched]
+        return rejected + [self._output(req) for req in touched]
+
+    def _rejected_outputs(self, out: SchedulerOutput) -> list[RequestOutput]:
+        """Requests the scheduler aborted at admission (e.g. their adapter was removed)."""
+        outputs = []
+        for seq in out.aborted:
+            req = seq.request
+            req.forked = True  # no siblings will ever be forked now
+            if self.requests.pop(req.request_id, None) is not None:
+                self.scheduler.abort(req.seqs)
+                outputs.append(self._output(req))
+        return outputs
 
     def _sample_and_stop(
         self, out: SchedulerOutput, logits: torch.Tensor, sample_idx: list[int]
@@ -324,6 +353,7 @@ class LLMEngine:
             num_cached_tokens=0,
             lora_name=req.lora_name,
             metrics=metrics,
+            error=req.error,
         )
 
     # -- invariants ----------------------------------------------------------------

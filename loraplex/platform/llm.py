@@ -30,6 +30,16 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def add_lora(self, lora_request: Any) -> None:
+        """Register an adapter ahead of use (vLLM's ``LLM.llm_engine.add_lora``)."""
+        self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, int_id: int) -> None:
+        self.llm_engine.remove_lora(int_id)
+
+    def list_loras(self) -> list[int]:
+        return self.llm_engine.list_loras()
+
     def generate(
         self,
         prompts: PromptType | Seq[PromptType],

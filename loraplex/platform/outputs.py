@@ -42,3 +42,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     lora_name: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # set when the engine aborted the request (e.g. its adapter was removed)

@@ -14,6 +14,7 @@ goes back to the front of the waiting queue to be recomputed later.
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -22,6 +23,14 @@ from loraplex.platform.sequence import SeqStatus, Sequence
 from loraplex.storage.kv.block_manager import AllocStatus, BlockCopy, KVBlockManager
 
 logger = logging.getLogger(__name__)
+
+
+class AdmitDecision(enum.Enum):
+    """What an admission hook (the adapter runtime) says about a waiting sequence."""
+
+    OK = "ok"  # admit (the hook has reserved what it needs, e.g. pinned an adapter slot)
+    WAIT = "wait"  # not now; later sequences may still be admitted
+    REJECT = "reject"  # never (e.g. its adapter was removed): finish it as aborted
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     block_copies: list[BlockCopy] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    aborted: list[Sequence] = field(default_factory=list)  # rejected at admission
 
     @property
     def num_batched_tokens(self) -> int:
@@ -71,7 +81,7 @@ class Scheduler:
         self,
         limits: SchedulerLimits,
         block_manager: KVBlockManager,
-        admit_hook: Callable[[Sequence], bool] | None = None,
+        admit_hook: Callable[[Sequence], AdmitDecision] | None = None,
         release_hook: Callable[[Sequence], None] | None = None,
     ) -> None:
         self.limits = limits
@@ -177,9 +187,13 @@ class Scheduler:
             budget -= num_new
 
         # 2. Admit waiting sequences (not in a step that had to preempt: memory is tight).
+        #    Memory is strictly FCFS (a sequence that does not fit stops admission), but
+        #    a sequence whose adapter has no slot yet is skipped so it never blocks
+        #    requests for resident adapters or the base model.
         if not out.preempted:
-            while self.waiting and budget > 0:
-                seq = self.waiting[0]
+            for seq in list(self.waiting):
+                if budget <= 0:
+                    break
                 width = 1 if seq.request.forked else seq.request.params.n
                 if len(self.running) + width > self.limits.max_num_seqs:
                     break
@@ -187,8 +201,8 @@ class Scheduler:
                 status = self.kv.can_allocate(seq.seq_id, seq.num_computed_tokens + num_new)
                 if status is AllocStatus.NEVER:
                     # Only reachable if the pool shrank after add-time validation.
-                    self.waiting.pop(0)
                     self.finish(seq, SeqStatus.FINISHED_ABORTED)
+                    out.aborted.append(seq)
                     logger.error("seq %d can never fit the KV pool; aborted", seq.seq_id)
                     continue
                 needed = self.kv.num_new_blocks_needed(seq.seq_id, seq.num_computed_tokens, num_new)
@@ -196,11 +210,17 @@ class Scheduler:
                     self.kv.num_free_blocks - needed < self.limits.watermark_blocks and self.running
                 ):
                     break
-                if self._admit_hook is not None and not self._admit_hook(seq):
-                    break  # its adapter cannot get a slot now; FCFS: wait at the head
+                if self._admit_hook is not None:
+                    decision = self._admit_hook(seq)
+                    if decision is AdmitDecision.WAIT:
+                        continue
+                    if decision is AdmitDecision.REJECT:
+                        self.finish(seq, SeqStatus.FINISHED_ABORTED)
+                        out.aborted.append(seq)
+                        continue
                 copies = self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
                 assert copies is not None, "can_allocate said OK"
-                self.waiting.pop(0)
+                self.waiting.remove(seq)
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
                 out.block_copies.extend(copies)

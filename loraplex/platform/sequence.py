@@ -98,6 +98,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False
     first_token_time: float | None = None
+    error: str | None = None  # why the request was aborted, when it was not the user
 
     @property
     def finished(self) -> bool:

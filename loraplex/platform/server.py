@@ -33,8 +33,13 @@ def _usage(out: RequestOutput) -> dict[str, Any]:
     }
 
 
-def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
-    """The FastAPI application serving ``engine`` under ``served_model_name``."""
+def build_app(engine: AsyncEngine, served_model_name: str, loras: dict[str, Any] | None = None) -> FastAPI:
+    """The FastAPI application serving ``engine`` under ``served_model_name``.
+
+    ``loras`` maps model ids to ``LoRARequest``s: a request whose ``model`` names an
+    adapter runs on it (vLLM's ``--lora-modules`` semantics).
+    """
+    adapters = dict(loras or {})
     app = FastAPI(title="loraplex", version="0.1.0")
     tokenizer = engine.engine.tokenizer
     max_len = engine.engine.info.max_model_len
@@ -49,9 +54,13 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
     async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
         return JSONResponse(error_body(str(exc)), 400)
 
-    def _check_model(model: str | None) -> None:
-        if model not in (None, served_model_name):
-            raise LookupError(model)
+    def _check_model(model: str | None) -> Any:
+        """The LoRARequest ``model`` names, None for the base model; LookupError otherwise."""
+        if model in (None, served_model_name):
+            return None
+        if model in adapters:
+            return adapters[model]
+        raise LookupError(model)
 
     @app.exception_handler(LookupError)
     async def _unknown_model(_: Request, exc: LookupError) -> JSONResponse:
@@ -65,23 +74,23 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {"id": served_model_name, "object": "model", "owned_by": "loraplex", "max_model_len": max_len}
-            ],
-        }
+        base = {"id": served_model_name, "object": "model", "owned_by": "loraplex", "max_model_len": max_len}
+        data = [base] + [
+            {"id": name, "object": "model", "owned_by": "loraplex", "parent": served_model_name}
+            for name in sorted(adapters)
+        ]
+        return {"object": "list", "data": data}
 
-    async def _collect(prompt: str | list[int], params: Any) -> RequestOutput:
+    async def _collect(prompt: str | list[int], params: Any, lora: Any) -> RequestOutput:
         final: RequestOutput | None = None
-        async for out in engine.generate(prompt, params):
+        async for out in engine.generate(prompt, params, lora_request=lora):
             final = out
         assert final is not None
         return final
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest) -> Any:
-        _check_model(body.model)
+        lora = _check_model(body.model)
         if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int):
             raise ValueError("prompt: batched prompts are not supported; send one prompt per request")
         prompt: str | list[int] = body.prompt  # type: ignore[assignment]
@@ -90,15 +99,16 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            model = body.model or served_model_name
             return await _sse(
-                engine, prompt, params, rid, created, served_model_name, "text_completion", include_usage
+                engine, prompt, params, rid, created, model, "text_completion", include_usage, lora
             )
-        out = await _collect(prompt, params)
+        out = await _collect(prompt, params, lora)
         return {
             "id": rid,
             "object": "text_completion",
             "created": created,
-            "model": served_model_name,
+            "model": body.model or served_model_name,
             "choices": [
                 {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}
                 for c in out.outputs
@@ -108,7 +118,7 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatCompletionRequest) -> Any:
-        _check_model(body.model)
+        lora = _check_model(body.model)
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; use /v1/completions")
         text = tokenizer.apply_chat_template(body.text_messages(), tokenize=False, add_generation_prompt=True)
@@ -125,16 +135,17 @@ def build_app(engine: AsyncEngine, served_model_name: str) -> FastAPI:
                 params,
                 rid,
                 created,
-                served_model_name,
+                body.model or served_model_name,
                 "chat.completion.chunk",
                 include_usage,
+                lora,
             )
-        out = await _collect(prompt, params)
+        out = await _collect(prompt, params, lora)
         return {
             "id": rid,
             "object": "chat.completion",
             "created": created,
-            "model": served_model_name,
+            "model": body.model or served_model_name,
             "choices": [
                 {
                     "index": c.index,
@@ -158,9 +169,13 @@ async def _sse(
     model: str,
     obj: str,
     include_usage: bool,
+    lora: Any = None,
 ) -> StreamingResponse:
     chat = obj == "chat.completion.chunk"
-    stream = cast(AsyncGenerator[RequestOutput, None], engine.generate(prompt, params, request_id=rid))
+    stream = cast(
+        AsyncGenerator[RequestOutput, None],
+        engine.generate(prompt, params, request_id=rid, lora_request=lora),
+    )
     # Pull the first output before answering, so a request the engine rejects gets
     # a 400 with OpenAI's error body instead of a broken 200 stream.
     first = await stream.__anext__()

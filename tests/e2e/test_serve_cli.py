@@ -1,0 +1,63 @@
+"""`loraplex serve` as a user runs it: a real process on a real port, default model."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_serve_default_model_answers_chat() -> None:
+    port = _free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "loraplex.platform.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--kv-cache-memory",
+        "256MiB",
+    ]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else "server exited"
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up in 180 s"
+            time.sleep(1)
+        models = httpx.get(f"{base}/v1/models").json()["data"]
+        assert models[0]["id"] == "SmolLM2-135M-Instruct"
+        body = {
+            "model": "SmolLM2-135M-Instruct",
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 20,
+            "temperature": 0,
+        }
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert "Paris" in r.json()["choices"][0]["message"]["content"]
+        bad = httpx.post(f"{base}/v1/chat/completions", json={**body, "max_tokens": -1}, timeout=30)
+        assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
