@@ -1,0 +1,276 @@
+"""CPU benchmark of the torch kernels the engine runs on the CPU.
+
+Two questions, each answered by a ratio (lower is better):
+
+* paged decode attention (``TorchAttentionBackend.forward`` on an all-decode batch)
+  vs ``F.scaled_dot_product_attention`` over the same context already laid out
+  contiguously: batch 16, context 1024, block 16. Target <= 2.0.
+* batched multi-adapter LoRA (``TorchLoRABackend.apply``, 16 distinct adapters) vs
+  one dense ``torch.mm`` with the same FLOPs: ``x [T, in] @ W [in, N]`` with
+  ``2 T in N = 2 T r (slices * in + out)``. Target <= 1.5. A second ratio compares
+  against the same LoRA with every token on one adapter (same shapes, same FLOPs):
+  what serving 16 different adapters costs over serving one.
+
+Timings interleave the contenders round by round and report medians, so a noisy
+(shared) machine slows both sides alike. Head counts: SmolLM2-135M (9 query / 3 KV
+heads, head_dim 64, hidden 576) and Llama-3-8B (32 / 8, head_dim 128, hidden 4096).
+
+    python benchmarks/cpu_kernels.py [--threads N] [--repeats N] [--out DIR]
+
+Prints a table and writes ``cpu_kernels.json`` under ``--out`` (benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.kernels.metadata import AttentionMetadata, LoRAMetadata
+from loraplex.kernels.torch_ref.attention import TorchAttentionBackend
+from loraplex.kernels.torch_ref.lora import TorchLoRABackend
+
+ATTENTION_TARGET = 2.0
+LORA_TARGET = 1.5
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    name: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+
+
+SMOLLM2 = HeadConfig("SmolLM2-135M", 9, 3, 64, 576, 1536)
+LLAMA3_8B = HeadConfig("Llama-3-8B", 32, 8, 128, 4096, 14336)
+
+
+@dataclass
+class Row:
+    """One line of the table."""
+
+    bench: str
+    config: str
+    shape: str
+    ours_ms: float
+    baseline_ms: float
+    ratio: float
+    target: float
+    # LoRA only: the same LoRA with every token on one adapter (same shapes and FLOPs).
+    one_adapter_ms: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.ratio <= self.target
+
+    @property
+    def one_adapter_ratio(self) -> float | None:
+        return None if self.one_adapter_ms is None else self.ours_ms / self.one_adapter_ms
+
+
+def interleaved_medians(fns: list[Callable[[], object]], repeats: int, warmup: int = 3) -> list[float]:
+    """Median milliseconds of each function, timed round-robin."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            samples[i].append(time.perf_counter() - start)
+    return [statistics.median(s) * 1e3 for s in samples]
+
+
+# -- attention ------------------------------------------------------------------------------
+
+
+def bench_decode_attention(cfg: HeadConfig, repeats: int, batch: int = 16, context: int = 1024) -> Row:
+    block_size = 16
+    gen = torch.Generator().manual_seed(0)
+    blocks_per_seq = context // block_size
+    num_blocks = batch * blocks_per_seq + 64
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    # Shuffled blocks, as a long-running pool hands them out.
+    tables = torch.randperm(num_blocks, generator=gen)[: batch * blocks_per_seq].view(batch, -1).int()
+    query = torch.randn(batch, cfg.num_heads, cfg.head_dim, generator=gen)
+    lens = [context] * batch
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(batch, dtype=torch.int64),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=tables,
+        num_decodes=batch,
+        max_query_len=1,
+        max_seq_len=context,
+        query_start_loc_cpu=tuple(range(batch + 1)),
+        seq_lens_cpu=tuple(lens),
+    )
+    k = torch.randn(batch, cfg.num_kv_heads, context, cfg.head_dim, generator=gen)
+    v = torch.randn(batch, cfg.num_kv_heads, context, cfg.head_dim, generator=gen)
+    q4 = query.unsqueeze(2)
+    scale = cfg.head_dim**-0.5
+    backend = TorchAttentionBackend()
+
+    def paged() -> object:
+        return backend.forward(query, k_cache, v_cache, meta, scale)
+
+    def contiguous() -> object:
+        return F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
+
+    ours, base = interleaved_medians([paged, contiguous], repeats)
+    heads = f"H={cfg.num_heads}/{cfg.num_kv_heads} D={cfg.head_dim}"
+    shape_str = f"B={batch} ctx={context} blk={block_size} {heads}"
+    return Row(
+        "paged decode / contiguous SDPA", cfg.name, shape_str, ours, base, ours / base, ATTENTION_TARGET
+    )
+
+
+# -- LoRA -----------------------------------------------------------------------------------
+
+
+def bench_lora(
+    cfg: HeadConfig,
+    projection: str,
+    token_slots: list[int],
+    label: str,
+    repeats: int,
+    rank: int = 16,
+    num_adapters: int = 16,
+) -> Row:
+    in_features = cfg.hidden
+    if projection == "qkv":
+        kv = cfg.num_kv_heads * cfg.head_dim
+        slice_sizes: tuple[int, ...] = (cfg.num_heads * cfg.head_dim, kv, kv)
+    else:  # gate_up
+        slice_sizes = (cfg.intermediate, cfg.intermediate)
+    gen = torch.Generator().manual_seed(1)
+    num_slices = len(slice_sizes)
+    lora_a = torch.randn(num_slices, num_adapters, rank, in_features, generator=gen) * 0.02
+    lora_b = torch.randn(num_slices, num_adapters, max(slice_sizes), rank, generator=gen) * 0.02
+    scales = torch.ones(num_adapters)
+    num_tokens = len(token_slots)
+    x = torch.randn(num_tokens, in_features, generator=gen)
+    y = torch.zeros(num_tokens, sum(slice_sizes))
+    meta = LoRAMetadata.from_token_slots(token_slots, torch.device("cpu"))
+    backend = TorchLoRABackend()
+
+    flops = 2 * num_tokens * rank * (num_slices * in_features + sum(slice_sizes))
+    dense_cols = max(1, round(flops / (2 * num_tokens * in_features)))
+    w_dense = torch.randn(in_features, dense_cols, generator=gen)
+
+    def lora() -> object:
+        backend.apply(y, x, lora_a, lora_b, scales, slice_sizes, meta)
+        return y
+
+    def dense() -> object:
+        return torch.mm(x, w_dense)
+
+    # The best plain-torch LoRA when every token uses adapter 0: one shrink GEMM over
+    # the stacked slices, then one expand GEMM per slice straight into y.
+    a_stacked = lora_a[:, 0].reshape(num_slices * rank, in_features).t().contiguous()
+    offsets = [sum(slice_sizes[:i]) for i in range(num_slices)]
+
+    def one_adapter() -> object:
+        r = x @ a_stacked
+        for s, (offset, size) in enumerate(zip(offsets, slice_sizes, strict=True)):
+            y[:, offset : offset + size].addmm_(r[:, s * rank : (s + 1) * rank], lora_b[s, 0, :size].t())
+        return y
+
+    ours, base, single = interleaved_medians([lora, dense, one_adapter], repeats)
+    shape_str = f"{label}: T={num_tokens} {projection} in={in_features} out={sum(slice_sizes)} r={rank}"
+    name = f"LoRA x{num_adapters} adapters / dense mm"
+    return Row(name, cfg.name, shape_str, ours, base, ours / base, LORA_TARGET, one_adapter_ms=single)
+
+
+def lora_batches(num_adapters: int = 16) -> dict[str, list[int]]:
+    """Token-slot layouts with 16 distinct adapters."""
+    return {
+        # 4 decode tokens per adapter, interleaved as requests arrive.
+        "decode 64": [i % num_adapters for i in range(4 * num_adapters)],
+        # 16 sequences x 128 tokens, one adapter each (prefill chunks).
+        "prefill 16x128": [s for s in range(num_adapters) for _ in range(128)],
+    }
+
+
+def print_table(rows: list[Row]) -> None:
+    header = (
+        f"{'benchmark':31} {'model':13} {'shape':57} {'ours ms':>9} {'base ms':>9} {'ratio':>6} "
+        f"{'target':>6}      {'1-adapter ms':>12} {'ratio':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        verdict = "ok  " if r.ok else "MISS"
+        line = (
+            f"{r.bench:31} {r.config:13} {r.shape:57} {r.ours_ms:9.3f} {r.baseline_ms:9.3f} "
+            f"{r.ratio:6.2f} {r.target:6.1f} {verdict}"
+        )
+        if r.one_adapter_ms is not None and r.one_adapter_ratio is not None:
+            line += f" {r.one_adapter_ms:12.3f} {r.one_adapter_ratio:6.2f}"
+        print(line)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+
+    rows: list[Row] = []
+    for cfg in (SMOLLM2, LLAMA3_8B):
+        rows.append(bench_decode_attention(cfg, args.repeats))
+    for cfg in (SMOLLM2, LLAMA3_8B):
+        for label, slots in lora_batches().items():
+            for projection in ("qkv", "gate_up"):
+                rows.append(bench_lora(cfg, projection, slots, label, args.repeats))
+    print_table(rows)
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
+    env = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "load_avg_1m": round(load[0], 2),
+    }
+    print(
+        f"\ntorch {env['torch']}, {env['threads']} threads, {env['cpu_count']} CPUs, "
+        f"1-min load average {env['load_avg_1m']}"
+    )
+    if load[0] > (os.cpu_count() or 1) - 0.5:
+        # OpenMP parallel regions stall while another process holds a core, which hits
+        # the many-small-op paths far harder than one big SDPA or mm call.
+        hint = " or with --threads 1" if env["threads"] != 1 else ""
+        print(f"WARNING: the machine is busy and the ratios are noisy: rerun when idle{hint}.")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "cpu_kernels.json"
+    payload = {
+        "env": env,
+        "rows": [asdict(r) | {"ok": r.ok, "one_adapter_ratio": r.one_adapter_ratio} for r in rows],
+    }
+    path.write_text(json.dumps(payload, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

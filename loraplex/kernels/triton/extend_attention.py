@@ -1,0 +1,186 @@
+"""Prefill / extend attention: a chunk of new queries over its paged prefix and itself.
+
+For a ragged batch (``query_start_loc``, ``seq_lens``, block tables) each program
+serves ``BLOCK_M`` consecutive query rows of one sequence and one query head. The
+new tokens' K/V are already in the cache (``write_kv`` runs first), so the kernel
+reads the whole context, prefix and chunk alike, through the block table, with a
+causal mask offset by the cached prefix length. A program stops reading at the
+last key its last row may see, so tiles past the diagonal are never loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.kernels.triton.common import (
+    SUPPORTED_DTYPES,
+    dot_f32,
+    dot_precision,
+    needs_upcast,
+    pow2_at_least,
+)
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _extend_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    scale_log2,
+    seq_offset,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_block,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_block,
+    stride_v_slot,
+    stride_v_head,
+    stride_bt_seq,
+    stride_o_tok,
+    stride_o_head,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq = seq_offset + tl.program_id(0)
+    head = tl.program_id(1)
+    m_block = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        prefix = seq_len - q_len
+        kv_head = head // GROUP
+
+        rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < q_len
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        d_mask = offs_d < HEAD_DIM
+        q = tl.load(
+            q_ptr + (q_start + rows)[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :],
+            mask=row_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        # Key position of each query row; padded rows copy the last real row's limit.
+        q_pos = prefix + tl.minimum(rows, q_len - 1)
+        kv_end = prefix + tl.minimum(q_len, (m_block + 1) * BLOCK_M)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+        for n0 in range(0, kv_end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            valid = pos < kv_end
+            table_row = block_tables_ptr + seq * stride_bt_seq
+            block_ids = tl.load(table_row + pos // PAGE_SIZE, mask=valid, other=0)
+            slots = pos % PAGE_SIZE
+            kv_mask = valid[:, None] & d_mask[None, :]
+            k = tl.load(
+                k_cache_ptr
+                + block_ids.to(tl.int64)[:, None] * stride_k_block
+                + slots[:, None] * stride_k_slot
+                + kv_head * stride_k_head
+                + offs_d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            v = tl.load(
+                v_cache_ptr
+                + block_ids.to(tl.int64)[:, None] * stride_v_block
+                + slots[:, None] * stride_v_slot
+                + kv_head * stride_v_head
+                + offs_d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            s = dot_f32(q, tl.trans(k), UPCAST, PRECISION) * scale_log2
+            # Every row sees key 0, so no row is all -inf and the softmax never NaNs.
+            visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + dot_f32(p.to(v.dtype), v, UPCAST, PRECISION)
+            m_i = m_new
+
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + (q_start + rows)[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_mask[:, None] & d_mask[None, :],
+        )
+
+
+def extend_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], the flat batch
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, cached prefix + new tokens
+    scale: float,
+    max_query_len: int,
+    first_seq: int = 0,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal attention of sequences ``first_seq..`` over their paged context.
+
+    Rows of sequences before ``first_seq`` (the decodes) are left untouched in ``out``.
+
+    prefix     = seq_lens[i] - query_len(i);  row j of sequence i sits at prefix + j
+    s[j, t]    = q[j] . K_i[t] * scale  for t <= prefix + j, else -inf
+    out[j]     = softmax(s[j]) @ V_i     (online, fp32; GQA: head h reads h // group)
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    _, page_size, num_kv_heads, kv_dim = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    assert query.dtype in SUPPORTED_DTYPES, f"query dtype {query.dtype} not supported"
+    assert query.stride(2) == 1, "query rows must be contiguous in head_dim"
+    assert kv_dim == head_dim, f"cache head_dim {kv_dim} != query head_dim {head_dim}"
+    assert num_heads % num_kv_heads == 0, f"{num_heads} heads not a multiple of {num_kv_heads} KV heads"
+    assert k_cache.dtype == query.dtype and v_cache.dtype == query.dtype, "cache and query dtypes differ"
+    assert v_cache.shape == k_cache.shape, f"v_cache {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}"
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "cache rows must be contiguous in head_dim"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, "block_tables is [num_seqs, *]"
+    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1, "block_tables: contiguous int32"
+    assert query_start_loc.shape == (num_seqs + 1,), "query_start_loc is [num_seqs + 1]"
+    assert query_start_loc.dtype == torch.int32, "query_start_loc must be int32"
+    assert seq_lens.dtype == torch.int32, "seq_lens must be int32"
+    assert 0 <= first_seq <= num_seqs, f"first_seq {first_seq} outside 0..{num_seqs}"
+    if out is None:
+        out = torch.empty_like(query)
+    assert out.shape == query.shape and out.stride(2) == 1, "out is [num_tokens, num_heads, head_dim]"
+    if first_seq == num_seqs or num_tokens == 0 or max_query_len == 0:
+        return out
+
+    head_dim_pad = pow2_at_least(head_dim)
+    block_m = 64 if max_query_len > 32 else pow2_at_least(max_query_len)
+    block_n = 64 if head_dim_pad <= 128 else 32
+    grid = (num_seqs - first_seq, num_heads, triton.cdiv(max_query_len, block_m))
+    _extend_attention_kernel[grid](
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        scale * LOG2E, first_seq, query.stride(0), query.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        UPCAST=needs_upcast(query.dtype), PRECISION=dot_precision(query.dtype),
+        num_warps=8 if head_dim_pad >= 128 else 4,  # a 64 x 128 fp32 accumulator needs the registers
+    )  # fmt: skip
+    return out

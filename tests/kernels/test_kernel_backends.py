@@ -1,0 +1,93 @@
+"""Attention backends end to end (write_kv, then forward on a flat mixed batch) and the registry.
+
+Both backends run the same step the engine runs: new tokens' K/V are written into
+the paged cache through ``slot_mapping``, then decodes and prefill/extend chunks
+attend over their contexts in one ``forward``. The expectation is naive float64
+attention over each sequence's context gathered position by position.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_testlib import (
+    DTYPES,
+    assert_close,
+    attention_metadata,
+    kernel_device,
+    make_paged_context,
+    naive_attention,
+    naive_gather,
+)
+
+from loraplex.kernels.backend import AttentionBackend, select_attention_backend, select_lora_backend
+from loraplex.kernels.torch_ref.attention import TorchAttentionBackend
+from loraplex.kernels.torch_ref.lora import TorchLoRABackend
+from loraplex.kernels.triton.attention_backend import TritonAttentionBackend
+from loraplex.kernels.triton.lora_backend import TritonLoRABackend
+
+DEVICE = kernel_device()
+
+# (cached prefix, new tokens) per sequence: decodes first, as the engine orders them.
+STEP = [(0, 1), (15, 1), (16, 1), (1029, 1), (0, 18), (16, 3), (21, 40)]
+
+
+def _run_step(backend: AttentionBackend, dtype: torch.dtype, block_size: int, num_heads: int) -> None:
+    num_kv_heads, head_dim = 1 if num_heads == 3 else 2, 64
+    gen = torch.Generator().manual_seed(block_size + num_heads)
+    seq_lens = [p + n for p, n in STEP]
+    query_lens = [n for _, n in STEP]
+    ctx = make_paged_context(seq_lens, block_size, num_kv_heads, head_dim, dtype, DEVICE, gen)
+    meta = attention_metadata(query_lens, seq_lens, ctx.block_tables, block_size, DEVICE)
+    num_tokens = sum(query_lens)
+    # The new tokens' K/V replace whatever the cache held at their slots.
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    k_cache, v_cache = ctx.k_cache.clone(), ctx.v_cache.clone()
+
+    backend.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+    out = backend.forward(query, k_cache, v_cache, meta, head_dim**-0.5)
+
+    start = 0
+    for i, (prefix, n) in enumerate(STEP):
+        k = naive_gather(ctx.k_cache, ctx.block_tables[i], prefix + n)
+        v = naive_gather(ctx.v_cache, ctx.block_tables[i], prefix + n)
+        k[prefix:], v[prefix:] = key[start : start + n], value[start : start + n]
+        expected = naive_attention(query[start : start + n], k, v, head_dim**-0.5)
+        assert_close(
+            out[start : start + n], expected, dtype, f"{backend.name} seq {i} (prefix {prefix}, {n} new)"
+        )
+        start += n
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("block_size,num_heads", [(8, 3), (16, 8), (32, 2)])
+def test_torch_attention_backend(dtype: torch.dtype, block_size: int, num_heads: int) -> None:
+    _run_step(TorchAttentionBackend(), dtype, block_size, num_heads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_triton_attention_backend(dtype: torch.dtype) -> None:
+    _run_step(TritonAttentionBackend(), dtype, block_size=16, num_heads=8)
+
+
+def test_torch_attention_backend_copy_blocks() -> None:
+    caches = [torch.arange(4 * 2 * 1 * 4, dtype=torch.float32).view(4, 2, 1, 4) + 100 * i for i in range(2)]
+    before = [c.clone() for c in caches]
+    TorchAttentionBackend().copy_blocks(caches, torch.tensor([3, 0]), torch.tensor([1, 2]))
+    for cache, old in zip(caches, before, strict=True):
+        assert torch.equal(cache[1], old[3]) and torch.equal(cache[2], old[0])
+        assert torch.equal(cache[0], old[0]) and torch.equal(cache[3], old[3])
+
+
+def test_registry_picks_by_device_and_override() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert isinstance(select_attention_backend("auto", cpu), TorchAttentionBackend)
+    assert isinstance(select_attention_backend("auto", cuda), TritonAttentionBackend)
+    assert isinstance(select_attention_backend("triton", cpu), TritonAttentionBackend)
+    assert isinstance(select_attention_backend("torch", cuda), TorchAttentionBackend)
+    assert isinstance(select_lora_backend("auto", cpu), TorchLoRABackend)
+    assert isinstance(select_lora_backend("auto", cuda), TritonLoRABackend)
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+        select_lora_backend("cutlass", cpu)  # type: ignore[arg-type]

@@ -1,0 +1,279 @@
+"""LoRA shrink/expand: Triton BGMV/SGMV kernels and the torch backend vs per-token naive math.
+
+Every batch mixes adapters of ranks 8, 16 and 64 (padded to 64), tokens without an
+adapter (-1), and adapters that repeat and interleave; fused projections stack
+three unequal slices (q/k/v under GQA) or two equal ones (gate/up).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from kernel_testlib import (
+    DTYPES,
+    LoRAWeights,
+    assert_close,
+    kernel_device,
+    make_lora_weights,
+    naive_lora_delta,
+    naive_lora_shrink,
+)
+
+from loraplex.kernels.backend import LoRABackend
+from loraplex.kernels.metadata import LoRAMetadata
+from loraplex.kernels.torch_ref.lora import DIRECT_MIN_RUN, TorchLoRABackend, group_tokens
+from loraplex.kernels.triton.lora_backend import TritonLoRABackend
+from loraplex.kernels.triton.lora_expand import bgmv_expand, sgmv_expand
+from loraplex.kernels.triton.lora_shrink import bgmv_shrink, sgmv_shrink
+
+DEVICE = kernel_device()
+RANKS = [8, 64, 16, 8]  # slot -> rank; slot 3 is resident but unused in most batches
+
+# Decode-like: one token per sequence, slots interleaved and repeated, some base-only.
+DECODE_SLOTS = [0, 2, -1, 1, 0, 0, 2, -1, 1, 2, 0]
+# Prefill-like: runs of one slot, long (>= 16, SGMV) and short, with a base-only run.
+PREFILL_SLOTS = [1] * 20 + [-1] * 5 + [0] * 17 + [2] * 3 + [0] * 18 + [1] * 2
+# What the engine sends: decodes first, then prefill chunks.
+MIXED_SLOTS = DECODE_SLOTS + PREFILL_SLOTS
+
+SLICE_LAYOUTS = {"qkv": (48, 16, 16), "gate_up": (40, 40)}
+IN_FEATURES = 96  # not a power of two: exercises the K-loop masks
+
+
+def _dtype_id(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _setup(
+    slots: list[int], layout: str, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, LoRAWeights, LoRAMetadata]:
+    gen = torch.Generator().manual_seed(seed)
+    w = make_lora_weights(IN_FEATURES, SLICE_LAYOUTS[layout], RANKS, dtype, DEVICE, gen)
+    x = torch.randn(len(slots), IN_FEATURES, generator=gen).to(dtype).to(DEVICE)
+    y = torch.randn(len(slots), sum(w.slice_sizes), generator=gen).to(dtype).to(DEVICE)
+    return x, y, w, LoRAMetadata.from_token_slots(slots, DEVICE)
+
+
+def _max_seg_len(meta: LoRAMetadata) -> int:
+    starts = meta.seg_starts_cpu
+    return max(b - a for a, b in itertools.pairwise(starts))
+
+
+# -- the raw kernels ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_bgmv_shrink(dtype: torch.dtype, split_k: int) -> None:
+    x, _, w, meta = _setup(DECODE_SLOTS, "qkv", dtype, seed=1)
+    out = bgmv_shrink(x, w.lora_a, meta.token_slots, split_k=split_k)
+    expected = naive_lora_shrink(x, w, DECODE_SLOTS)
+    assert_close(out, expected, torch.float32 if dtype == torch.float32 else torch.float16, "bgmv_shrink")
+    reference = TorchLoRABackend().shrink(x, w.lora_a, meta)
+    assert_close(out, reference.double(), dtype, "bgmv_shrink vs torch")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_sgmv_shrink(dtype: torch.dtype, split_k: int) -> None:
+    x, _, w, meta = _setup(PREFILL_SLOTS, "gate_up", dtype, seed=2)
+    out = sgmv_shrink(x, w.lora_a, meta.seg_starts, meta.seg_slots, _max_seg_len(meta), split_k=split_k)
+    expected = naive_lora_shrink(x, w, PREFILL_SLOTS)
+    assert_close(out, expected, torch.float32 if dtype == torch.float32 else torch.float16, "sgmv_shrink")
+    reference = TorchLoRABackend().shrink(x, w.lora_a, meta)
+    assert_close(out, reference.double(), dtype, "sgmv_shrink vs torch")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("layout", sorted(SLICE_LAYOUTS))
+def test_bgmv_expand(dtype: torch.dtype, layout: str) -> None:
+    x, y, w, meta = _setup(DECODE_SLOTS, layout, dtype, seed=3)
+    x_rank = naive_lora_shrink(x, w, DECODE_SLOTS).float().to(DEVICE)
+    expected = y.double().cpu() + _naive_expand(x_rank, w, DECODE_SLOTS)
+    reference = y.clone()
+    TorchLoRABackend().expand(reference, x_rank, w.lora_b, w.scales, w.slice_sizes, meta)
+    bgmv_expand(y, x_rank, w.lora_b, w.scales, w.slice_sizes, meta.token_slots)
+    assert_close(y, expected, dtype, "bgmv_expand")
+    assert_close(y, reference.double(), dtype, "bgmv_expand vs torch")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("layout", sorted(SLICE_LAYOUTS))
+def test_sgmv_expand(dtype: torch.dtype, layout: str) -> None:
+    x, y, w, meta = _setup(PREFILL_SLOTS, layout, dtype, seed=4)
+    x_rank = naive_lora_shrink(x, w, PREFILL_SLOTS).float().to(DEVICE)
+    expected = y.double().cpu() + _naive_expand(x_rank, w, PREFILL_SLOTS)
+    reference = y.clone()
+    TorchLoRABackend().expand(reference, x_rank, w.lora_b, w.scales, w.slice_sizes, meta)
+    sgmv_expand(
+        y, x_rank, w.lora_b, w.scales, w.slice_sizes, meta.seg_starts, meta.seg_slots, _max_seg_len(meta)
+    )
+    assert_close(y, expected, dtype, "sgmv_expand")
+    assert_close(y, reference.double(), dtype, "sgmv_expand vs torch")
+
+
+def _naive_expand(x_rank: torch.Tensor, w: LoRAWeights, slots: list[int]) -> torch.Tensor:
+    """scale * x_rank @ B^T per token and slice, float64."""
+    b = w.lora_b.double().cpu()
+    xr = x_rank.double().cpu()
+    out = torch.zeros(len(slots), sum(w.slice_sizes), dtype=torch.float64)
+    for t, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        col = 0
+        for s, size in enumerate(w.slice_sizes):
+            out[t, col : col + size] = float(w.scales[slot]) * (b[s, slot, :size] @ xr[s, t])
+            col += size
+    return out
+
+
+# -- whole backends: apply = shrink + expand ---------------------------------------------
+
+BACKENDS = {
+    "torch": TorchLoRABackend,
+    "triton-auto": lambda: TritonLoRABackend("auto"),
+    "triton-bgmv": lambda: TritonLoRABackend("bgmv"),
+    "triton-sgmv": lambda: TritonLoRABackend("sgmv"),
+}
+BATCHES = {"decode": DECODE_SLOTS, "prefill": PREFILL_SLOTS, "mixed": MIXED_SLOTS}
+
+
+ApplyCase = tuple[str, str, torch.dtype]
+# A forced kernel family in half precision adds nothing over the kernel tests above
+# but minutes of interpreter time, so those cases are left out of both grids.
+ALL_APPLY_CASES = [
+    (name, batch, dtype)
+    for name in BACKENDS
+    for batch in BATCHES
+    for dtype in DTYPES
+    if name in ("torch", "triton-auto") or dtype == torch.float32
+]
+
+
+def _fast_apply_case(case: ApplyCase) -> bool:
+    # Interpreted Triton is slow: the default run gives each Triton mode the mixed
+    # batch, "auto" every batch in fp32; the kernel tests above cover each dtype.
+    name, batch, dtype = case
+    if name == "torch" or (batch == "mixed" and (name == "triton-auto" or dtype == torch.float32)):
+        return True
+    return name == "triton-auto" and dtype == torch.float32
+
+
+def _apply_id(case: ApplyCase) -> str:
+    name, batch, dtype = case
+    return f"{name}-{batch}-{_dtype_id(dtype)}"
+
+
+def _check_apply(case: ApplyCase) -> None:
+    name, batch, dtype = case
+    slots = BATCHES[batch]
+    backend: LoRABackend = BACKENDS[name]()
+    x, y, w, meta = _setup(slots, "qkv", dtype, seed=5)
+    expected = y.double().cpu() + naive_lora_delta(x, w, slots)
+    backend.apply(y, x, w.lora_a, w.lora_b, w.scales, w.slice_sizes, meta)
+    assert_close(y, expected, dtype, f"{name} apply on {batch}")
+
+
+@pytest.mark.parametrize("case", [c for c in ALL_APPLY_CASES if _fast_apply_case(c)], ids=_apply_id)
+def test_backend_apply(case: ApplyCase) -> None:
+    _check_apply(case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in ALL_APPLY_CASES if not _fast_apply_case(c)], ids=_apply_id)
+def test_backend_apply_grid(case: ApplyCase) -> None:
+    _check_apply(case)
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "triton-auto"])
+def test_backend_apply_reuses_plan_across_projections(backend_name: str) -> None:
+    # One metadata object, two projections with different layouts: the cached
+    # grouping must serve both, and a new metadata object must replace it.
+    backend: LoRABackend = BACKENDS[backend_name]()
+    for slots in (MIXED_SLOTS, DECODE_SLOTS[::-1]):
+        meta = LoRAMetadata.from_token_slots(slots, DEVICE)
+        for layout in ("qkv", "gate_up"):
+            gen = torch.Generator().manual_seed(len(slots))
+            w = make_lora_weights(IN_FEATURES, SLICE_LAYOUTS[layout], RANKS, torch.float32, DEVICE, gen)
+            x = torch.randn(len(slots), IN_FEATURES, generator=gen).to(DEVICE)
+            y = torch.zeros(len(slots), sum(w.slice_sizes), device=DEVICE)
+            backend.apply(y, x, w.lora_a, w.lora_b, w.scales, w.slice_sizes, meta)
+            assert_close(y, naive_lora_delta(x, w, slots), torch.float32, f"{layout} after cache")
+
+
+@pytest.mark.parametrize("backend_name", sorted(BACKENDS))
+def test_backend_apply_without_adapters_is_a_no_op(backend_name: str) -> None:
+    x, y, w, meta = _setup([-1] * 7, "qkv", torch.float32, seed=6)
+    before = y.clone()
+    BACKENDS[backend_name]().apply(y, x, w.lora_a, w.lora_b, w.scales, w.slice_sizes, meta)
+    assert torch.equal(y, before)
+
+
+# -- torch backend specifics ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_torch_shrink_then_expand(dtype: torch.dtype) -> None:
+    # The two halves on their own (the engine uses apply; the API offers both).
+    x, y, w, meta = _setup(MIXED_SLOTS, "qkv", dtype, seed=7)
+    backend = TorchLoRABackend()
+    x_rank = backend.shrink(x, w.lora_a, meta)
+    assert x_rank.dtype == torch.float32 and x_rank.shape == (3, len(MIXED_SLOTS), max(RANKS))
+    assert_close(x_rank, naive_lora_shrink(x, w, MIXED_SLOTS), dtype, "torch shrink")
+    expected = y.double().cpu() + naive_lora_delta(x, w, MIXED_SLOTS)
+    backend.expand(y, x_rank, w.lora_b, w.scales, w.slice_sizes, meta)
+    assert_close(y, expected, dtype, "torch shrink + expand")
+
+
+def test_torch_grouping_runs_and_buckets() -> None:
+    # A long run is served directly; short runs group by slot and bucket by size.
+    slots = [2] * DIRECT_MIN_RUN + [0, 1, 0, -1, 1, 0, 3] + [1] * 3
+    grouping = group_tokens(LoRAMetadata.from_token_slots(slots, torch.device("cpu")), torch.device("cpu"))
+    assert [(r.slot, r.start, r.end) for r in grouping.runs] == [(2, 0, DIRECT_MIN_RUN)]
+    base = DIRECT_MIN_RUN
+    # slot 0: 3 tokens, slot 1: 5 tokens, slot 3: 1 token -> buckets of length 1, 4 (3), 8 (5).
+    by_len = {b.group_len: b for b in grouping.buckets}
+    assert sorted(by_len) == [1, 3, 5]
+    assert by_len[1].slots.tolist() == [3] and by_len[1].gather_index.tolist() == [base + 6]
+    assert by_len[3].slots.tolist() == [0] and by_len[3].valid is None
+    assert by_len[3].gather_index.tolist() == [base, base + 2, base + 5]
+    ones = [base + 1, base + 4, base + 7, base + 8, base + 9]
+    assert by_len[5].slots.tolist() == [1] and by_len[5].gather_index.tolist() == ones
+
+
+def test_torch_bucket_padding_is_inert() -> None:
+    # Slot 0 has 3 tokens and slot 1 has 4: one bucket of length 4, slot 0 padded by a row.
+    slots = [0, 1, 0, 1, 0, 1, 1, -1]
+    meta = LoRAMetadata.from_token_slots(slots, DEVICE)
+    grouping = group_tokens(meta, DEVICE)
+    assert len(grouping.buckets) == 1 and grouping.buckets[0].valid is not None
+    gen = torch.Generator().manual_seed(8)
+    w = make_lora_weights(IN_FEATURES, (32,), [16, 16], torch.float32, DEVICE, gen)
+    # A huge token 0: if a padding row (which reads token 0) leaked, y[0] would blow up.
+    x = torch.randn(len(slots), IN_FEATURES, generator=gen).to(DEVICE)
+    x[0] *= 1e3
+    y = torch.zeros(len(slots), 32, device=DEVICE)
+    TorchLoRABackend().apply(y, x, w.lora_a, w.lora_b, w.scales, w.slice_sizes, meta)
+    assert_close(y, naive_lora_delta(x, w, slots), torch.float32, "padded bucket")
+
+
+@pytest.mark.parametrize(
+    "slots,slot_range",
+    [
+        ([0, 2, 0, 2], (0, 3)),  # one hole (slot 1): an empty group keeps the range view
+        ([0, 3, 0, 3], None),  # slots 0 and 3: too sparse, the adapters are gathered
+        ([5, 6, 7, 5, 6, 7], (5, 8)),
+    ],
+)
+def test_torch_bucket_slot_ranges(slots: list[int], slot_range: tuple[int, int] | None) -> None:
+    meta = LoRAMetadata.from_token_slots(slots, DEVICE)
+    (bucket,) = group_tokens(meta, DEVICE).buckets
+    assert bucket.slot_range == slot_range
+    gen = torch.Generator().manual_seed(9)
+    w = make_lora_weights(IN_FEATURES, (24, 8), [8, 16, 64, 8, 16, 64, 8, 16], torch.float32, DEVICE, gen)
+    x = torch.randn(len(slots), IN_FEATURES, generator=gen).to(DEVICE)
+    y = torch.zeros(len(slots), 32, device=DEVICE)
+    TorchLoRABackend().apply(y, x, w.lora_a, w.lora_b, w.scales, w.slice_sizes, meta)
+    assert_close(y, naive_lora_delta(x, w, slots), torch.float32, f"bucket over slots {slots}")
