@@ -1,0 +1,404 @@
+"""``AdapterManager``: the registry and the three weight tiers, as the engine sees them.
+
+Tiers (like LoRAX and vLLM)::
+
+    device slots (max_loras)  <-  host LRU (max_cpu_loras)  <-  disk store (all adapters)
+
+Scheduler protocol, per step, for a request that wants adapter ``a``::
+
+    if mgr.can_acquire(a):               # resident, or in host memory with a slot to spare
+        slot = mgr.acquire(a, req_id)    # pins the slot for this request (idempotent per request)
+    else:
+        mgr.prefetch(a)                  # background disk -> host read; try again next step
+    ...
+    mgr.release(req_id)                  # when the request finishes, aborts or is preempted
+
+A slot is pinned once per running request that uses it; only unpinned slots are
+evicted, least recently used first. ``remove_adapter`` refuses new requests at once,
+while requests already pinned to the adapter's slot finish on its old weights; the
+slot frees with its last ``release``.
+
+Threading: every public method may be called from any thread (one re-entrant lock).
+Disk reads for ``prefetch`` run on loader threads without that lock; their results
+are collected by the next call from the engine, so a slow read never blocks requests
+for other adapters. ``add_adapter`` validates outside the lock for the same reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from types import TracebackType
+
+import torch
+
+from loraplex.adapters.config import AdapterManagerConfig
+from loraplex.adapters.errors import NoFreeSlotError
+from loraplex.adapters.host_cache import HostAdapterCache
+from loraplex.adapters.identity import AdapterIdentity
+from loraplex.adapters.peft_weights import AdapterWeights
+from loraplex.adapters.registry import AdapterEntry, AdapterInfo, AdapterRegistry, Tier
+from loraplex.adapters.request import LoRARequest
+from loraplex.adapters.slot_buffers import LoRASlotBuffers, SlotBuffers
+from loraplex.adapters.slot_table import SlotTable
+from loraplex.adapters.spec import BaseModelSpec, GroupName
+from loraplex.adapters.store import AdapterStore
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AdapterInfo", "AdapterManager"]
+
+
+class AdapterManager:
+    """Registers validated adapters and moves their weights between disk, host and device slots."""
+
+    def __init__(
+        self,
+        spec: BaseModelSpec,
+        config: AdapterManagerConfig | None = None,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.spec = spec
+        self.config = config or AdapterManagerConfig()
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self._store = AdapterStore(
+            self.config.store_dir, self.config.archive_limits, self.config.copy_directories
+        )
+        self._host = HostAdapterCache(self.config.max_cpu_loras)
+        self._slots = SlotTable(self.config.max_loras)
+        self._buffers = LoRASlotBuffers(
+            spec, self.config.max_loras, self.config.max_lora_rank, self.device, dtype
+        )
+        self._registry = AdapterRegistry()
+        self._loads: dict[str, Future[AdapterWeights]] = {}  # version -> background disk read
+        self._load_errors: dict[str, BaseException] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.RLock()
+
+    # -- registry ----------------------------------------------------------------------
+
+    def add_adapter(self, request: LoRARequest, owner: str | None = None) -> AdapterInfo:
+        """Validate the adapter at ``request.path`` and register it under ``request.int_id``.
+
+        Raises ``AdapterValidationError`` (nothing registered, no files left behind) or
+        ``AdapterExistsError`` if the id or ``(owner, name)`` is taken by other content.
+        Adding the very same adapter again returns the existing entry.
+        """
+        max_rank = self.config.max_lora_rank
+        staged = self._store.stage(Path(request.path).expanduser(), self.spec, max_rank, self.dtype)
+        try:
+            parsed = staged.parsed
+            identity = AdapterIdentity(request.int_id, request.name, owner, parsed.version)
+            with self._lock:
+                existing = self._registry.existing(identity)
+                if existing is not None:
+                    if staged.owned:
+                        self._store.release(staged.folder)
+                    return self._info(existing)
+                weights = self._maybe_pin(parsed.weights)
+                entry = AdapterEntry(
+                    identity,
+                    request.path,
+                    staged.folder,
+                    staged.owned,
+                    weights.max_rank,
+                    weights.target_modules,
+                    weights.nbytes,
+                )
+                self._registry.add(entry)
+                self._host.put(parsed.version, weights)
+        except BaseException:
+            if staged.owned:
+                self._store.release(staged.folder)
+            raise
+        logger.info(
+            "added adapter %d %r (owner %s, rank %d, %s, version %s)",
+            request.int_id,
+            request.name,
+            owner,
+            entry.rank,
+            ",".join(entry.target_modules),
+            parsed.version[:12],
+        )
+        return self._info(entry)
+
+    def remove_adapter(self, adapter_id: int) -> AdapterInfo:
+        """Unregister ``adapter_id``: new acquires fail now; running requests finish on its old weights."""
+        with self._lock:
+            entry = self._registry.remove(adapter_id)
+            info = self._info(entry, slot_idx=self._slots.slot_of(adapter_id))
+            detached = self._slots.detach(adapter_id)
+            if detached is not None and detached.freed:
+                self._buffers.clear(detached.slot_idx)
+            elif detached is not None:
+                self._registry.start_draining(detached.slot_idx, entry)
+            version = entry.identity.version
+            if version not in self._registry.live_versions():
+                self._host.discard(version)
+                self._load_errors.pop(version, None)
+            if entry.owned:
+                self._store.release(entry.folder)
+        logger.info(
+            "removed adapter %d %r%s",
+            adapter_id,
+            entry.identity.name,
+            f"; slot {detached.slot_idx} drains {info.num_pins} running request(s)"
+            if detached is not None and not detached.freed
+            else "",
+        )
+        return info
+
+    def get_adapter(self, adapter_id: int) -> AdapterInfo:
+        """The registered adapter ``adapter_id``; raises ``AdapterNotFoundError``/``AdapterRemovedError``."""
+        with self._lock:
+            return self._info(self._registry.require(adapter_id))
+
+    def find_adapter(self, name: str, owner: str | None = None) -> AdapterInfo | None:
+        """The adapter ``owner`` registered as ``name``, or None."""
+        with self._lock:
+            entry = self._registry.find(name, owner)
+            return None if entry is None else self._info(entry)
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        """Every registered adapter, by id."""
+        with self._lock:
+            return [self._info(entry) for entry in self._registry.entries()]
+
+    # -- scheduler -----------------------------------------------------------------------
+
+    def is_resident(self, adapter_id: int) -> bool:
+        """Whether ``adapter_id`` is loaded in a device slot (acquiring it costs no copy)."""
+        with self._lock:
+            return self._slots.slot_of(adapter_id) is not None
+
+    def slot_of(self, adapter_id: int) -> int | None:
+        """The device slot of ``adapter_id``, or None if it is not resident."""
+        with self._lock:
+            return self._slots.slot_of(adapter_id)
+
+    @property
+    def num_free_slots(self) -> int:
+        """Slots holding no adapter (evictable ones not counted)."""
+        with self._lock:
+            return self._slots.num_free
+
+    def can_acquire(self, adapter_id: int) -> bool:
+        """Whether ``acquire`` would succeed now without reading from disk.
+
+        True if the adapter is resident, or in host memory while a slot is free or
+        evictable. Raises ``AdapterNotFoundError``/``AdapterRemovedError`` for an
+        adapter that is not registered, so the caller can fail the request.
+        """
+        with self._lock:
+            self._collect_loads()
+            entry = self._registry.require(adapter_id)
+            if self._slots.slot_of(adapter_id) is not None:
+                return True
+            return entry.identity.version in self._host and self._slots.can_place()
+
+    def prefetch(self, adapter_id: int) -> bool:
+        """Start reading ``adapter_id`` from disk into host memory; True if already there.
+
+        A failed background read is raised here (once), e.g. ``changed_on_disk``.
+        """
+        with self._lock:
+            self._collect_loads()
+            entry = self._registry.require(adapter_id)
+            version = entry.identity.version
+            if self._slots.slot_of(adapter_id) is not None or version in self._host:
+                return True
+            error = self._load_errors.pop(version, None)
+            if error is not None:
+                raise error
+            if version not in self._loads:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(
+                        self.config.num_loader_threads, thread_name_prefix="adapter-loader"
+                    )
+                self._loads[version] = self._executor.submit(self._read_from_disk, entry)
+                logger.debug("prefetching adapter %d from %s", adapter_id, entry.folder)
+            return False
+
+    def acquire(self, adapter_id: int, request_id: str) -> int:
+        """Pin ``adapter_id``'s slot for ``request_id``, loading it first if needed; return the slot.
+
+        Idempotent per request: a request that already holds the slot gets it again
+        (also after the adapter was removed, so it can finish). Loads into the lowest
+        free slot, else evicts the least recently used unpinned slot; reads from disk
+        synchronously on a host miss (use ``prefetch`` to avoid that). Raises
+        ``AdapterRemovedError``/``AdapterNotFoundError`` for an unregistered adapter and
+        ``NoFreeSlotError`` when every slot is pinned.
+        """
+        with self._lock:
+            held = self._slots.slot_of_request(request_id)
+            if held is not None:
+                if self._slots.key_of(held) == adapter_id:
+                    return held
+                raise ValueError(
+                    f"request {request_id!r} already holds slot {held} of adapter {self._slots.key_of(held)}"
+                )
+            entry = self._registry.require(adapter_id)
+            slot_idx = self._slots.slot_of(adapter_id)
+            if slot_idx is None:
+                if not self._slots.can_place():
+                    raise NoFreeSlotError(
+                        f"adapter {adapter_id}: all {self.config.max_loras} slots are pinned "
+                        "by running requests; retry when one finishes"
+                    )
+                weights = self._host_weights(entry)
+                slot_idx, evicted = self._slots.choose_slot()
+                self._buffers.write(slot_idx, weights)
+                self._slots.assign(slot_idx, adapter_id)
+                logger.debug("loaded adapter %d into slot %d (evicted %s)", adapter_id, slot_idx, evicted)
+            self._slots.pin(slot_idx, request_id)
+            return slot_idx
+
+    def release(self, request_id: str) -> bool:
+        """Drop ``request_id``'s pin (finish, abort, preemption); False if it held none."""
+        with self._lock:
+            unpinned = self._slots.unpin(request_id)
+            if unpinned is None:
+                return False
+            if unpinned.freed:
+                self._buffers.clear(unpinned.slot_idx)
+                entry = self._registry.finish_draining(unpinned.slot_idx)
+                logger.info(
+                    "slot %d of removed adapter %d is free", unpinned.slot_idx, entry.identity.adapter_id
+                )
+            return True
+
+    # -- model runner ----------------------------------------------------------------------
+
+    def get_buffers(self, layer_idx: int, group: GroupName) -> SlotBuffers:
+        """``(lora_a, lora_b, scales, slice_sizes)`` of ``group`` in layer ``layer_idx``."""
+        return self._buffers.get(layer_idx, group)
+
+    @property
+    def device_nbytes(self) -> int:
+        """Device memory of the slot buffers."""
+        return self._buffers.nbytes
+
+    # -- invariants and lifetime -----------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if slots, pins, tiers and the registry disagree."""
+        with self._lock:
+            self._slots.check_integrity()
+            errors: list[str] = []
+            scales = self._buffers.scales.tolist()
+            draining = self._registry.draining()
+            for slot_idx in range(self.config.max_loras):
+                key = self._slots.key_of(slot_idx)
+                if key is None:
+                    if scales[slot_idx] != 0.0:
+                        errors.append(f"free slot {slot_idx} has scale {scales[slot_idx]}")
+                    continue
+                if scales[slot_idx] != 1.0:
+                    errors.append(f"occupied slot {slot_idx} has scale {scales[slot_idx]}")
+                if self._slots.is_draining(slot_idx):
+                    drained = draining.get(slot_idx)
+                    if drained is None or drained.identity.adapter_id != key:
+                        errors.append(f"draining slot {slot_idx} has no matching removed adapter")
+                elif self._registry.get(key) is None:
+                    errors.append(f"slot {slot_idx} holds unregistered adapter {key}")
+            for slot_idx in draining:
+                if not self._slots.is_draining(slot_idx):
+                    errors.append(f"removed adapter recorded on slot {slot_idx}, which is not draining")
+            live_versions = self._registry.live_versions()
+            stray = set(self._host.versions()) - live_versions
+            if stray:
+                errors.append(f"host cache holds versions of no registered adapter: {sorted(stray)}")
+            if len(self._host) > self._host.capacity:
+                errors.append(f"host cache holds {len(self._host)} > {self._host.capacity} adapters")
+            users: dict[Path, int] = {}
+            for e in self._registry.entries():
+                if e.owned:
+                    users[e.folder] = users.get(e.folder, 0) + 1
+            if users != self._store.owned_folders:
+                errors.append(f"store folders {self._store.owned_folders} != registered users {users}")
+            if errors:
+                raise AssertionError("adapter manager inconsistent: " + "; ".join(errors))
+
+    def close(self) -> None:
+        """Stop loader threads and delete the store's folders."""
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
+        self._store.close()
+
+    def __enter__(self) -> AdapterManager:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _info(self, entry: AdapterEntry, slot_idx: int | None = None) -> AdapterInfo:
+        adapter_id = entry.identity.adapter_id
+        if slot_idx is None and self._registry.get(adapter_id) is entry:
+            slot_idx = self._slots.slot_of(adapter_id)
+        tier: Tier = (
+            "device" if slot_idx is not None else "host" if entry.identity.version in self._host else "disk"
+        )
+        pins = self._slots.pin_count(slot_idx) if slot_idx is not None else 0
+        return AdapterInfo(
+            entry.identity,
+            entry.source,
+            entry.folder,
+            entry.rank,
+            entry.target_modules,
+            entry.host_nbytes,
+            tier,
+            slot_idx,
+            pins,
+        )
+
+    def _maybe_pin(self, weights: AdapterWeights) -> AdapterWeights:
+        if self.device.type == "cuda" and torch.cuda.is_available():
+            return weights.pin_memory()
+        return weights
+
+    def _read_from_disk(self, entry: AdapterEntry) -> AdapterWeights:
+        """Runs on a loader thread (no manager lock): re-read and re-validate the stored files."""
+        parsed = self._store.load(
+            entry.folder, self.spec, self.config.max_lora_rank, self.dtype, entry.identity.version
+        )
+        return self._maybe_pin(parsed.weights)
+
+    def _collect_loads(self) -> None:
+        """Move finished background reads into the host cache (caller holds the lock)."""
+        live_versions = self._registry.live_versions()
+        for version, future in list(self._loads.items()):
+            if not future.done():
+                continue
+            del self._loads[version]
+            if version not in live_versions:
+                continue  # removed while loading
+            error = future.exception()
+            if error is not None:
+                logger.warning("background load of adapter version %s failed: %s", version[:12], error)
+                self._load_errors[version] = error
+            else:
+                self._host.put(version, future.result())
+
+    def _host_weights(self, entry: AdapterEntry) -> AdapterWeights:
+        """The adapter's host weights, reading them from disk now on a miss (caller holds the lock)."""
+        version = entry.identity.version
+        weights = self._host.get(version)
+        if weights is not None:
+            return weights
+        future = self._loads.pop(version, None)
+        # The loader thread never takes the manager lock, so waiting here cannot deadlock.
+        weights = future.result() if future is not None else self._read_from_disk(entry)
+        self._load_errors.pop(version, None)
+        self._host.put(version, weights)
+        return weights

@@ -1,0 +1,212 @@
+"""``adapter_model.safetensors``: check every tensor against the base model, fold scaling.
+
+PEFT saves one pair per adapted linear layer (the adapter name is stripped)::
+
+    base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight   [r, in_features]
+    base_model.model.model.layers.{i}.self_attn.q_proj.lora_B.weight   [out_features, r]
+
+The result keeps ``lora_b`` pre-multiplied by the module's own scaling, so the serving
+kernels compute ``y += (x @ A^T) @ B_scaled^T`` with a slot scale of 1.0, which is
+PEFT's ``lora_B(lora_A(x)) * scaling`` for every module, patterns included.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+
+from loraplex.adapters.errors import AdapterValidationError, ValidationReason
+from loraplex.adapters.peft_config import LoraSettings
+from loraplex.adapters.spec import MODULE_NAMES, MODULE_PARENT, BaseModelSpec, ModuleName
+
+_LORA_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(?P<module_key>(?:model\.)?layers\.(?P<layer>\d+)\."
+    r"(?P<parent>\w+)\.(?P<module>\w+))\.(?P<kind>lora_A|lora_B)\.weight$"
+)
+
+ModuleKey = tuple[int, ModuleName]  # (layer_idx, module name)
+
+
+@dataclass(frozen=True)
+class LoRAModuleWeights:
+    """One adapted projection: ``delta(x) = (x @ lora_a^T) @ lora_b^T``."""
+
+    lora_a: torch.Tensor  # [rank, in_features]
+    lora_b: torch.Tensor  # [out_features, rank], PEFT scaling already folded in
+    scaling: float  # the factor folded into lora_b (for reporting only)
+
+    @property
+    def rank(self) -> int:
+        return int(self.lora_a.shape[0])
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    """All validated LoRA weights of one adapter, on the host, in the serving dtype."""
+
+    modules: Mapping[ModuleKey, LoRAModuleWeights]
+
+    @property
+    def max_rank(self) -> int:
+        return max(w.rank for w in self.modules.values())
+
+    @property
+    def target_modules(self) -> tuple[ModuleName, ...]:
+        present = {module for _, module in self.modules}
+        return tuple(m for m in MODULE_NAMES if m in present)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            w.lora_a.numel() * w.lora_a.element_size() + w.lora_b.numel() * w.lora_b.element_size()
+            for w in self.modules.values()
+        )
+
+    def pin_memory(self) -> AdapterWeights:
+        """A copy in page-locked memory, for asynchronous host-to-device copies (CUDA only)."""
+        return AdapterWeights(
+            {
+                key: LoRAModuleWeights(w.lora_a.pin_memory(), w.lora_b.pin_memory(), w.scaling)
+                for key, w in self.modules.items()
+            }
+        )
+
+
+def _fail(reason: ValidationReason, source: str, message: str) -> AdapterValidationError:
+    return AdapterValidationError(reason, f"{source}: {message}")
+
+
+def _classify_unknown(name: str, source: str) -> AdapterValidationError:
+    """The most specific error for a tensor name that is not a LoRA weight of a known layer."""
+    if "lora_magnitude_vector" in name:
+        return _fail("dora", source, f"tensor {name!r} is a DoRA magnitude vector; DoRA is not supported")
+    if name.endswith(".bias"):
+        return _fail("bias", source, f"tensor {name!r} is a bias; only bias='none' is supported")
+    if "modules_to_save" in name:
+        return _fail("modules_to_save", source, f"tensor {name!r} belongs to modules_to_save")
+    if "lora_embedding" in name or "embed_tokens" in name or "lm_head" in name:
+        return _fail(
+            "unsupported_target",
+            source,
+            f"tensor {name!r} adapts a module outside {list(MODULE_NAMES)}",
+        )
+    match = _LORA_KEY.match(name)
+    if match is not None:
+        return _fail(
+            "unsupported_target",
+            source,
+            f"tensor {name!r} adapts {match['parent']}.{match['module']}; "
+            f"supported modules are {[f'{MODULE_PARENT[m]}.{m}' for m in MODULE_NAMES]}",
+        )
+    return _fail("unexpected_tensor", source, f"tensor {name!r} is not a LoRA weight of a decoder layer")
+
+
+def _parse_names(
+    tensors: Mapping[str, torch.Tensor], spec: BaseModelSpec, source: str
+) -> dict[ModuleKey, dict[str, tuple[str, torch.Tensor]]]:
+    """Group tensors by (layer, module); reject names the engine cannot place."""
+    found: dict[ModuleKey, dict[str, tuple[str, torch.Tensor]]] = {}
+    for name in sorted(tensors):
+        match = _LORA_KEY.match(name)
+        module = match["module"] if match else ""
+        if (
+            match is None
+            or module not in MODULE_NAMES
+            or MODULE_PARENT[cast(ModuleName, module)] != match["parent"]
+        ):
+            raise _classify_unknown(name, source)
+        layer = int(match["layer"])
+        if layer >= spec.num_layers:
+            raise _fail(
+                "layer_out_of_range",
+                source,
+                f"tensor {name!r} is for layer {layer}, but the base model has {spec.num_layers} layers",
+            )
+        key = (layer, cast(ModuleName, module))
+        found.setdefault(key, {})[match["kind"]] = (match["module_key"], tensors[name])
+    return found
+
+
+def parse_weights(
+    tensors: Mapping[str, torch.Tensor],
+    settings: LoraSettings,
+    spec: BaseModelSpec,
+    max_rank: int,
+    dtype: torch.dtype,
+    source: str,
+) -> AdapterWeights:
+    """Validate ``tensors`` (a PEFT state dict) and return them scaled, in ``dtype``, on the CPU."""
+    if not tensors:
+        raise _fail("missing_tensor", source, "the safetensors file holds no tensors")
+    modules: dict[ModuleKey, LoRAModuleWeights] = {}
+    for (layer, module), pair in _parse_names(tensors, spec, source).items():
+        where = f"layer {layer} {module}"
+        for kind in ("lora_A", "lora_B"):
+            if kind not in pair:
+                raise _fail("missing_tensor", source, f"{where} has no {kind} weight")
+        module_key, a = pair["lora_A"]
+        _, b = pair["lora_B"]
+        for kind, t in (("lora_A", a), ("lora_B", b)):
+            if not t.is_floating_point():
+                raise _fail("bad_dtype", source, f"{where} {kind} has dtype {t.dtype}; expected a float type")
+        in_features, out_features = spec.features(module)
+        rank = int(a.shape[0]) if a.dim() == 2 else -1
+        if a.dim() != 2 or a.shape[1] != in_features or b.dim() != 2 or b.shape[0] != out_features:
+            raise _fail(
+                "shape_mismatch",
+                source,
+                f"{where}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit the base model's "
+                f"[{out_features}, {in_features}] layer "
+                f"(expected [r, {in_features}] and [{out_features}, r])",
+            )
+        if b.shape[1] != rank:
+            raise _fail(
+                "rank_mismatch", source, f"{where}: lora_A has rank {rank} but lora_B has {b.shape[1]}"
+            )
+        config_rank, scaling = settings.rank_and_scaling(module_key)
+        if rank != config_rank:
+            raise _fail(
+                "rank_mismatch",
+                source,
+                f"{where}: tensors have rank {rank} but the config (r / rank_pattern) says {config_rank}",
+            )
+        if rank > max_rank:
+            raise _fail(
+                "rank_too_large",
+                source,
+                f"{where} has rank {rank} > max_lora_rank {max_rank}; retrain with r <= {max_rank} "
+                "or raise max_lora_rank",
+            )
+        a32, b32 = a.to(torch.float32), b.to(torch.float32)
+        for kind, t in (("lora_A", a32), ("lora_B", b32)):
+            if not bool(torch.isfinite(t).all()):
+                raise _fail("non_finite", source, f"{where} {kind} contains NaN or Inf")
+        lora_a = a32.to(dtype).contiguous()
+        lora_b = (b32 * scaling).to(dtype).contiguous()
+        for kind, t in (("lora_A", lora_a), ("lora_B (scaled)", lora_b)):
+            if not bool(torch.isfinite(t).all()):
+                raise _fail("non_finite", source, f"{where} {kind} overflows {dtype} (values too large)")
+        modules[(layer, module)] = LoRAModuleWeights(lora_a, lora_b, scaling)
+    return AdapterWeights(modules)
+
+
+def load_weights(
+    data: bytes,
+    settings: LoraSettings,
+    spec: BaseModelSpec,
+    max_rank: int,
+    dtype: torch.dtype,
+    source: str,
+) -> AdapterWeights:
+    """Parse safetensors ``data`` (no pickle anywhere) and validate it with ``parse_weights``."""
+    try:
+        tensors = load_safetensors(data)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise _fail("bad_weights", source, f"not a valid safetensors file ({exc})") from exc
+    return parse_weights(tensors, settings, spec, max_rank, dtype, source)
