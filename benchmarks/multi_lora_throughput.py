@@ -441,6 +441,23 @@ def pool_runs(name: str, runs: list[RunResult]) -> RunResult:
     )
 
 
+def checkpoint(path: str, argv: list[str] | None, runs: dict[str, RunResult]) -> None:
+    """Write the runs finished so far (``"partial": true``): a killed run still leaves its figures."""
+    write_json(
+        path,
+        {
+            "benchmark": "multi_lora_throughput",
+            "partial": True,
+            "command": " ".join(
+                ["benchmarks/multi_lora_throughput.py", *(argv if argv is not None else sys.argv[1:])]
+            ),
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "machine": machine_info(),
+            "runs": {k: r.summary() for k, r in runs.items()},
+        },
+    )
+
+
 def _subset(wl: Workload, k: int) -> Workload:
     return Workload(
         prompts=wl.prompts[:k],
@@ -531,12 +548,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         lp: dict[str, RunResult] = {}
         base = run_loraplex_once(llm, "loraplex base", wl, [None] * len(wl), progress)
         base_runs = [base]
+        done: dict[str, RunResult] = {"loraplex base": base}
+        checkpoint(args.out, argv, done)
         print(f"loraplex base: {base.output_tokens} tok in {base.seconds:.1f} s = {base.tok_s:.1f} tok/s")
         for n in args.adapters:
             reqs = [loras[a] for a in assignments[n]]
             prof = args.profile if (args.profile and n == n_max) else None
             res = run_loraplex_once(llm, f"loraplex N={n}", wl, reqs, progress, profile=prof)
             lp[str(n)] = res
+            done[res.name] = res
+            checkpoint(args.out, argv, done)
             print(
                 f"loraplex N={n}: {res.output_tokens} tok in {res.seconds:.1f} s = {res.tok_s:.1f} tok/s "
                 f"({res.tok_s / base.tok_s:.2f}x base)",
@@ -545,6 +566,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not args.no_bracket_base:
             again = run_loraplex_once(llm, "loraplex base (after)", wl, [None] * len(wl), progress)
             base_runs.append(again)
+            done[again.name] = again
+            checkpoint(args.out, argv, done)
             same = again.outputs == base.outputs
             print(
                 f"loraplex base (after): {again.output_tokens} tok in {again.seconds:.1f} s = "
@@ -572,6 +595,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 names = [paths[a].name for a in assignments[n][: len(sub)]]
                 res = run_peft(model, f"PEFT N={n}", sub, names, args.peft_batch_size, progress)
                 peft[str(n)] = res
+                done[res.name] = res
+                checkpoint(args.out, argv, done)
                 print(
                     f"PEFT N={n}: {res.output_tokens} tok in {res.seconds:.1f} s = {res.tok_s:.2f} tok/s "
                     f"({len({*names})} distinct adapters in the subset)",
@@ -714,4 +739,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGTERM, chain=True)  # a killed run says where it was
     main()

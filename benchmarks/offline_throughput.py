@@ -587,7 +587,15 @@ def make_plot(
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    import faulthandler
+    import signal
+
     import torch
+
+    if not faulthandler.is_enabled():
+        faulthandler.enable()  # a crash in a native kernel or HF's CB thread still leaves a trace
+    if hasattr(faulthandler, "register") and hasattr(signal, "SIGTERM"):
+        faulthandler.register(signal.SIGTERM, chain=True)  # so does being terminated mid-run
 
     from loraplex.platform.model.source import resolve_model_dir
 
@@ -622,6 +630,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"= {res.output_tok_s:.1f} tok/s",
             flush=True,
         )
+        if name != args.systems[-1]:  # a long run that dies later still leaves these figures
+            write_json(
+                args.out,
+                {
+                    "benchmark": "offline_throughput",
+                    "partial": True,
+                    "machine": machine_info(),
+                    "workload": wl.summary(),
+                    "results": {n: r.summary() for n, r in results.items()},
+                },
+            )
 
     # Output token counts must match the workload exactly, request by request.
     counts = {n: [len(o) for o in r.outputs] for n, r in results.items()}
