@@ -8,6 +8,7 @@ three unequal slices (q/k/v under GQA) or two equal ones (gate/up).
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from kernel_testlib import (
 
 from loraplex.kernels.backend import LoRABackend
 from loraplex.kernels.metadata import LoRAMetadata
-from loraplex.kernels.torch_ref.lora import DIRECT_MIN_RUN, TorchLoRABackend, group_tokens
+from loraplex.kernels.torch_ref.lora import DIRECT_MIN_RUN, TorchLoRABackend, group_tokens, plan_buckets
 from loraplex.kernels.triton.lora_backend import TritonLoRABackend
 from loraplex.kernels.triton.lora_expand import bgmv_expand, sgmv_expand
 from loraplex.kernels.triton.lora_shrink import bgmv_shrink, sgmv_shrink
@@ -228,19 +229,60 @@ def test_torch_shrink_then_expand(dtype: torch.dtype) -> None:
 
 
 def test_torch_grouping_runs_and_buckets() -> None:
-    # A long run is served directly; short runs group by slot and bucket by size.
+    # A long run is served directly; short runs group by slot and share a bucket when
+    # padding them is cheaper than another bucket.
     slots = [2] * DIRECT_MIN_RUN + [0, 1, 0, -1, 1, 0, 3] + [1] * 3
     grouping = group_tokens(LoRAMetadata.from_token_slots(slots, torch.device("cpu")), torch.device("cpu"))
     assert [(r.slot, r.start, r.end) for r in grouping.runs] == [(2, 0, DIRECT_MIN_RUN)]
     base = DIRECT_MIN_RUN
-    # slot 0: 3 tokens, slot 1: 5 tokens, slot 3: 1 token -> buckets of length 1, 4 (3), 8 (5).
-    by_len = {b.group_len: b for b in grouping.buckets}
-    assert sorted(by_len) == [1, 3, 5]
-    assert by_len[1].slots.tolist() == [3] and by_len[1].gather_index.tolist() == [base + 6]
-    assert by_len[3].slots.tolist() == [0] and by_len[3].valid is None
-    assert by_len[3].gather_index.tolist() == [base, base + 2, base + 5]
-    ones = [base + 1, base + 4, base + 7, base + 8, base + 9]
-    assert by_len[5].slots.tolist() == [1] and by_len[5].gather_index.tolist() == ones
+    # slot 0: 3 tokens, slot 1: 5, slot 3: 1 -> one bucket of length 5 over the slot range 0..3
+    # (slot 2, whose tokens ran directly, is an empty group there).
+    (bucket,) = grouping.buckets
+    assert bucket.group_len == 5 and bucket.slot_range == (0, 4)
+    assert bucket.slots.tolist() == [0, 1, 2, 3]
+    zeros, ones = [base, base + 2, base + 5], [base + 1, base + 4, base + 7, base + 8, base + 9]
+    assert bucket.gather_index.tolist() == zeros + [0, 0] + ones + [0] * 5 + [base + 6] + [0] * 4
+    assert bucket.valid is not None
+    valid = [1.0] * 3 + [0.0] * 2 + [1.0] * 5 + [0.0] * 5 + [1.0] + [0.0] * 4
+    assert bucket.valid.flatten().tolist() == valid
+
+
+def _plan_cost(lengths: list[int], plan: list[tuple[int, int]], bucket_cost: int) -> int:
+    return sum(bucket_cost + (hi - lo) * max(lengths[lo:hi]) for lo, hi in plan)
+
+
+def _all_partitions(items: list[int]) -> list[list[list[int]]]:
+    if not items:
+        return [[]]
+    first, rest = items[0], items[1:]
+    out = []
+    for part in _all_partitions(rest):
+        out.append([[first], *part])
+        for i in range(len(part)):
+            out.append([*part[:i], [first, *part[i]], *part[i + 1 :]])
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_buckets_is_optimal(seed: int) -> None:
+    # Against brute force over *every* partition (not only contiguous ranges) of small inputs.
+    rng = random.Random(seed)
+    lengths = sorted(rng.choice([1, 1, 2, 3, 5, 8, 40, 64]) for _ in range(rng.randint(1, 7)))
+    cost = rng.choice([0, 4, 32, 200])
+    plan = plan_buckets(lengths, cost)
+    assert [i for lo, hi in plan for i in range(lo, hi)] == list(range(len(lengths)))
+    brute = min(
+        sum(cost + len(b) * max(lengths[i] for i in b) for b in part)
+        for part in _all_partitions(list(range(len(lengths))))
+    )
+    assert _plan_cost(lengths, plan, cost) == brute
+
+
+def test_plan_buckets_examples() -> None:
+    assert plan_buckets([], 32) == []
+    assert plan_buckets([1] * 20, 32) == [(0, 20)]  # one bucket, no padding
+    assert plan_buckets([1, 1, 1, 64], 32) == [(0, 3), (3, 4)]  # the long group stands alone
+    assert plan_buckets([1, 2, 4, 8], 0) == [(0, 1), (1, 2), (2, 3), (3, 4)]  # free buckets: no padding
 
 
 def test_torch_bucket_padding_is_inert() -> None:
