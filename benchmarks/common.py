@@ -188,6 +188,36 @@ def token_agreement(reference: Sequence[Sequence[int]], other: Sequence[Sequence
     }
 
 
+# -- HF peers ----------------------------------------------------------------------------
+def generate_left_padded(
+    model: Any, prompts: list[list[int]], max_new: int, pad_id: int, **generate_kwargs: Any
+) -> list[list[int]]:
+    """One static HF ``generate`` batch: prompts left-padded to the longest, greedy.
+
+    Returns each row's new tokens (``max_new`` of them: callers keep only what a
+    request asked for). Extra keyword arguments go to ``generate`` (PEFT's
+    ``adapter_names``, for example).
+    """
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for r, p in enumerate(prompts):  # left padding
+        ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[r, width - len(p) :] = 1
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new,
+            do_sample=False,
+            pad_token_id=pad_id,
+            **generate_kwargs,
+        )
+    return [row[width:].tolist() for row in out]
+
+
 # -- output -----------------------------------------------------------------------------
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], floatfmt: str = ".1f") -> str:
     """A plain monospace table (right-aligned numbers), also valid as a Markdown table."""

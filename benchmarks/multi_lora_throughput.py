@@ -65,6 +65,7 @@ from benchmarks.common import (  # noqa: E402
     RESULTS_DIR,
     Workload,
     format_table,
+    generate_left_padded,
     machine_info,
     random_token_workload,
     set_torch_threads,
@@ -327,24 +328,8 @@ def load_peft(model_dir: Path, paths: list[Path], dtype: str) -> Any:
 def _peft_batch(
     model: Any, prompts: list[list[int]], names: list[str], max_new: int, pad_id: int
 ) -> list[list[int]]:
-    import torch
-
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for r, p in enumerate(prompts):  # left padding
-        ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        mask[r, width - len(p) :] = 1
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            adapter_names=names,
-            max_new_tokens=max_new,
-            do_sample=False,
-            pad_token_id=pad_id,
-        )
-    return [row[width:].tolist() for row in out]
+    """PEFT's mixed-adapter batch: one static left-padded batch, adapter ``names[i]`` per row."""
+    return generate_left_padded(model, prompts, max_new, pad_id, adapter_names=names)
 
 
 def run_peft(

@@ -52,6 +52,7 @@ from benchmarks.common import (  # noqa: E402
     RESULTS_DIR,
     Workload,
     format_table,
+    generate_left_padded,
     machine_info,
     random_token_workload,
     set_torch_threads,
@@ -302,33 +303,13 @@ def _pad_id(model: Any) -> int:
     return int(pid) if pid is not None else 0
 
 
-def _hf_static_batch(model: Any, prompts: list[list[int]], max_new: int, pad_id: int) -> list[list[int]]:
-    import torch
-
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for r, p in enumerate(prompts):  # left padding
-        ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        mask[r, width - len(p) :] = 1
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=max_new,
-            do_sample=False,
-            pad_token_id=pad_id,
-        )
-    return [row[width:].tolist() for row in out]
-
-
 def run_hf_static(args: argparse.Namespace, wl: Workload, model_dir: Path, progress: bool) -> SystemResult:
     from tqdm.auto import tqdm
 
     model = load_hf_model(model_dir, args.dtype)
     pad = _pad_id(model)
     if not args.no_warmup:
-        _hf_static_batch(model, [[100 + i for i in range(16)]] * 2, 4, pad)
+        generate_left_padded(model, [[100 + i for i in range(16)]] * 2, 4, pad)
     bs = args.hf_batch_size
     outputs: list[list[int]] = []
     generated = 0
@@ -338,7 +319,7 @@ def run_hf_static(args: argparse.Namespace, wl: Workload, model_dir: Path, progr
         for lo in range(0, len(wl), bs):
             prompts = wl.prompts[lo : lo + bs]
             wants = wl.max_tokens[lo : lo + bs]
-            rows = _hf_static_batch(model, prompts, max(wants), pad)
+            rows = generate_left_padded(model, prompts, max(wants), pad)
             generated += sum(len(r) for r in rows)
             for row, m in zip(rows, wants, strict=True):
                 if len(row) < m:
