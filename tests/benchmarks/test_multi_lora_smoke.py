@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "multi_lora_throughput.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("multi_lora_throughput_under_test", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_benchmark
 
 
 def test_popularity_matches_slora_formula() -> None:
-    bench = _load_script()
+    bench = load_benchmark("multi_lora_throughput")
     probs = bench.popularity_probs(32, 0.3, "slora")
     assert abs(sum(probs) - 1.0) < 1e-12
     assert probs == sorted(probs, reverse=True)
@@ -36,7 +24,7 @@ def test_popularity_matches_slora_formula() -> None:
 
 @pytest.mark.slow
 def test_multi_lora_throughput_tiny(tmp_path: Path) -> None:
-    bench = _load_script()
+    bench = load_benchmark("multi_lora_throughput")
     out = tmp_path / "multi_lora.json"
     plot = tmp_path / "multi_lora.png"
     report = bench.main(

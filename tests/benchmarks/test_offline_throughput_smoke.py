@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "offline_throughput.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("offline_throughput_under_test", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_benchmark
 
 
 @pytest.mark.slow
 def test_offline_throughput_tiny(tmp_path: Path) -> None:
-    bench = _load_script()
+    bench = load_benchmark("offline_throughput")
     out = tmp_path / "offline_throughput.json"
     plot = tmp_path / "offline_throughput.png"
     report = bench.main(
