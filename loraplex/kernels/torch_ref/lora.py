@@ -139,21 +139,25 @@ def plan_buckets(lengths: list[int], bucket_cost: int) -> list[tuple[int, int]]:
 
     A bucket pads each of its groups to its longest: it costs ``bucket_cost`` plus
     ``(hi - lo) * lengths[hi - 1]`` rows. Since the lengths are sorted, an optimal
-    split is a set of contiguous ranges, found by a quadratic DP (a step has at most
-    ``max_loras`` groups).
+    split is a set of contiguous ranges, and groups of equal length never need to be
+    split (that only adds a bucket), so a quadratic DP runs over the distinct lengths:
+    at most ~sqrt(2 * num_tokens) of them, however many adapter slots there are.
     """
-    n = len(lengths)
-    best = [0] * (n + 1)  # best[j]: least cost of the first j groups
-    cut = [0] * (n + 1)
-    for hi in range(1, n + 1):
-        best[hi], cut[hi] = min(
-            (best[lo] + bucket_cost + (hi - lo) * lengths[hi - 1], lo) for lo in range(hi)
+    # Ends (exclusive) of the runs of equal lengths: the only places a bucket may end.
+    ends = [i + 1 for i in range(len(lengths)) if i + 1 == len(lengths) or lengths[i + 1] != lengths[i]]
+    bounds = [0, *ends]
+    best = [0] * len(bounds)  # best[k]: least cost of the groups before bounds[k]
+    cut = [0] * len(bounds)
+    for k in range(1, len(bounds)):
+        hi = bounds[k]
+        best[k], cut[k] = min(
+            (best[m] + bucket_cost + (hi - bounds[m]) * lengths[hi - 1], m) for m in range(k)
         )
     plan: list[tuple[int, int]] = []
-    hi = n
-    while hi > 0:
-        plan.append((cut[hi], hi))
-        hi = cut[hi]
+    k = len(bounds) - 1
+    while k > 0:
+        plan.append((bounds[cut[k]], bounds[k]))
+        k = cut[k]
     return plan[::-1]
 
 
