@@ -2,8 +2,9 @@
 
 Two questions, each answered by a ratio (lower is better):
 
-* paged decode attention (``TorchAttentionBackend.forward`` on an all-decode batch)
-  vs ``F.scaled_dot_product_attention`` over the same context already laid out
+* paged decode attention (``forward`` of the ``torch`` backend, and of the ``cpu``
+  backend whose decode is the compiled C kernel, on an all-decode batch) vs
+  ``F.scaled_dot_product_attention`` over the same context already laid out
   contiguously: batch 16, context 1024, block 16. Target <= 2.0.
 * batched multi-adapter LoRA (``TorchLoRABackend.apply``, 16 distinct adapters) vs
   one dense ``torch.mm`` with the same FLOPs: ``x [T, in] @ W [in, N]`` with
@@ -35,6 +36,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from loraplex.kernels.backend import AttentionBackend
+from loraplex.kernels.cpu.build import load_library
 from loraplex.kernels.metadata import AttentionMetadata, LoRAMetadata
 from loraplex.kernels.torch_ref.attention import TorchAttentionBackend
 from loraplex.kernels.torch_ref.lora import TorchLoRABackend
@@ -97,7 +100,9 @@ def interleaved_medians(fns: list[Callable[[], object]], repeats: int, warmup: i
 # -- attention ------------------------------------------------------------------------------
 
 
-def bench_decode_attention(cfg: HeadConfig, repeats: int, batch: int = 16, context: int = 1024) -> Row:
+def bench_decode_attention(
+    cfg: HeadConfig, backend: AttentionBackend, repeats: int, batch: int = 16, context: int = 1024
+) -> Row:
     block_size = 16
     gen = torch.Generator().manual_seed(0)
     blocks_per_seq = context // block_size
@@ -123,7 +128,6 @@ def bench_decode_attention(cfg: HeadConfig, repeats: int, batch: int = 16, conte
     v = torch.randn(batch, cfg.num_kv_heads, context, cfg.head_dim, generator=gen)
     q4 = query.unsqueeze(2)
     scale = cfg.head_dim**-0.5
-    backend = TorchAttentionBackend()
 
     def paged() -> object:
         return backend.forward(query, k_cache, v_cache, meta, scale)
@@ -134,9 +138,8 @@ def bench_decode_attention(cfg: HeadConfig, repeats: int, batch: int = 16, conte
     ours, base = interleaved_medians([paged, contiguous], repeats)
     heads = f"H={cfg.num_heads}/{cfg.num_kv_heads} D={cfg.head_dim}"
     shape_str = f"B={batch} ctx={context} blk={block_size} {heads}"
-    return Row(
-        "paged decode / contiguous SDPA", cfg.name, shape_str, ours, base, ours / base, ATTENTION_TARGET
-    )
+    name = f"paged decode [{backend.name}] / SDPA"
+    return Row(name, cfg.name, shape_str, ours, base, ours / base, ATTENTION_TARGET)
 
 
 # -- LoRA -----------------------------------------------------------------------------------
@@ -236,8 +239,16 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     rows: list[Row] = []
+    backends: list[AttentionBackend] = [TorchAttentionBackend()]
+    if load_library() is not None:
+        from loraplex.kernels.cpu.attention import CpuAttentionBackend
+
+        backends.append(CpuAttentionBackend())
+    else:
+        print("C kernels unavailable (no compiler or LORAPLEX_CPU_KERNELS=0): torch backend only")
     for cfg in (SMOLLM2, LLAMA3_8B):
-        rows.append(bench_decode_attention(cfg, args.repeats))
+        for backend in backends:
+            rows.append(bench_decode_attention(cfg, backend, args.repeats))
     for cfg in (SMOLLM2, LLAMA3_8B):
         for label, slots in lora_batches().items():
             for projection in ("qkv", "gate_up"):

@@ -160,6 +160,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-gib", type=float, default=2.0)
     p.add_argument("--max-loras", type=int, default=None, help="adapter slots (default: the largest N)")
     p.add_argument("--lora-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "cpu"],
+        help="attention kernels on the CPU (auto: the C decode kernel when it builds)",
+    )
     # PEFT
     p.add_argument("--peft-requests", type=int, default=32, help="PEFT runs on the first K requests")
     p.add_argument("--peft-batch-size", type=int, default=16)
@@ -265,6 +271,7 @@ def engine_args(args: argparse.Namespace, num_adapters: int) -> dict[str, Any]:
         "max_cpu_loras": max(args.max_loras, num_adapters),
         "max_lora_rank": args.rank,
         "lora_backend": args.lora_backend,
+        "attention_backend": args.attention_backend,
         "block_size": args.block_size,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,

@@ -121,6 +121,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads for every system")
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "cpu"],
+        help="loraplex attention kernels on the CPU (auto: the C decode kernel when it builds)",
+    )
     # loraplex engine
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=128)
@@ -238,6 +244,7 @@ def run_loraplex(
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=int(args.kv_cache_gib * 2**30),
         num_threads=args.threads,
+        attention_backend=args.attention_backend,
         seed=0,
     )
     engine = llm.llm_engine
@@ -277,6 +284,7 @@ def run_loraplex(
                 "max_num_batched_tokens": args.max_num_batched_tokens,
                 "kv_cache_gib": args.kv_cache_gib,
                 "num_kv_blocks": bm.num_blocks,
+                "attention_backend": engine.runner.attn.name,
             },
         },
     )

@@ -1,10 +1,12 @@
 """Contracts for the attention and LoRA backends, and the registry that picks one.
 
-Two implementations exist for each contract: a PyTorch one (``torch_ref``), which
-is both the CPU path of the engine and the reference the tests compare against,
-and a Triton one (``triton``), used on CUDA. ``select_*_backend("auto", device)``
-picks Triton on CUDA and torch elsewhere; ``"torch"`` or ``"triton"`` forces one
-(the Triton one runs on the CPU under ``TRITON_INTERPRET=1``, slowly, for tests).
+Each contract has a PyTorch implementation (``torch_ref``), which runs anywhere and
+is the reference the tests compare against, and a Triton one (``triton``), used on
+CUDA. Attention also has ``cpu``: the torch backend with decode served by a C kernel
+compiled for the host on first use (``kernels/cpu``). ``select_*_backend("auto",
+device)`` picks Triton on CUDA and, on the CPU, ``cpu`` for attention when its
+kernel builds (else torch) and torch for LoRA; a name forces one (Triton runs on the
+CPU under ``TRITON_INTERPRET=1``, slowly, for tests).
 
 KV cache layout (per layer, one tensor each for K and V)::
 
@@ -23,6 +25,7 @@ import torch
 from loraplex.kernels.metadata import AttentionMetadata, LoRAMetadata
 
 BackendName = Literal["auto", "torch", "triton"]
+AttentionBackendName = Literal["auto", "torch", "triton", "cpu"]
 
 
 class AttentionBackend(abc.ABC):
@@ -115,20 +118,38 @@ class LoRABackend(abc.ABC):
         self.expand(y, x_rank, lora_b, scales, slice_sizes, meta)
 
 
-def _resolve(name: BackendName, device: torch.device) -> Literal["torch", "triton"]:
-    if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if name not in ("torch", "triton"):
-        raise ValueError(f"unknown kernel backend {name!r}; choose 'auto', 'torch' or 'triton'")
-    return name
+def _resolve(name: str, device: torch.device, choices: tuple[str, ...]) -> str:
+    if name not in ("auto", *choices):
+        raise ValueError(f"unknown kernel backend {name!r}; choose one of {('auto', *choices)}")
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        return "triton"
+    if "cpu" in choices and device.type == "cpu":
+        from loraplex.kernels.cpu.build import load_library
+
+        return "cpu" if load_library() is not None else "torch"
+    return "torch"
 
 
-def select_attention_backend(name: BackendName, device: torch.device) -> AttentionBackend:
-    """Return the attention backend for ``name`` on ``device`` (Triton on CUDA by default)."""
-    if _resolve(name, device) == "triton":
+def select_attention_backend(name: AttentionBackendName, device: torch.device) -> AttentionBackend:
+    """Return the attention backend for ``name`` on ``device`` (Triton on CUDA, C on CPU by default)."""
+    chosen = _resolve(name, device, ("torch", "triton", "cpu"))
+    if chosen == "triton":
         from loraplex.kernels.triton.attention_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
+    if chosen == "cpu":
+        from loraplex.kernels.cpu.build import load_library
+
+        if device.type != "cpu" or load_library() is None:
+            raise ValueError(
+                "the 'cpu' attention backend needs a CPU device and a C compiler "
+                "(and LORAPLEX_CPU_KERNELS not set to 0); use 'torch' instead"
+            )
+        from loraplex.kernels.cpu.attention import CpuAttentionBackend
+
+        return CpuAttentionBackend()
     from loraplex.kernels.torch_ref.attention import TorchAttentionBackend
 
     return TorchAttentionBackend()
@@ -136,7 +157,7 @@ def select_attention_backend(name: BackendName, device: torch.device) -> Attenti
 
 def select_lora_backend(name: BackendName, device: torch.device) -> LoRABackend:
     """Return the LoRA backend for ``name`` on ``device`` (Triton on CUDA by default)."""
-    if _resolve(name, device) == "triton":
+    if _resolve(name, device, ("torch", "triton")) == "triton":
         from loraplex.kernels.triton.lora_backend import TritonLoRABackend
 
         return TritonLoRABackend()

@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
-    serve.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
+    serve.add_argument("--attention-backend", choices=["auto", "torch", "triton", "cpu"], default="auto")
     serve.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
     serve.add_argument(
         "--lora-modules",

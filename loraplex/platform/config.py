@@ -58,8 +58,9 @@ class EngineConfig:
     """Override the block count outright (tests and benchmarks)."""
     seed: int = 0
     """Seed of the engine's default generator (requests without their own seed)."""
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
-    """Attention kernels: triton on CUDA, torch on CPU; force one here."""
+    attention_backend: Literal["auto", "torch", "triton", "cpu"] = "auto"
+    """Attention kernels: triton on CUDA; on CPU the C decode kernel ("cpu") when a C
+    compiler is present, else pure torch; force one here."""
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     """fcfs, or priority (lower value first, then arrival)."""
     enable_lora: bool = False

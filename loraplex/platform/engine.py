@@ -111,13 +111,14 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
         logger.info(
-            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, %s attention",
             self.model_dir.name,
             device,
             dtype,
             num_blocks,
             config.block_size,
             max_model_len,
+            self.runner.attn.name,
         )
 
     # -- requests ----------------------------------------------------------------

@@ -21,6 +21,7 @@ from kernel_testlib import (
 )
 
 from loraplex.kernels.backend import AttentionBackend, select_attention_backend, select_lora_backend
+from loraplex.kernels.cpu.attention import CpuAttentionBackend
 from loraplex.kernels.torch_ref.attention import TorchAttentionBackend
 from loraplex.kernels.torch_ref.lora import TorchLoRABackend
 from loraplex.kernels.triton.attention_backend import TritonAttentionBackend
@@ -67,6 +68,15 @@ def test_torch_attention_backend(dtype: torch.dtype, block_size: int, num_heads:
     _run_step(TorchAttentionBackend(), dtype, block_size, num_heads)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("block_size,num_heads", [(8, 3), (16, 8)])
+def test_cpu_attention_backend(dtype: torch.dtype, block_size: int, num_heads: int) -> None:
+    """C decode kernel for float32/bfloat16 decodes, torch for float16 and for the chunks."""
+    if DEVICE.type != "cpu":
+        pytest.skip("the C kernels are the CPU backend")
+    _run_step(CpuAttentionBackend(), dtype, block_size, num_heads)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_triton_attention_backend(dtype: torch.dtype) -> None:
     _run_step(TritonAttentionBackend(), dtype, block_size=16, num_heads=8)
@@ -83,10 +93,10 @@ def test_torch_attention_backend_copy_blocks() -> None:
 
 def test_registry_picks_by_device_and_override() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert isinstance(select_attention_backend("auto", cpu), TorchAttentionBackend)
+    assert isinstance(select_attention_backend("auto", cpu), CpuAttentionBackend)  # when a compiler exists
     assert isinstance(select_attention_backend("auto", cuda), TritonAttentionBackend)
     assert isinstance(select_attention_backend("triton", cpu), TritonAttentionBackend)
-    assert isinstance(select_attention_backend("torch", cuda), TorchAttentionBackend)
+    assert type(select_attention_backend("torch", cuda)) is TorchAttentionBackend
     assert isinstance(select_lora_backend("auto", cpu), TorchLoRABackend)
     assert isinstance(select_lora_backend("auto", cuda), TritonLoRABackend)
     with pytest.raises(ValueError, match="unknown kernel backend"):

@@ -212,16 +212,7 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(query)
         nd = meta.num_decodes
         if nd > 0:
-            out[:nd] = paged_decode_ref(
-                query[:nd],
-                k_cache,
-                v_cache,
-                meta.block_tables[:nd],
-                meta.seq_lens[:nd],
-                scale,
-                seq_lens_cpu=meta.seq_lens_cpu[:nd] or None,
-                workspace=self._workspace,
-            )
+            self._decode(query[:nd], k_cache, v_cache, meta, scale, out[:nd])
         starts = meta.query_start_loc_cpu or tuple(meta.query_start_loc.tolist())
         lens = meta.seq_lens_cpu or tuple(meta.seq_lens.tolist())
         for i in range(nd, meta.num_seqs):
@@ -230,6 +221,30 @@ class TorchAttentionBackend(AttentionBackend):
             v = gather_context(v_cache, meta.block_tables[i], ctx)
             out[lo:hi] = extend_attention_ref(query[lo:hi], k, v, scale)
         return out
+
+    def _decode(
+        self,
+        query: torch.Tensor,  # [num_decodes, num_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,  # [num_decodes, num_heads, head_dim], written
+    ) -> None:
+        """The decode sequences (the first ``num_decodes`` of the batch)."""
+        nd = query.shape[0]
+        out.copy_(
+            paged_decode_ref(
+                query,
+                k_cache,
+                v_cache,
+                meta.block_tables[:nd],
+                meta.seq_lens[:nd],
+                scale,
+                seq_lens_cpu=meta.seq_lens_cpu[:nd] or None,
+                workspace=self._workspace,
+            )
+        )
 
     def copy_blocks(self, caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
         copy_blocks_ref(caches, src, dst)

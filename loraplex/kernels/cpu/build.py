@@ -1,0 +1,111 @@
+"""Compile the CPU backend's C kernels on first use and load them with ctypes.
+
+The kernels are plain C (no torch headers), so a build takes about a second where a
+torch C++ extension takes a minute. The library is built for the host CPU
+(``-march=native``) into ``<cache>/kernels/`` under a name that hashes the sources,
+the flags, the compiler and the CPU's feature flags, so a changed source, compiler or
+machine gets a fresh build and concurrent builders (pytest workers) never clash:
+each writes a private file and renames it into place.
+
+It links OpenMP with ``-fopenmp``; since torch is imported first and its bundled
+``libgomp.so.1`` has the same soname, the loader reuses torch's OpenMP runtime, so
+the kernels share torch's thread pool instead of starting a second one that would
+spin against it on a small machine.
+
+Set ``LORAPLEX_CPU_KERNELS=0`` to disable them; without a C compiler, or if the
+build fails, ``load_library`` returns None (with one warning) and the engine runs
+the pure-torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from loraplex.paths import cache_root
+
+logger = logging.getLogger(__name__)
+
+SOURCES = ("paged_decode.c",)  # compiled; every *.c and *.h here goes into the cache key
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC", "-fno-math-errno")
+ENV_SWITCH = "LORAPLEX_CPU_KERNELS"
+
+
+def _cpu_signature() -> str:
+    """The host's CPU model and feature flags (what ``-march=native`` compiles for)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(wanted[:2])
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _compiler_version(compiler: str) -> str:
+    try:
+        return subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return ""
+
+
+def library_path(compiler: str) -> Path:
+    """Where the library for these sources, flags, compiler and CPU lives."""
+    here = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for source in sorted([*here.glob("*.c"), *here.glob("*.h")]):
+        digest.update(source.name.encode())
+        digest.update(source.read_bytes())
+    for part in (" ".join(CFLAGS), compiler, _compiler_version(compiler), _cpu_signature()):
+        digest.update(part.encode())
+    return cache_root() / "kernels" / f"libloraplex_cpu-{digest.hexdigest()[:16]}.so"
+
+
+def build(compiler: str, target: Path) -> None:
+    """Compile ``SOURCES`` into ``target`` (atomically: a private file, then a rename)."""
+    here = Path(__file__).resolve().parent
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, *CFLAGS, "-o", tmp, *(str(here / name) for name in SOURCES), "-lm"]
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr.strip()}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None when disabled or unbuildable (then torch is used)."""
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        logger.warning("no C compiler found (set CC): the CPU backend falls back to pure torch")
+        return None
+    import torch  # noqa: F401  (load torch's libgomp first, so the kernels share its OpenMP runtime)
+
+    try:
+        target = library_path(compiler)
+        if not target.exists():
+            logger.info("building CPU kernels into %s", target)
+            build(compiler, target)
+        return ctypes.CDLL(str(target))
+    except (OSError, RuntimeError) as exc:
+        logger.warning("CPU kernels unavailable, falling back to pure torch: %s", exc)
+        return None

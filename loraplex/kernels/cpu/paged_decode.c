@@ -1,0 +1,90 @@
+/*
+ * Paged decode attention for the CPU, reading K/V in place through the block table.
+ *
+ *   for each sequence s and chunk of its KV heads (one work item, OpenMP-parallel):
+ *     for each block of s's context: scores = scale * Q_rows . K_block^T
+ *       online softmax: rescale running sums and accumulators by exp(m_old - m_new)
+ *       acc += exp(scores - m_new) @ V_block
+ *     out = acc / sum
+ *
+ * The query rows of KV head h are the query heads h*G .. h*G+G-1 (GQA), so each K/V
+ * row is read once per group, not once per query head. Nothing is gathered: the
+ * torch path copies every block into a contiguous buffer first, which costs another
+ * pass over the KV bytes and a dozen small ops per chunk of sequences.
+ *
+ * A work item takes several KV heads of one sequence so that it reads each token's
+ * K (and V) row for those heads as one contiguous run: one head's row alone is
+ * 256-512 bytes at a stride of the whole token, which the hardware prefetcher serves
+ * badly. Sequences are split into more items (fewer heads each) only when there are
+ * too few sequences to keep every thread busy.
+ *
+ * Layouts (all contiguous):
+ *   query, out        [num_seqs, num_heads, head_dim]
+ *   k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim]
+ *   block_tables      [num_seqs, table_stride] int32
+ *   seq_lens          [num_seqs] int32, >= 1
+ *
+ * Each entry point returns the number of work items with a length < 1 or a block id
+ * outside the cache (their output is garbage; the launcher raises). float32 and
+ * bfloat16 versions come from paged_decode_impl.h, included once per element type;
+ * accumulation is float32 in both.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Per-work-item stack buffers: query rows (heads * group) and rows * head_dim. */
+#define MAX_ROWS 32
+#define MAX_ROWS_DIM 8192
+#define MAX_BLOCK_SIZE 256
+
+static inline float load_f32(const float *p) { return *p; }
+static inline void store_f32(float *p, float v) { *p = v; }
+
+static inline float load_bf16(const uint16_t *p) {
+    uint32_t bits = (uint32_t)(*p) << 16;
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+static inline void store_bf16(uint16_t *p, float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) { /* NaN: keep it a quiet NaN */
+        *p = (uint16_t)((bits >> 16) | 0x40u);
+        return;
+    }
+    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
+    *p = (uint16_t)(bits >> 16);
+}
+
+/* KV heads per work item: as many as the buffers hold, fewer when sequences are scarce. */
+static int64_t heads_per_item(int64_t num_seqs, int64_t num_kv_heads, int64_t group,
+                              int64_t head_dim, int num_threads) {
+    int64_t fit = MAX_ROWS / group;
+    if (fit * group * head_dim > MAX_ROWS_DIM) fit = MAX_ROWS_DIM / (group * head_dim);
+    if (fit < 1) fit = 1;
+    int64_t splits = (2 * (int64_t)num_threads + num_seqs - 1) / num_seqs;
+    if (splits < 1) splits = 1;
+    int64_t want = (num_kv_heads + splits - 1) / splits;
+    if (want < 1) want = 1;
+    return want < fit ? want : fit;
+}
+
+/* Largest GQA group * head_dim the kernel accepts (one KV head per item at least). */
+int64_t loraplex_paged_decode_max_rows_dim(void) { return MAX_ROWS_DIM; }
+int64_t loraplex_paged_decode_max_rows(void) { return MAX_ROWS; }
+int64_t loraplex_paged_decode_max_block_size(void) { return MAX_BLOCK_SIZE; }
+
+#define KV_T float
+#define KV_LOAD load_f32
+#define KV_STORE store_f32
+#define KV_NAME loraplex_paged_decode_f32
+#include "paged_decode_impl.h"
+
+#define KV_T uint16_t
+#define KV_LOAD load_bf16
+#define KV_STORE store_bf16
+#define KV_NAME loraplex_paged_decode_bf16
+#include "paged_decode_impl.h"

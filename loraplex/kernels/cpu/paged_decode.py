@@ -1,0 +1,99 @@
+"""Launcher of the C paged decode kernel (``paged_decode.c``).
+
+out[s, h] = softmax(scale * q[s, h] . K[s, :len]^T) @ V[s, :len]
+K[s] = cache[block_tables[s]] read in place, block by block (no gather)
+kv head of query head h = h // (num_heads / num_kv_heads)   (GQA)
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from loraplex.kernels.cpu.build import load_library
+
+_SYMBOLS = {torch.float32: "loraplex_paged_decode_f32", torch.bfloat16: "loraplex_paged_decode_bf16"}
+_ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
+
+
+def _kernel(dtype: torch.dtype) -> Any | None:
+    lib = load_library()
+    if lib is None or dtype not in _SYMBOLS:
+        return None
+    fn = getattr(lib, _SYMBOLS[dtype])
+    if fn.argtypes is None:
+        fn.argtypes = _ARGTYPES
+        fn.restype = ctypes.c_int64
+    return fn
+
+
+def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """True when the C kernel can serve this dtype, device and head/block shape."""
+    if query.device.type != "cpu" or query.dtype != k_cache.dtype or _kernel(query.dtype) is None:
+        return False
+    lib = load_library()
+    assert lib is not None
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    # One KV head's query group must fit the kernel's per-work-item stack buffers.
+    return (
+        group <= lib.loraplex_paged_decode_max_rows()
+        and group * head_dim <= lib.loraplex_paged_decode_max_rows_dim()
+        and block_size <= lib.loraplex_paged_decode_max_block_size()
+    )
+
+
+def paged_decode_cpu(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, each >= 1
+    scale: float,
+    out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
+) -> torch.Tensor:
+    """Decode attention with the C kernel; call ``supports`` first (this asserts it)."""
+    assert supports(query, k_cache), "C paged decode does not support these shapes or dtype"
+    num_seqs, num_heads, head_dim = query.shape
+    num_cache_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0, "head shapes disagree"
+    assert v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype, "v_cache differs from k_cache"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
+    assert block_tables.dtype == torch.int32 and block_tables.dim() == 2, "block_tables: int32 [seqs, blocks]"
+    assert block_tables.shape[0] >= num_seqs and block_tables.stride(1) == 1, "block_tables rows"
+    assert seq_lens.dtype == torch.int32 and seq_lens.shape[0] >= num_seqs, "seq_lens: int32 [seqs]"
+    query = query.contiguous()
+    seq_lens = seq_lens.contiguous()
+    if out is None:
+        out = torch.empty_like(query)
+    assert out.shape == query.shape and out.dtype == query.dtype and out.is_contiguous(), "out"
+    if num_seqs == 0:
+        return out
+    kernel = _kernel(query.dtype)
+    assert kernel is not None
+    bad_items = kernel(
+        query.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        num_seqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        block_tables.stride(0),
+        num_cache_blocks,
+        scale,
+        torch.get_num_threads(),
+    )
+    if bad_items:
+        raise ValueError(
+            f"paged decode: {bad_items} (sequence, kv head) items had seq_len < 1 or a block id "
+            f"outside [0, {num_cache_blocks})"
+        )
+    return out

@@ -1,0 +1,122 @@
+"""The compiled C paged decode kernel (``loraplex/kernels/cpu``) vs naive math and the torch path.
+
+Same grid axes as the Triton decode tests: block sizes 8/16/32, head dims 64/128,
+GQA ratios 1/3/4, contexts of 1 token, one block, one past a boundary, a partial
+last block and over 1,000 tokens, mixed in one batch. float32 and bfloat16 (the
+kernel's types; float16 goes to the torch path, checked through the backend).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from kernel_testlib import assert_close, make_paged_context, naive_paged_decode
+
+from loraplex.kernels.backend import select_attention_backend
+from loraplex.kernels.cpu import build
+from loraplex.kernels.cpu.attention import CpuAttentionBackend
+from loraplex.kernels.cpu.paged_decode import paged_decode_cpu, supports
+from loraplex.kernels.torch_ref.attention import TorchAttentionBackend, paged_decode_ref
+
+CPU = torch.device("cpu")
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+FAST_CASES = [(8, 64, 1, 2), (16, 128, 3, 1), (32, 64, 4, 2)]
+SLOW_CASES = list(itertools.product((8, 16, 32), (64, 128), (1, 3, 4), (1, 3)))
+
+
+def _check(
+    block_size: int, head_dim: int, gqa: int, num_kv_heads: int, dtype: torch.dtype, long_len: int
+) -> None:
+    gen = torch.Generator().manual_seed(block_size * 997 + head_dim * 31 + gqa * 7 + num_kv_heads)
+    lens = [1, block_size, block_size + 1, 3 * block_size - 2, long_len]
+    ctx = make_paged_context(lens, block_size, num_kv_heads, head_dim, dtype, CPU, gen)
+    query = torch.randn(len(lens), gqa * num_kv_heads, head_dim, generator=gen).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    scale = head_dim**-0.5
+    assert supports(query, ctx.k_cache)
+    out = paged_decode_cpu(query, ctx.k_cache, ctx.v_cache, ctx.block_tables, seq_lens, scale)
+    assert_close(out, naive_paged_decode(query, ctx, scale), dtype, "C paged decode vs naive")
+    reference = paged_decode_ref(query, ctx.k_cache, ctx.v_cache, ctx.block_tables, seq_lens, scale)
+    assert_close(out, reference.double(), dtype, "C paged decode vs torch reference")
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("case", FAST_CASES, ids=lambda c: "bs{}-d{}-gqa{}-kv{}".format(*c))
+def test_c_paged_decode(case: tuple[int, int, int, int], dtype: torch.dtype) -> None:
+    _check(*case, dtype, long_len=1029)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("case", SLOW_CASES, ids=lambda c: "bs{}-d{}-gqa{}-kv{}".format(*c))
+def test_c_paged_decode_grid(case: tuple[int, int, int, int], dtype: torch.dtype) -> None:
+    _check(*case, dtype, long_len=1500)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_c_paged_decode_thread_counts_agree(threads: int) -> None:
+    """Work is split differently with more threads (fewer heads per item); results must not move."""
+    gen = torch.Generator().manual_seed(3)
+    lens = [700, 5, 64]
+    ctx = make_paged_context(lens, 16, 4, 64, torch.float32, CPU, gen)
+    query = torch.randn(3, 8, 64, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = paged_decode_cpu(query, ctx.k_cache, ctx.v_cache, ctx.block_tables, seq_lens, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert_close(out, naive_paged_decode(query, ctx, 0.125), torch.float32, f"{threads} threads")
+
+
+def test_c_paged_decode_rejects_bad_tables_and_lengths() -> None:
+    gen = torch.Generator().manual_seed(4)
+    ctx = make_paged_context([20, 9], 8, 1, 64, torch.float32, CPU, gen)
+    query = torch.randn(2, 2, 64, generator=gen)
+    num_blocks = ctx.k_cache.shape[0]
+    bad_table = ctx.block_tables.clone()
+    bad_table[1, 0] = num_blocks  # one past the pool: must not be read
+    with pytest.raises(ValueError, match="block id outside"):
+        paged_decode_cpu(
+            query, ctx.k_cache, ctx.v_cache, bad_table, torch.tensor([20, 9], dtype=torch.int32), 1.0
+        )
+    with pytest.raises(ValueError, match="seq_len < 1"):
+        paged_decode_cpu(
+            query, ctx.k_cache, ctx.v_cache, ctx.block_tables, torch.tensor([20, 0], dtype=torch.int32), 1.0
+        )
+
+
+def test_float16_and_wide_groups_fall_back_to_torch() -> None:
+    k_cache = torch.zeros(4, 16, 1, 64, dtype=torch.float16)
+    assert not supports(torch.zeros(2, 4, 64, dtype=torch.float16), k_cache)
+    wide = torch.zeros(4, 16, 1, 256)
+    assert not supports(torch.zeros(2, 64, 256), wide)  # a 64-head group of dim 256: too big for one item
+
+
+def test_registry_picks_c_kernels_on_cpu_unless_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert isinstance(select_attention_backend("auto", CPU), CpuAttentionBackend)
+    assert type(select_attention_backend("torch", CPU)) is TorchAttentionBackend
+    monkeypatch.setenv(build.ENV_SWITCH, "0")
+    build.load_library.cache_clear()
+    try:
+        assert type(select_attention_backend("auto", CPU)) is TorchAttentionBackend
+        with pytest.raises(ValueError, match="'cpu' attention backend needs"):
+            select_attention_backend("cpu", CPU)
+    finally:
+        build.load_library.cache_clear()
+
+
+def test_build_reports_compiler_errors(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A broken compiler is a warning and a torch fallback, never an exception at start-up."""
+    monkeypatch.setenv("CC", "/bin/false")
+    monkeypatch.setenv("LORAPLEX_CACHE", str(tmp_path))
+    build.load_library.cache_clear()
+    try:
+        assert build.load_library() is None
+        assert type(select_attention_backend("auto", CPU)) is TorchAttentionBackend
+    finally:
+        build.load_library.cache_clear()
