@@ -35,7 +35,20 @@ from loraplex.paths import cache_root
 logger = logging.getLogger(__name__)
 
 SOURCES = ("paged_decode.c",)  # compiled; every *.c and *.h here goes into the cache key
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC", "-fno-math-errno")
+CFLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-std=gnu11",
+    "-shared",
+    "-fPIC",
+    "-fno-math-errno",
+    # Let reductions (dot products, sums) reassociate into vector trees; NaN and inf
+    # semantics stay IEEE (no -ffinite-math-only), which the softmax relies on.
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+)
 ENV_SWITCH = "LORAPLEX_CPU_KERNELS"
 
 

@@ -37,6 +37,7 @@
 #define MAX_ROWS 32
 #define MAX_ROWS_DIM 8192
 #define MAX_BLOCK_SIZE 256
+#define MAX_HEAD_DIM 512
 
 static inline float load_f32(const float *p) { return *p; }
 static inline void store_f32(float *p, float v) { *p = v; }
@@ -59,6 +60,32 @@ static inline void store_bf16(uint16_t *p, float v) {
     *p = (uint16_t)(bits >> 16);
 }
 
+/*
+ * exp(x) for the softmax probabilities, x = score - running max <= 0. libm's expf is
+ * a scalar call per score, which made the exponentials about half of the kernel's
+ * time; this inlines into a vector loop. Cody-Waite reduction x = n ln2 + r with
+ * |r| <= ln2 / 2, then a degree-6 Taylor polynomial: relative error ~2e-7, about one
+ * float32 ulp. x below -87 is clamped (e^-87 ~ 1e-38 next to the max term's 1).
+ */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    /* rintf, not the add-and-subtract 1.5 * 2^23 trick, which -fassociative-math folds away */
+    const float n = rintf(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+    const float p =
+        1.0f + r * (1.0f + r * (0.5f + r * (0.166666672f + r * (0.0416666679f + r * (0.00833333377f + r * 0.00138888892f)))));
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* Ask for a run of bytes ahead of use, into L2 (one prefetch per 64-byte line). */
+static inline void prefetch_row(const void *start, int64_t bytes) {
+    const char *p = (const char *)start;
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
+}
+
 /* KV heads per work item: as many as the buffers hold, fewer when sequences are scarce. */
 static int64_t heads_per_item(int64_t num_seqs, int64_t num_kv_heads, int64_t group,
                               int64_t head_dim, int num_threads) {
@@ -76,15 +103,18 @@ static int64_t heads_per_item(int64_t num_seqs, int64_t num_kv_heads, int64_t gr
 int64_t loraplex_paged_decode_max_rows_dim(void) { return MAX_ROWS_DIM; }
 int64_t loraplex_paged_decode_max_rows(void) { return MAX_ROWS; }
 int64_t loraplex_paged_decode_max_block_size(void) { return MAX_BLOCK_SIZE; }
+int64_t loraplex_paged_decode_max_head_dim(void) { return MAX_HEAD_DIM; }
 
 #define KV_T float
 #define KV_LOAD load_f32
 #define KV_STORE store_f32
+#define KV_ITEM paged_decode_item_f32
 #define KV_NAME loraplex_paged_decode_f32
 #include "paged_decode_impl.h"
 
 #define KV_T uint16_t
 #define KV_LOAD load_bf16
 #define KV_STORE store_bf16
+#define KV_ITEM paged_decode_item_bf16
 #define KV_NAME loraplex_paged_decode_bf16
 #include "paged_decode_impl.h"

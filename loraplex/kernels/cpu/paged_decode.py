@@ -43,6 +43,7 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
         group <= lib.loraplex_paged_decode_max_rows()
         and group * head_dim <= lib.loraplex_paged_decode_max_rows_dim()
         and block_size <= lib.loraplex_paged_decode_max_block_size()
+        and head_dim <= lib.loraplex_paged_decode_max_head_dim()
     )
 
 
