@@ -72,7 +72,12 @@ class AdapterManager:
         self._host = HostAdapterCache(self.config.max_cpu_loras)
         self._slots = SlotTable(self.config.max_loras)
         self._buffers = LoRASlotBuffers(
-            spec, self.config.max_loras, self.config.max_lora_rank, self.device, dtype
+            spec,
+            self.config.max_loras,
+            self.config.max_lora_rank,
+            self.device,
+            dtype,
+            b_rank_major=self.config.lora_b_rank_major,
         )
         self._registry = AdapterRegistry()
         self._loads: dict[str, Future[AdapterWeights]] = {}  # version -> background disk read

@@ -6,6 +6,11 @@ For each layer and group (see ``spec.GROUPS``), in the ``LoRABackend`` layout::
     lora_b: [num_slices, max_loras, max_out, max_rank]      max_out = max(slice_sizes)
     scales: [max_loras] float32, shared by every layer and group
 
+With ``b_rank_major`` the B buffer is allocated as ``[num_slices, max_loras, max_rank,
+max_out]`` and handed out transposed, so its logical shape (and every write through
+it) is unchanged while each slot's B^T rows are contiguous, which the CPU kernel's
+expand reads as long vector rows.
+
 A slot holds one adapter: rows ``[:rank]`` of A and columns ``[:rank]`` / rows
 ``[:out_features]`` of B are its weights (B already scaled), everything else is zero,
 so a module the adapter does not target contributes nothing. ``scales`` is 1.0 for
@@ -47,6 +52,8 @@ class LoRASlotBuffers:
         max_rank: int,
         device: torch.device,
         dtype: torch.dtype,
+        *,
+        b_rank_major: bool = False,
     ) -> None:
         self.spec = spec
         self.max_loras = max_loras
@@ -63,9 +70,14 @@ class LoRASlotBuffers:
                 lora_a = torch.zeros(
                     len(modules), max_loras, max_rank, in_features, dtype=dtype, device=device
                 )
-                lora_b = torch.zeros(
-                    len(modules), max_loras, max(sizes), max_rank, dtype=dtype, device=device
-                )
+                if b_rank_major:
+                    lora_b = torch.zeros(
+                        len(modules), max_loras, max_rank, max(sizes), dtype=dtype, device=device
+                    ).transpose(2, 3)
+                else:
+                    lora_b = torch.zeros(
+                        len(modules), max_loras, max(sizes), max_rank, dtype=dtype, device=device
+                    )
                 per_group[group] = SlotBuffers(lora_a, lora_b, self.scales, sizes)
             self._buffers.append(per_group)
 

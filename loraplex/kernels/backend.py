@@ -1,12 +1,12 @@
 """Contracts for the attention and LoRA backends, and the registry that picks one.
 
 Each contract has a PyTorch implementation (``torch_ref``), which runs anywhere and
-is the reference the tests compare against, and a Triton one (``triton``), used on
-CUDA. Attention also has ``cpu``: the torch backend with decode served by a C kernel
-compiled for the host on first use (``kernels/cpu``). ``select_*_backend("auto",
-device)`` picks Triton on CUDA and, on the CPU, ``cpu`` for attention when its
-kernel builds (else torch) and torch for LoRA; a name forces one (Triton runs on the
-CPU under ``TRITON_INTERPRET=1``, slowly, for tests).
+is the reference the tests compare against, a Triton one (``triton``), used on CUDA,
+and ``cpu``: the torch backend with its hot part (decode attention; LoRA of short
+token runs) served by C kernels compiled for the host on first use (``kernels/cpu``).
+``select_*_backend("auto", device)`` picks Triton on CUDA and ``cpu`` on the CPU when
+its kernels build, else torch; a name forces one (Triton runs on the CPU under
+``TRITON_INTERPRET=1``, slowly, for tests).
 
 KV cache layout (per layer, one tensor each for K and V)::
 
@@ -24,8 +24,7 @@ import torch
 
 from loraplex.kernels.metadata import AttentionMetadata, LoRAMetadata
 
-BackendName = Literal["auto", "torch", "triton"]
-AttentionBackendName = Literal["auto", "torch", "triton", "cpu"]
+BackendName = Literal["auto", "torch", "triton", "cpu"]
 
 
 class AttentionBackend(abc.ABC):
@@ -79,6 +78,9 @@ class LoRABackend(abc.ABC):
     """
 
     name: str
+    # The B layout this backend reads fastest; every backend accepts either, since the
+    # logical shape is the same (see adapters/slot_buffers.py).
+    lora_b_rank_major: bool = False
 
     @abc.abstractmethod
     def shrink(
@@ -118,35 +120,29 @@ class LoRABackend(abc.ABC):
         self.expand(y, x_rank, lora_b, scales, slice_sizes, meta)
 
 
-def _resolve(name: str, device: torch.device, choices: tuple[str, ...]) -> str:
-    if name not in ("auto", *choices):
-        raise ValueError(f"unknown kernel backend {name!r}; choose one of {('auto', *choices)}")
+def _resolve(name: str, device: torch.device) -> str:
+    if name not in ("auto", "torch", "triton", "cpu"):
+        raise ValueError(f"unknown kernel backend {name!r}; choose 'auto', 'torch', 'triton' or 'cpu'")
     if name != "auto":
         return name
     if device.type == "cuda":
         return "triton"
-    if "cpu" in choices and device.type == "cpu":
+    if device.type == "cpu":
         from loraplex.kernels.cpu.build import load_library
 
         return "cpu" if load_library() is not None else "torch"
     return "torch"
 
 
-def select_attention_backend(name: AttentionBackendName, device: torch.device) -> AttentionBackend:
+def select_attention_backend(name: BackendName, device: torch.device) -> AttentionBackend:
     """Return the attention backend for ``name`` on ``device`` (Triton on CUDA, C on CPU by default)."""
-    chosen = _resolve(name, device, ("torch", "triton", "cpu"))
+    chosen = _resolve(name, device)
     if chosen == "triton":
         from loraplex.kernels.triton.attention_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
     if chosen == "cpu":
-        from loraplex.kernels.cpu.build import load_library
-
-        if device.type != "cpu" or load_library() is None:
-            raise ValueError(
-                "the 'cpu' attention backend needs a CPU device and a C compiler "
-                "(and LORAPLEX_CPU_KERNELS not set to 0); use 'torch' instead"
-            )
+        _require_cpu_kernels("attention", device)
         from loraplex.kernels.cpu.attention import CpuAttentionBackend
 
         return CpuAttentionBackend()
@@ -155,12 +151,28 @@ def select_attention_backend(name: AttentionBackendName, device: torch.device) -
     return TorchAttentionBackend()
 
 
+def _require_cpu_kernels(what: str, device: torch.device) -> None:
+    from loraplex.kernels.cpu.build import load_library
+
+    if device.type != "cpu" or load_library() is None:
+        raise ValueError(
+            f"the 'cpu' {what} backend needs a CPU device and a C compiler "
+            "(and LORAPLEX_CPU_KERNELS not set to 0); use 'torch' instead"
+        )
+
+
 def select_lora_backend(name: BackendName, device: torch.device) -> LoRABackend:
-    """Return the LoRA backend for ``name`` on ``device`` (Triton on CUDA by default)."""
-    if _resolve(name, device, ("torch", "triton")) == "triton":
+    """Return the LoRA backend for ``name`` on ``device`` (Triton on CUDA, C on CPU by default)."""
+    chosen = _resolve(name, device)
+    if chosen == "triton":
         from loraplex.kernels.triton.lora_backend import TritonLoRABackend
 
         return TritonLoRABackend()
+    if chosen == "cpu":
+        _require_cpu_kernels("LoRA", device)
+        from loraplex.kernels.cpu.lora import CpuLoRABackend
+
+        return CpuLoRABackend()
     from loraplex.kernels.torch_ref.lora import TorchLoRABackend
 
     return TorchLoRABackend()

@@ -69,7 +69,8 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     """Adapters kept loaded in host memory (LRU); default max(2 * max_loras, 8)."""
     max_lora_rank: int = 64
-    lora_backend: Literal["auto", "torch", "triton"] = "auto"
+    lora_backend: Literal["auto", "torch", "triton", "cpu"] = "auto"
+    """LoRA kernels, chosen like ``attention_backend``."""
     num_threads: int | None = None
     """torch intra-op threads on CPU; None leaves torch's default."""
 

@@ -55,17 +55,18 @@ class LoRARuntime:
         dtype: torch.dtype,
         runner: ModelRunner,
     ) -> None:
+        self.backend = select_lora_backend(config.lora_backend, device)
         self.manager = AdapterManager(
             BaseModelSpec.from_hf_config(hf_config),
             AdapterManagerConfig(
                 max_loras=config.max_loras,
                 max_lora_rank=config.max_lora_rank,
                 max_cpu_loras=config.cpu_lora_capacity,
+                lora_b_rank_major=self.backend.lora_b_rank_major,
             ),
             device=device,
             dtype=dtype,
         )
-        self.backend = select_lora_backend(config.lora_backend, device)
         self.runner = runner
         self._slot_of_seq: dict[int, int] = {}
         self._blocked: dict[int, int] = {}  # adapter id -> step it was first blocked at

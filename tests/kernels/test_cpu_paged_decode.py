@@ -14,11 +14,12 @@ import pytest
 import torch
 from kernel_testlib import assert_close, make_paged_context, naive_paged_decode
 
-from loraplex.kernels.backend import select_attention_backend
+from loraplex.kernels.backend import select_attention_backend, select_lora_backend
 from loraplex.kernels.cpu import build
 from loraplex.kernels.cpu.attention import CpuAttentionBackend
 from loraplex.kernels.cpu.paged_decode import paged_decode_cpu, supports
 from loraplex.kernels.torch_ref.attention import TorchAttentionBackend, paged_decode_ref
+from loraplex.kernels.torch_ref.lora import TorchLoRABackend
 
 CPU = torch.device("cpu")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -104,6 +105,7 @@ def test_registry_picks_c_kernels_on_cpu_unless_disabled(monkeypatch: pytest.Mon
     build.load_library.cache_clear()
     try:
         assert type(select_attention_backend("auto", CPU)) is TorchAttentionBackend
+        assert type(select_lora_backend("auto", CPU)) is TorchLoRABackend
         with pytest.raises(ValueError, match="'cpu' attention backend needs"):
             select_attention_backend("cpu", CPU)
     finally:

@@ -22,6 +22,7 @@ from kernel_testlib import (
 
 from loraplex.kernels.backend import AttentionBackend, select_attention_backend, select_lora_backend
 from loraplex.kernels.cpu.attention import CpuAttentionBackend
+from loraplex.kernels.cpu.lora import CpuLoRABackend
 from loraplex.kernels.torch_ref.attention import TorchAttentionBackend
 from loraplex.kernels.torch_ref.lora import TorchLoRABackend
 from loraplex.kernels.triton.attention_backend import TritonAttentionBackend
@@ -97,7 +98,8 @@ def test_registry_picks_by_device_and_override() -> None:
     assert isinstance(select_attention_backend("auto", cuda), TritonAttentionBackend)
     assert isinstance(select_attention_backend("triton", cpu), TritonAttentionBackend)
     assert type(select_attention_backend("torch", cuda)) is TorchAttentionBackend
-    assert isinstance(select_lora_backend("auto", cpu), TorchLoRABackend)
+    assert isinstance(select_lora_backend("auto", cpu), CpuLoRABackend)  # when a compiler exists
+    assert type(select_lora_backend("torch", cpu)) is TorchLoRABackend
     assert isinstance(select_lora_backend("auto", cuda), TritonLoRABackend)
     with pytest.raises(ValueError, match="unknown kernel backend"):
         select_lora_backend("cutlass", cpu)  # type: ignore[arg-type]

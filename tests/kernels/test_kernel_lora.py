@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from kernel_testlib import (
 )
 
 from loraplex.kernels.backend import LoRABackend
+from loraplex.kernels.cpu.lora import CpuLoRABackend
 from loraplex.kernels.metadata import LoRAMetadata
 from loraplex.kernels.torch_ref.lora import DIRECT_MIN_RUN, TorchLoRABackend, group_tokens, plan_buckets
 from loraplex.kernels.triton.lora_backend import TritonLoRABackend
@@ -132,12 +134,14 @@ def _naive_expand(x_rank: torch.Tensor, w: LoRAWeights, slots: list[int]) -> tor
 
 # -- whole backends: apply = shrink + expand ---------------------------------------------
 
-BACKENDS = {
+BACKENDS: dict[str, Callable[[], LoRABackend]] = {
     "torch": TorchLoRABackend,
     "triton-auto": lambda: TritonLoRABackend("auto"),
     "triton-bgmv": lambda: TritonLoRABackend("bgmv"),
     "triton-sgmv": lambda: TritonLoRABackend("sgmv"),
 }
+if DEVICE.type == "cpu":
+    BACKENDS["cpu"] = CpuLoRABackend  # the C kernels: CPU only
 BATCHES = {"decode": DECODE_SLOTS, "prefill": PREFILL_SLOTS, "mixed": MIXED_SLOTS}
 
 
@@ -149,7 +153,7 @@ ALL_APPLY_CASES = [
     for name in BACKENDS
     for batch in BATCHES
     for dtype in DTYPES
-    if name in ("torch", "triton-auto") or dtype == torch.float32
+    if name in ("torch", "triton-auto", "cpu") or dtype == torch.float32
 ]
 
 
@@ -157,7 +161,7 @@ def _fast_apply_case(case: ApplyCase) -> bool:
     # Interpreted Triton is slow: the default run gives each Triton mode the mixed
     # batch, "auto" every batch in fp32; the kernel tests above cover each dtype.
     name, batch, dtype = case
-    if name == "torch" or (batch == "mixed" and (name == "triton-auto" or dtype == torch.float32)):
+    if name in ("torch", "cpu") or (batch == "mixed" and (name == "triton-auto" or dtype == torch.float32)):
         return True
     return name == "triton-auto" and dtype == torch.float32
 
@@ -167,11 +171,19 @@ def _apply_id(case: ApplyCase) -> str:
     return f"{name}-{batch}-{_dtype_id(dtype)}"
 
 
+def _in_backend_layout(backend: LoRABackend, w: LoRAWeights) -> LoRAWeights:
+    """``w`` with B stored the way ``backend`` reads it (as the slot buffers would store it)."""
+    if backend.lora_b_rank_major:
+        w.lora_b = w.lora_b.transpose(2, 3).contiguous().transpose(2, 3)
+    return w
+
+
 def _check_apply(case: ApplyCase) -> None:
     name, batch, dtype = case
     slots = BATCHES[batch]
     backend: LoRABackend = BACKENDS[name]()
     x, y, w, meta = _setup(slots, "qkv", dtype, seed=5)
+    w = _in_backend_layout(backend, w)
     expected = y.double().cpu() + naive_lora_delta(x, w, slots)
     backend.apply(y, x, w.lora_a, w.lora_b, w.scales, w.slice_sizes, meta)
     assert_close(y, expected, dtype, f"{name} apply on {batch}")
@@ -188,7 +200,7 @@ def test_backend_apply_grid(case: ApplyCase) -> None:
     _check_apply(case)
 
 
-@pytest.mark.parametrize("backend_name", ["torch", "triton-auto"])
+@pytest.mark.parametrize("backend_name", ["torch", "triton-auto", *(["cpu"] if "cpu" in BACKENDS else [])])
 def test_backend_apply_reuses_plan_across_projections(backend_name: str) -> None:
     # One metadata object, two projections with different layouts: the cached
     # grouping must serve both, and a new metadata object must replace it.
@@ -198,6 +210,7 @@ def test_backend_apply_reuses_plan_across_projections(backend_name: str) -> None
         for layout in ("qkv", "gate_up"):
             gen = torch.Generator().manual_seed(len(slots))
             w = make_lora_weights(IN_FEATURES, SLICE_LAYOUTS[layout], RANKS, torch.float32, DEVICE, gen)
+            w = _in_backend_layout(backend, w)
             x = torch.randn(len(slots), IN_FEATURES, generator=gen).to(DEVICE)
             y = torch.zeros(len(slots), sum(w.slice_sizes), device=DEVICE)
             backend.apply(y, x, w.lora_a, w.lora_b, w.scales, w.slice_sizes, meta)
@@ -319,3 +332,38 @@ def test_torch_bucket_slot_ranges(slots: list[int], slot_range: tuple[int, int] 
     y = torch.zeros(len(slots), 32, device=DEVICE)
     TorchLoRABackend().apply(y, x, w.lora_a, w.lora_b, w.scales, w.slice_sizes, meta)
     assert_close(y, naive_lora_delta(x, w, slots), torch.float32, f"bucket over slots {slots}")
+
+
+# -- CPU backend specifics --------------------------------------------------------------
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the C kernels are the CPU backend")
+def test_cpu_backend_groups_short_runs_and_falls_back() -> None:
+    """Short runs go to the C kernel, long ones to torch GEMMs; layouts it cannot read go to torch."""
+    from loraplex.kernels.cpu.lora import supports
+
+    # A 20-token run (direct, torch) and interleaved decodes over 3 slots and no adapter.
+    slots = [1] * 20 + [0, 2, -1, 2, 0, 1, 1, 3, -1, 2]
+    x, y, w, meta = _setup(slots, "gate_up", torch.float32, seed=11)
+    expected = y.double() + naive_lora_delta(x, w, slots)
+    standard_b = w.lora_b
+    backend = CpuLoRABackend()
+    assert not supports(y, x, w.lora_a, standard_b)  # [.., out, rank] rows: torch path
+    y_torch_path = y.clone()
+    backend.apply(y_torch_path, x, w.lora_a, standard_b, w.scales, w.slice_sizes, meta)
+    assert_close(y_torch_path, expected, torch.float32, "cpu backend, torch fallback")
+    w = _in_backend_layout(backend, w)
+    assert supports(y, x, w.lora_a, w.lora_b)
+    backend.apply(y, x, w.lora_a, w.lora_b, w.scales, w.slice_sizes, meta)
+    assert_close(y, expected, torch.float32, "cpu backend, C kernel")
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the C kernels are the CPU backend")
+def test_cpu_kernel_rejects_slots_outside_the_buffers() -> None:
+    from loraplex.kernels.cpu.lora import TokenGroups, lora_grouped_cpu
+
+    x, y, w, _ = _setup([0, 1], "qkv", torch.float32, seed=12)
+    w = _in_backend_layout(CpuLoRABackend(), w)
+    groups = TokenGroups.from_short_runs({len(RANKS): [0, 1]})
+    with pytest.raises(ValueError, match="outside"):
+        lora_grouped_cpu(y, x, w.lora_a, w.lora_b, w.scales, w.slice_sizes, groups)

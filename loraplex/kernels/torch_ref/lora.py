@@ -45,7 +45,7 @@ BUCKET_COST_ROWS = 32
 
 
 @dataclass(frozen=True)
-class _Run:
+class Run:
     """Consecutive tokens ``start:end`` on adapter ``slot``."""
 
     slot: int
@@ -70,7 +70,7 @@ class _Bucket:
 
 @dataclass(frozen=True)
 class _Grouping:
-    runs: tuple[_Run, ...]
+    runs: tuple[Run, ...]
     buckets: tuple[_Bucket, ...]
 
 
@@ -110,22 +110,28 @@ def _make_bucket(groups: list[tuple[int, list[int]]], num_tokens: int, device: t
     )
 
 
-def group_tokens(meta: LoRAMetadata, device: torch.device) -> _Grouping:
-    """Split a batch into direct runs and length-bucketed slot groups (host-side, once per step)."""
+def split_runs(meta: LoRAMetadata) -> tuple[list[Run], dict[int, list[int]]]:
+    """Runs of >= ``DIRECT_MIN_RUN`` tokens on one adapter, and the other tokens by slot."""
     starts = list(meta.seg_starts_cpu or meta.seg_starts.tolist())
     seg_slots = list(meta.seg_slots_cpu or meta.seg_slots.tolist())
-    num_tokens = starts[-1] if starts else 0
-    runs: list[_Run] = []
+    runs: list[Run] = []
     short: dict[int, list[int]] = {}
     for i, slot in enumerate(seg_slots):
         lo, hi = starts[i], starts[i + 1]
         if slot < 0 or hi <= lo:
             continue
         if hi - lo >= DIRECT_MIN_RUN:
-            runs.append(_Run(slot, lo, hi))
+            runs.append(Run(slot, lo, hi))
         else:
             short.setdefault(slot, []).extend(range(lo, hi))
+    return runs, short
 
+
+def group_tokens(meta: LoRAMetadata, device: torch.device) -> _Grouping:
+    """Split a batch into direct runs and length-bucketed slot groups (host-side, once per step)."""
+    starts = meta.seg_starts_cpu or tuple(meta.seg_starts.tolist())
+    num_tokens = starts[-1] if starts else 0
+    runs, short = split_runs(meta)
     groups = sorted(short.items(), key=lambda item: (len(item[1]), item[0]))
     plan = plan_buckets([len(tokens) for _, tokens in groups], BUCKET_COST_ROWS)
     buckets = tuple(
@@ -184,7 +190,7 @@ class TorchLoRABackend(LoRABackend):
     # -- shrink: rank-space vectors, group by group ------------------------------------
 
     @staticmethod
-    def _shrink_run(x: torch.Tensor, lora_a: torch.Tensor, run: _Run) -> torch.Tensor:
+    def _shrink_run(x: torch.Tensor, lora_a: torch.Tensor, run: Run) -> torch.Tensor:
         """``[num_slices, run_len, max_rank]`` in x.dtype, one mm for all slices.
 
         Stacking the slices' A (a copy of one adapter's A, small next to the run's
@@ -241,7 +247,7 @@ class TorchLoRABackend(LoRABackend):
         lora_b: torch.Tensor,
         scales: torch.Tensor,
         slice_sizes: tuple[int, ...],
-        run: _Run,
+        run: Run,
     ) -> None:
         r = (r * scales[run.slot]).to(lora_b.dtype)
         for s, (offset, size) in enumerate(zip(_slice_offsets(slice_sizes), slice_sizes, strict=True)):

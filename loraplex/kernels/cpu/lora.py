@@ -1,0 +1,173 @@
+"""The CPU LoRA backend: the C grouped kernel for short token runs, torch GEMMs for long ones.
+
+    y[t, slice] += scale[s] * (x[t] @ A[s]^T) @ B[s]^T      s = token_slots[t], -1 = none
+
+A prefill chunk of >= ``DIRECT_MIN_RUN`` tokens on one adapter is one pair of GEMMs
+on views (the torch backend's direct runs), where MKL is hard to beat. Everything
+else (decodes, short chunks: one or a few tokens per adapter) goes, grouped by slot,
+to one C call per projection (``lora_grouped.c``) instead of the torch path's padded
+buckets of a dozen ops each. The kernel reads B transposed, which the CPU slot
+buffers provide (``lora_b_rank_major``); other layouts and dtypes take the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from loraplex.kernels.cpu.build import load_library
+from loraplex.kernels.metadata import LoRAMetadata
+from loraplex.kernels.torch_ref.lora import Run, TorchLoRABackend, split_runs
+
+_ARGTYPES = (
+    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+    + [ctypes.c_void_p] * 7
+    + [ctypes.c_int64] * 6
+    + [ctypes.c_int]
+)
+
+
+def _kernel() -> Any | None:
+    lib = load_library()
+    if lib is None:
+        return None
+    fn = lib.loraplex_lora_grouped_f32
+    if fn.argtypes is None:
+        fn.argtypes = _ARGTYPES
+        fn.restype = ctypes.c_int64
+    return fn
+
+
+@dataclass(frozen=True)
+class TokenGroups:
+    """Tokens of the short runs, grouped by adapter slot (int64 tensors for the kernel)."""
+
+    tokens: torch.Tensor  # [num_grouped_tokens], token indices, group after group
+    starts: torch.Tensor  # [num_groups + 1], offsets into tokens
+    slots: torch.Tensor  # [num_groups]
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.slots.shape[0])
+
+    @staticmethod
+    def from_short_runs(short: dict[int, list[int]]) -> TokenGroups:
+        tokens: list[int] = []
+        starts = [0]
+        for tok in short.values():
+            tokens += tok
+            starts.append(len(tokens))
+        return TokenGroups(
+            torch.tensor(tokens, dtype=torch.int64),
+            torch.tensor(starts, dtype=torch.int64),
+            torch.tensor(list(short), dtype=torch.int64),
+        )
+
+
+def supports(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> bool:
+    """True when the C kernel can serve these tensors (float32 CPU, B stored rank-major)."""
+    if _kernel() is None or not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (y, x)):
+        return False
+    if lora_a.dtype != torch.float32 or lora_b.dtype != torch.float32 or not lora_a.is_contiguous():
+        return False
+    lib = load_library()
+    assert lib is not None
+    num_slices, _, max_rank, _ = lora_a.shape
+    return (
+        lora_b.transpose(2, 3).is_contiguous()
+        and x.stride(1) == 1
+        and y.stride(1) == 1
+        and max_rank <= lib.loraplex_lora_max_rank()
+        and num_slices <= lib.loraplex_lora_max_slices()
+    )
+
+
+def lora_grouped_cpu(
+    y: torch.Tensor,  # [num_tokens, sum(slice_sizes)], updated in place
+    x: torch.Tensor,  # [num_tokens, in_features]
+    lora_a: torch.Tensor,  # [num_slices, max_loras, max_rank, in_features]
+    lora_b: torch.Tensor,  # [num_slices, max_loras, max_out, max_rank], stored rank-major
+    scales: torch.Tensor,  # [max_loras] float32
+    slice_sizes: tuple[int, ...],
+    groups: TokenGroups,
+) -> None:
+    """Add every grouped token's LoRA delta into ``y`` with the C kernel (``supports`` first)."""
+    assert supports(y, x, lora_a, lora_b), "C LoRA kernel does not support these tensors"
+    num_slices, num_slots, max_rank, in_features = lora_a.shape
+    max_out = lora_b.shape[2]
+    assert lora_b.shape[:2] == (num_slices, num_slots) and lora_b.shape[3] == max_rank, "lora_b shape"
+    assert len(slice_sizes) == num_slices and max(slice_sizes) <= max_out, "slice_sizes"
+    assert x.shape[1] == in_features and y.shape[0] == x.shape[0], "x / y rows"
+    assert y.shape[1] >= sum(slice_sizes), "y columns"
+    assert scales.dtype == torch.float32 and scales.is_contiguous() and scales.shape[0] == num_slots, "scales"
+    if groups.num_groups == 0:
+        return
+    sizes = torch.tensor(slice_sizes, dtype=torch.int64)
+    kernel = _kernel()
+    assert kernel is not None
+    bad = kernel(
+        x.data_ptr(),
+        x.stride(0),
+        y.data_ptr(),
+        y.stride(0),
+        lora_a.data_ptr(),
+        lora_b.data_ptr(),
+        scales.data_ptr(),
+        groups.tokens.data_ptr(),
+        groups.starts.data_ptr(),
+        groups.slots.data_ptr(),
+        sizes.data_ptr(),
+        groups.num_groups,
+        num_slices,
+        num_slots,
+        max_rank,
+        in_features,
+        max_out,
+        torch.get_num_threads(),
+    )
+    if bad:
+        raise ValueError(f"LoRA: {bad} token groups point at a slot outside [0, {num_slots})")
+
+
+class CpuLoRABackend(TorchLoRABackend):
+    """Torch LoRA with the short token runs served by the compiled C kernel (CPU only)."""
+
+    name = "cpu"
+    lora_b_rank_major = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._split_meta: LoRAMetadata | None = None
+        self._split: tuple[list[Run], TokenGroups] | None = None
+
+    def _runs_and_groups(self, meta: LoRAMetadata) -> tuple[list[Run], TokenGroups]:
+        # One LoRAMetadata serves every projection of a step: split it once.
+        if self._split_meta is not meta or self._split is None:
+            runs, short = split_runs(meta)
+            self._split = (runs, TokenGroups.from_short_runs(short))
+            self._split_meta = meta
+        return self._split
+
+    def apply(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        scales: torch.Tensor,
+        slice_sizes: tuple[int, ...],
+        meta: LoRAMetadata,
+    ) -> None:
+        if meta.num_active_slots == 0:
+            return
+        if not supports(y, x, lora_a, lora_b):
+            super().apply(y, x, lora_a, lora_b, scales, slice_sizes, meta)
+            return
+        runs, groups = self._runs_and_groups(meta)
+        for run in runs:
+            r = self._shrink_run(x, lora_a, run)
+            self._expand_run(y, r, lora_b, scales, slice_sizes, run)
+        lora_grouped_cpu(y, x, lora_a, lora_b, scales, slice_sizes, groups)
