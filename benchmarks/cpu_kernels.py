@@ -6,7 +6,8 @@ Two questions, each answered by a ratio (lower is better):
   backend whose decode is the compiled C kernel, on an all-decode batch) vs
   ``F.scaled_dot_product_attention`` over the same context already laid out
   contiguously: batch 16, context 1024, block 16. Target <= 2.0.
-* batched multi-adapter LoRA (``TorchLoRABackend.apply``, 16 distinct adapters) vs
+* batched multi-adapter LoRA (``apply`` of the ``torch`` and ``cpu`` backends, the
+  latter with B stored rank-major as its slot buffers hold it; 16 distinct adapters) vs
   one dense ``torch.mm`` with the same FLOPs: ``x [T, in] @ W [in, N]`` with
   ``2 T in N = 2 T r (slices * in + out)``. Target <= 1.5. A second ratio compares
   against the same LoRA with every token on one adapter (same shapes, same FLOPs):
@@ -36,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from loraplex.kernels.backend import AttentionBackend
+from loraplex.kernels.backend import AttentionBackend, LoRABackend
 from loraplex.kernels.cpu.build import load_library
 from loraplex.kernels.metadata import AttentionMetadata, LoRAMetadata
 from loraplex.kernels.torch_ref.attention import TorchAttentionBackend
@@ -147,6 +148,7 @@ def bench_decode_attention(
 
 def bench_lora(
     cfg: HeadConfig,
+    backend: LoRABackend,
     projection: str,
     token_slots: list[int],
     label: str,
@@ -169,14 +171,15 @@ def bench_lora(
     x = torch.randn(num_tokens, in_features, generator=gen)
     y = torch.zeros(num_tokens, sum(slice_sizes))
     meta = LoRAMetadata.from_token_slots(token_slots, torch.device("cpu"))
-    backend = TorchLoRABackend()
+    # B stored the way this backend reads it, as the engine's slot buffers store it.
+    lora_b_used = lora_b.transpose(2, 3).contiguous().transpose(2, 3) if backend.lora_b_rank_major else lora_b
 
     flops = 2 * num_tokens * rank * (num_slices * in_features + sum(slice_sizes))
     dense_cols = max(1, round(flops / (2 * num_tokens * in_features)))
     w_dense = torch.randn(in_features, dense_cols, generator=gen)
 
     def lora() -> object:
-        backend.apply(y, x, lora_a, lora_b, scales, slice_sizes, meta)
+        backend.apply(y, x, lora_a, lora_b_used, scales, slice_sizes, meta)
         return y
 
     def dense() -> object:
@@ -195,7 +198,7 @@ def bench_lora(
 
     ours, base, single = interleaved_medians([lora, dense, one_adapter], repeats)
     shape_str = f"{label}: T={num_tokens} {projection} in={in_features} out={sum(slice_sizes)} r={rank}"
-    name = f"LoRA x{num_adapters} adapters / dense mm"
+    name = f"LoRA x{num_adapters} [{backend.name}] / dense mm"
     return Row(name, cfg.name, shape_str, ours, base, ours / base, LORA_TARGET, one_adapter_ms=single)
 
 
@@ -211,7 +214,7 @@ def lora_batches(num_adapters: int = 16) -> dict[str, list[int]]:
 
 def print_table(rows: list[Row]) -> None:
     header = (
-        f"{'benchmark':31} {'model':13} {'shape':57} {'ours ms':>9} {'base ms':>9} {'ratio':>6} "
+        f"{'benchmark':34} {'model':13} {'shape':57} {'ours ms':>9} {'base ms':>9} {'ratio':>6} "
         f"{'target':>6}      {'1-adapter ms':>12} {'ratio':>6}"
     )
     print(header)
@@ -219,7 +222,7 @@ def print_table(rows: list[Row]) -> None:
     for r in rows:
         verdict = "ok  " if r.ok else "MISS"
         line = (
-            f"{r.bench:31} {r.config:13} {r.shape:57} {r.ours_ms:9.3f} {r.baseline_ms:9.3f} "
+            f"{r.bench:34} {r.config:13} {r.shape:57} {r.ours_ms:9.3f} {r.baseline_ms:9.3f} "
             f"{r.ratio:6.2f} {r.target:6.1f} {verdict}"
         )
         if r.one_adapter_ms is not None and r.one_adapter_ratio is not None:
@@ -249,10 +252,16 @@ def main() -> None:
     for cfg in (SMOLLM2, LLAMA3_8B):
         for backend in backends:
             rows.append(bench_decode_attention(cfg, backend, args.repeats))
+    lora_backends: list[LoRABackend] = [TorchLoRABackend()]
+    if load_library() is not None:
+        from loraplex.kernels.cpu.lora import CpuLoRABackend
+
+        lora_backends.append(CpuLoRABackend())
     for cfg in (SMOLLM2, LLAMA3_8B):
         for label, slots in lora_batches().items():
             for projection in ("qkv", "gate_up"):
-                rows.append(bench_lora(cfg, projection, slots, label, args.repeats))
+                for lora_backend in lora_backends:
+                    rows.append(bench_lora(cfg, lora_backend, projection, slots, label, args.repeats))
     print_table(rows)
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
