@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     serve.add_argument("--attention-backend", choices=["auto", "torch", "triton", "cpu"], default="auto")
+    serve.add_argument(
+        "--lora-backend",
+        choices=["auto", "torch", "triton", "cpu"],
+        default="auto",
+        help="LoRA kernels (auto: Triton on CUDA, the C kernels on CPU when they build)",
+    )
     serve.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
     serve.add_argument(
         "--lora-modules",
@@ -111,6 +117,7 @@ def _serve(args: argparse.Namespace) -> int:
             seed=args.seed,
             scheduling_policy=args.scheduling_policy,
             attention_backend=args.attention_backend,
+            lora_backend=args.lora_backend,
             enable_lora=args.enable_lora or bool(args.lora_modules),
             max_loras=args.max_loras,
             max_cpu_loras=args.max_cpu_loras,

@@ -367,3 +367,22 @@ def test_cpu_kernel_rejects_slots_outside_the_buffers() -> None:
     groups = TokenGroups.from_short_runs({len(RANKS): [0, 1]})
     with pytest.raises(ValueError, match="outside"):
         lora_grouped_cpu(y, x, w.lora_a, w.lora_b, w.scales, w.slice_sizes, groups)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the C kernels are the CPU backend")
+def test_cpu_kernel_odd_rank_wide_slices_and_partial_token_blocks() -> None:
+    """A max rank that is not a multiple of 4, a slice wider than one output chunk (512),
+    and groups of 1-6 tokens (full and partial blocks of 4)."""
+    gen = torch.Generator().manual_seed(13)
+    slice_sizes = (600, 40)
+    ranks = [3, 5, 2]
+    w = _in_backend_layout(
+        CpuLoRABackend(), make_lora_weights(IN_FEATURES, slice_sizes, ranks, torch.float32, DEVICE, gen)
+    )
+    slots = [0, 1, 2, 1, 0, -1, 1, 1, 0, 1, 1, 2, 0, 0]  # slot 1: 6 tokens, slot 0: 5, slot 2: 2
+    x = torch.randn(len(slots), IN_FEATURES, generator=gen)
+    y = torch.randn(len(slots), sum(slice_sizes), generator=gen)
+    expected = y.double() + naive_lora_delta(x, w, slots)
+    meta = LoRAMetadata.from_token_slots(slots, DEVICE)
+    CpuLoRABackend().apply(y, x, w.lora_a, w.lora_b, w.scales, w.slice_sizes, meta)
+    assert_close(y, expected, torch.float32, "odd rank, wide slice")

@@ -2,7 +2,7 @@
  * Multi-adapter LoRA for short runs of tokens (decodes, short chunks) on the CPU.
  *
  *   for each (group of tokens on one adapter slot, slice) (one work item, OpenMP):
- *     for each token t of the group:
+ *     for each block of up to 4 tokens t of the group:
  *       r = scale[slot] * A[slice, slot] @ x[t]                    (rank dots of length in)
  *       y[t, off : off + size] += sum_k r[k] * B^T[slice, slot, k, :size]   (rank axpys)
  *
@@ -33,6 +33,8 @@
 
 #define MAX_RANK 512
 #define MAX_SLICES 8
+#define TOKEN_BLOCK 4  /* the shrink below is written for exactly 4 */
+#define OUT_CHUNK 512  /* output columns per pass: 4 rows of B^T = 8 KiB */
 
 int64_t loraplex_lora_max_rank(void) { return MAX_RANK; }
 int64_t loraplex_lora_max_slices(void) { return MAX_SLICES; }
@@ -66,32 +68,61 @@ int64_t loraplex_lora_grouped_f32(const float *x, int64_t x_stride, float *y, in
         const float *a = lora_a + (s * num_slots + slot) * rank * in_features;
         const float *bt = lora_bt + (s * num_slots + slot) * rank * max_out;
         const int64_t size = slice_sizes[s];
-        for (int64_t i = group_starts[g]; i < group_starts[g + 1]; ++i) {
-            const int64_t t = tokens[i];
-            const float *xt = x + t * x_stride;
-            float *yt = y + t * y_stride + offsets[s];
-            float r[MAX_RANK];
+        const int64_t first = group_starts[g], last = group_starts[g + 1];
+        /* TOKEN_BLOCK tokens at a time: each row of A and B^T read from cache once per
+         * block instead of once per token. */
+        for (int64_t i0 = first; i0 < last; i0 += TOKEN_BLOCK) {
+            const int64_t nb = last - i0 < TOKEN_BLOCK ? last - i0 : TOKEN_BLOCK;
+            const float *xs[TOKEN_BLOCK];
+            float *ys[TOKEN_BLOCK];
+            for (int64_t j = 0; j < TOKEN_BLOCK; ++j) {
+                /* a short block repeats its first token; those results are dropped */
+                const int64_t t = tokens[i0 + (j < nb ? j : 0)];
+                xs[j] = x + t * x_stride;
+                ys[j] = y + t * y_stride + offsets[s];
+            }
+            float r[TOKEN_BLOCK][MAX_RANK];
             for (int64_t k = 0; k < rank; ++k) {
                 const float *ak = a + k * in_features;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < in_features; ++d) dot += ak[d] * xt[d];
-                r[k] = dot * scale;
+                const float *x0 = xs[0], *x1 = xs[1], *x2 = xs[2], *x3 = xs[3];
+                float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+                for (int64_t d = 0; d < in_features; ++d) {
+                    const float av = ak[d];
+                    d0 += av * x0[d];
+                    d1 += av * x1[d];
+                    d2 += av * x2[d];
+                    d3 += av * x3[d];
+                }
+                r[0][k] = d0 * scale;
+                r[1][k] = d1 * scale;
+                r[2][k] = d2 * scale;
+                r[3][k] = d3 * scale;
             }
-            /* Four B rows per pass over y's slice: a quarter of the loads and stores of y. */
-            int64_t k = 0;
-            for (; k + 4 <= rank; k += 4) {
-                const float r0 = r[k], r1 = r[k + 1], r2 = r[k + 2], r3 = r[k + 3];
-                const float *b0 = bt + k * max_out, *b1 = b0 + max_out, *b2 = b1 + max_out,
-                            *b3 = b2 + max_out;
+            /* y[t, o] += sum_k r[t][k] * B^T[k][o], over column chunks that keep a chunk
+             * of four B^T rows in L1 while every token of the block uses it */
+            for (int64_t o0 = 0; o0 < size; o0 += OUT_CHUNK) {
+                const int64_t o1 = o0 + OUT_CHUNK < size ? o0 + OUT_CHUNK : size;
+                int64_t k = 0;
+                for (; k + 4 <= rank; k += 4) {
+                    const float *b0 = bt + k * max_out, *b1 = b0 + max_out, *b2 = b1 + max_out,
+                                *b3 = b2 + max_out;
+                    for (int64_t j = 0; j < nb; ++j) {
+                        const float r0 = r[j][k], r1 = r[j][k + 1], r2 = r[j][k + 2], r3 = r[j][k + 3];
+                        float *yt = ys[j];
 #pragma omp simd
-                for (int64_t o = 0; o < size; ++o) yt[o] += r0 * b0[o] + r1 * b1[o] + r2 * b2[o] + r3 * b3[o];
-            }
-            for (; k < rank; ++k) {
-                const float rk = r[k];
-                const float *bk = bt + k * max_out;
+                        for (int64_t o = o0; o < o1; ++o) yt[o] += r0 * b0[o] + r1 * b1[o] + r2 * b2[o] + r3 * b3[o];
+                    }
+                }
+                for (; k < rank; ++k) {
+                    const float *bk = bt + k * max_out;
+                    for (int64_t j = 0; j < nb; ++j) {
+                        const float rk = r[j][k];
+                        float *yt = ys[j];
 #pragma omp simd
-                for (int64_t o = 0; o < size; ++o) yt[o] += rk * bk[o];
+                        for (int64_t o = o0; o < o1; ++o) yt[o] += rk * bk[o];
+                    }
+                }
             }
         }
     }
