@@ -523,6 +523,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"\n== loraplex (engine args {eargs}) ==", flush=True)
         torch.manual_seed(0)
         llm = LLM(model=args.model, **eargs)
+        # What "auto" resolved to (the C kernels on a CPU with a compiler, else torch).
+        eargs["resolved_backends"] = {
+            "attention": llm.llm_engine.runner.attn.name,
+            "lora": llm.llm_engine.lora_manager.backend.name,
+        }
+        print(f"backends: {eargs['resolved_backends']}", flush=True)
         warm_s = 0.0
         if not args.no_warmup:
             with stopwatch() as t_warm:
