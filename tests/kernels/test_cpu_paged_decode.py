@@ -9,6 +9,7 @@ kernel's types; float16 goes to the torch path, checked through the backend).
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,23 +103,23 @@ def test_registry_picks_c_kernels_on_cpu_unless_disabled(monkeypatch: pytest.Mon
     assert isinstance(select_attention_backend("auto", CPU), CpuAttentionBackend)
     assert type(select_attention_backend("torch", CPU)) is TorchAttentionBackend
     monkeypatch.setenv(build.ENV_SWITCH, "0")
-    build.load_library.cache_clear()
+    build.clear_caches()
     try:
         assert type(select_attention_backend("auto", CPU)) is TorchAttentionBackend
         assert type(select_lora_backend("auto", CPU)) is TorchLoRABackend
         with pytest.raises(ValueError, match="'cpu' attention backend needs"):
             select_attention_backend("cpu", CPU)
     finally:
-        build.load_library.cache_clear()
+        build.clear_caches()
 
 
-def test_build_reports_compiler_errors(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_build_reports_compiler_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A broken compiler is a warning and a torch fallback, never an exception at start-up."""
     monkeypatch.setenv("CC", "/bin/false")
     monkeypatch.setenv("LORAPLEX_CACHE", str(tmp_path))
-    build.load_library.cache_clear()
+    build.clear_caches()
     try:
         assert build.load_library() is None
         assert type(select_attention_backend("auto", CPU)) is TorchAttentionBackend
     finally:
-        build.load_library.cache_clear()
+        build.clear_caches()

@@ -50,13 +50,13 @@ def _dtype_id(dtype: torch.dtype) -> str:
 
 
 def _setup(
-    slots: list[int], layout: str, dtype: torch.dtype, seed: int
+    slots: list[int], layout: str, dtype: torch.dtype, seed: int, device: torch.device = DEVICE
 ) -> tuple[torch.Tensor, torch.Tensor, LoRAWeights, LoRAMetadata]:
     gen = torch.Generator().manual_seed(seed)
-    w = make_lora_weights(IN_FEATURES, SLICE_LAYOUTS[layout], RANKS, dtype, DEVICE, gen)
-    x = torch.randn(len(slots), IN_FEATURES, generator=gen).to(dtype).to(DEVICE)
-    y = torch.randn(len(slots), sum(w.slice_sizes), generator=gen).to(dtype).to(DEVICE)
-    return x, y, w, LoRAMetadata.from_token_slots(slots, DEVICE)
+    w = make_lora_weights(IN_FEATURES, SLICE_LAYOUTS[layout], RANKS, dtype, device, gen)
+    x = torch.randn(len(slots), IN_FEATURES, generator=gen).to(dtype).to(device)
+    y = torch.randn(len(slots), sum(w.slice_sizes), generator=gen).to(dtype).to(device)
+    return x, y, w, LoRAMetadata.from_token_slots(slots, device)
 
 
 def _max_seg_len(meta: LoRAMetadata) -> int:
@@ -334,17 +334,18 @@ def test_torch_bucket_slot_ranges(slots: list[int], slot_range: tuple[int, int] 
     assert_close(y, naive_lora_delta(x, w, slots), torch.float32, f"bucket over slots {slots}")
 
 
-# -- CPU backend specifics --------------------------------------------------------------
+# -- CPU backend specifics (on the CPU on every machine: the C kernels take CPU tensors) --
+
+CPU = torch.device("cpu")
 
 
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="the C kernels are the CPU backend")
 def test_cpu_backend_groups_short_runs_and_falls_back() -> None:
     """Short runs go to the C kernel, long ones to torch GEMMs; layouts it cannot read go to torch."""
     from loraplex.kernels.cpu.lora import supports
 
     # A 20-token run (direct, torch) and interleaved decodes over 3 slots and no adapter.
     slots = [1] * 20 + [0, 2, -1, 2, 0, 1, 1, 3, -1, 2]
-    x, y, w, meta = _setup(slots, "gate_up", torch.float32, seed=11)
+    x, y, w, meta = _setup(slots, "gate_up", torch.float32, seed=11, device=CPU)
     expected = y.double() + naive_lora_delta(x, w, slots)
     standard_b = w.lora_b
     backend = CpuLoRABackend()
@@ -358,18 +359,16 @@ def test_cpu_backend_groups_short_runs_and_falls_back() -> None:
     assert_close(y, expected, torch.float32, "cpu backend, C kernel")
 
 
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="the C kernels are the CPU backend")
 def test_cpu_kernel_rejects_slots_outside_the_buffers() -> None:
     from loraplex.kernels.cpu.lora import TokenGroups, lora_grouped_cpu
 
-    x, y, w, _ = _setup([0, 1], "qkv", torch.float32, seed=12)
+    x, y, w, _ = _setup([0, 1], "qkv", torch.float32, seed=12, device=CPU)
     w = _in_backend_layout(CpuLoRABackend(), w)
     groups = TokenGroups.from_short_runs({len(RANKS): [0, 1]})
     with pytest.raises(ValueError, match="outside"):
         lora_grouped_cpu(y, x, w.lora_a, w.lora_b, w.scales, w.slice_sizes, groups)
 
 
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="the C kernels are the CPU backend")
 def test_cpu_kernel_odd_rank_wide_slices_and_partial_token_blocks() -> None:
     """A max rank that is not a multiple of 4, a slice wider than one output chunk (512),
     and groups of 1-6 tokens (full and partial blocks of 4)."""
@@ -377,12 +376,12 @@ def test_cpu_kernel_odd_rank_wide_slices_and_partial_token_blocks() -> None:
     slice_sizes = (600, 40)
     ranks = [3, 5, 2]
     w = _in_backend_layout(
-        CpuLoRABackend(), make_lora_weights(IN_FEATURES, slice_sizes, ranks, torch.float32, DEVICE, gen)
+        CpuLoRABackend(), make_lora_weights(IN_FEATURES, slice_sizes, ranks, torch.float32, CPU, gen)
     )
     slots = [0, 1, 2, 1, 0, -1, 1, 1, 0, 1, 1, 2, 0, 0]  # slot 1: 6 tokens, slot 0: 5, slot 2: 2
     x = torch.randn(len(slots), IN_FEATURES, generator=gen)
     y = torch.randn(len(slots), sum(slice_sizes), generator=gen)
     expected = y.double() + naive_lora_delta(x, w, slots)
-    meta = LoRAMetadata.from_token_slots(slots, DEVICE)
+    meta = LoRAMetadata.from_token_slots(slots, CPU)
     CpuLoRABackend().apply(y, x, w.lora_a, w.lora_b, w.scales, w.slice_sizes, meta)
     assert_close(y, expected, torch.float32, "odd rank, wide slice")

@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from loraplex.paths import cache_root
 
@@ -122,3 +123,30 @@ def load_library() -> ctypes.CDLL | None:
     except (OSError, RuntimeError) as exc:
         logger.warning("CPU kernels unavailable, falling back to pure torch: %s", exc)
         return None
+
+
+@functools.cache
+def bind(symbol: str, argtypes: tuple[Any, ...]) -> Any | None:
+    """The C function ``symbol`` with its ctypes signature set (returns int64), or None
+    when the library is unavailable. Cached: the engine calls it per layer per step."""
+    lib = load_library()
+    if lib is None:
+        return None
+    fn = getattr(lib, symbol)
+    fn.argtypes = list(argtypes)
+    fn.restype = ctypes.c_int64
+    return fn
+
+
+@functools.cache
+def limit(symbol: str) -> int:
+    """A compile-time limit the library exports as ``int64_t symbol(void)`` (0 if unavailable)."""
+    fn = bind(symbol, ())
+    return 0 if fn is None else int(fn())
+
+
+def clear_caches() -> None:
+    """Forget the loaded library and bound functions (tests that toggle the switch or CC)."""
+    load_library.cache_clear()
+    bind.cache_clear()
+    limit.cache_clear()

@@ -13,32 +13,35 @@ buffers provide (``lora_b_rank_major``); other layouts and dtypes take the torch
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from loraplex.kernels.cpu.build import load_library
+from loraplex.kernels.cpu.build import bind, limit
 from loraplex.kernels.metadata import LoRAMetadata
 from loraplex.kernels.torch_ref.lora import Run, TorchLoRABackend, split_runs
 
 _ARGTYPES = (
-    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-    + [ctypes.c_void_p] * 7
-    + [ctypes.c_int64] * 6
-    + [ctypes.c_int]
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    *[ctypes.c_void_p] * 7,
+    *[ctypes.c_int64] * 6,
+    ctypes.c_int,
 )
 
 
 def _kernel() -> Any | None:
-    lib = load_library()
-    if lib is None:
-        return None
-    fn = lib.loraplex_lora_grouped_f32
-    if fn.argtypes is None:
-        fn.argtypes = _ARGTYPES
-        fn.restype = ctypes.c_int64
-    return fn
+    return bind("loraplex_lora_grouped_f32", _ARGTYPES)
+
+
+@functools.lru_cache(maxsize=64)
+def _slice_sizes_tensor(slice_sizes: tuple[int, ...]) -> torch.Tensor:
+    # A handful of distinct tuples (one per projection kind), asked for in every layer.
+    return torch.tensor(slice_sizes, dtype=torch.int64)
 
 
 @dataclass(frozen=True)
@@ -73,15 +76,13 @@ def supports(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
         return False
     if lora_a.dtype != torch.float32 or lora_b.dtype != torch.float32 or not lora_a.is_contiguous():
         return False
-    lib = load_library()
-    assert lib is not None
     num_slices, _, max_rank, _ = lora_a.shape
     return (
         lora_b.transpose(2, 3).is_contiguous()
         and x.stride(1) == 1
         and y.stride(1) == 1
-        and max_rank <= lib.loraplex_lora_max_rank()
-        and num_slices <= lib.loraplex_lora_max_slices()
+        and max_rank <= limit("loraplex_lora_max_rank")
+        and num_slices <= limit("loraplex_lora_max_slices")
     )
 
 
@@ -105,7 +106,7 @@ def lora_grouped_cpu(
     assert scales.dtype == torch.float32 and scales.is_contiguous() and scales.shape[0] == num_slots, "scales"
     if groups.num_groups == 0:
         return
-    sizes = torch.tensor(slice_sizes, dtype=torch.int64)
+    sizes = _slice_sizes_tensor(tuple(slice_sizes))
     kernel = _kernel()
     assert kernel is not None
     bad = kernel(
@@ -168,6 +169,6 @@ class CpuLoRABackend(TorchLoRABackend):
             return
         runs, groups = self._runs_and_groups(meta)
         for run in runs:
-            r = self._shrink_run(x, lora_a, run)
-            self._expand_run(y, r, lora_b, scales, slice_sizes, run)
-        lora_grouped_cpu(y, x, lora_a, lora_b, scales, slice_sizes, groups)
+            self._apply_run(y, x, lora_a, lora_b, scales, slice_sizes, run)
+        if groups.num_groups:
+            lora_grouped_cpu(y, x, lora_a, lora_b, scales, slice_sizes, groups)

@@ -12,38 +12,30 @@ from typing import Any
 
 import torch
 
-from loraplex.kernels.cpu.build import load_library
+from loraplex.kernels.cpu.build import bind, limit
 
 _SYMBOLS = {torch.float32: "loraplex_paged_decode_f32", torch.bfloat16: "loraplex_paged_decode_bf16"}
-_ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
+_ARGTYPES = (*[ctypes.c_void_p] * 6, *[ctypes.c_int64] * 7, ctypes.c_float, ctypes.c_int)
 
 
 def _kernel(dtype: torch.dtype) -> Any | None:
-    lib = load_library()
-    if lib is None or dtype not in _SYMBOLS:
-        return None
-    fn = getattr(lib, _SYMBOLS[dtype])
-    if fn.argtypes is None:
-        fn.argtypes = _ARGTYPES
-        fn.restype = ctypes.c_int64
-    return fn
+    symbol = _SYMBOLS.get(dtype)
+    return None if symbol is None else bind(symbol, _ARGTYPES)
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """True when the C kernel can serve this dtype, device and head/block shape."""
     if query.device.type != "cpu" or query.dtype != k_cache.dtype or _kernel(query.dtype) is None:
         return False
-    lib = load_library()
-    assert lib is not None
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     # One KV head's query group must fit the kernel's per-work-item stack buffers.
     return (
-        group <= lib.loraplex_paged_decode_max_rows()
-        and group * head_dim <= lib.loraplex_paged_decode_max_rows_dim()
-        and block_size <= lib.loraplex_paged_decode_max_block_size()
-        and head_dim <= lib.loraplex_paged_decode_max_head_dim()
+        group <= limit("loraplex_paged_decode_max_rows")
+        and group * head_dim <= limit("loraplex_paged_decode_max_rows_dim")
+        and block_size <= limit("loraplex_paged_decode_max_block_size")
+        and head_dim <= limit("loraplex_paged_decode_max_head_dim")
     )
 
 
