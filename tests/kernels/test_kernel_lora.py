@@ -339,8 +339,8 @@ def test_torch_bucket_slot_ranges(slots: list[int], slot_range: tuple[int, int] 
 CPU = torch.device("cpu")
 
 
-def test_cpu_backend_groups_short_runs_and_falls_back() -> None:
-    """Short runs go to the C kernel, long ones to torch GEMMs; layouts it cannot read go to torch."""
+def test_cpu_backend_serves_runs_and_decodes_and_falls_back() -> None:
+    """Prefill runs and decodes go to the C kernel; layouts it cannot read go to torch."""
     from loraplex.kernels.cpu.lora import supports
 
     # A 20-token run (direct, torch) and interleaved decodes over 3 slots and no adapter.
@@ -364,7 +364,7 @@ def test_cpu_kernel_rejects_slots_outside_the_buffers() -> None:
 
     x, y, w, _ = _setup([0, 1], "qkv", torch.float32, seed=12, device=CPU)
     w = _in_backend_layout(CpuLoRABackend(), w)
-    groups = TokenGroups.from_short_runs({len(RANKS): [0, 1]})
+    groups = TokenGroups.from_slot_tokens({len(RANKS): [0, 1]})
     with pytest.raises(ValueError, match="outside"):
         lora_grouped_cpu(y, x, w.lora_a, w.lora_b, w.scales, w.slice_sizes, groups)
 
@@ -385,3 +385,16 @@ def test_cpu_kernel_odd_rank_wide_slices_and_partial_token_blocks() -> None:
     meta = LoRAMetadata.from_token_slots(slots, CPU)
     CpuLoRABackend().apply(y, x, w.lora_a, w.lora_b, w.scales, w.slice_sizes, meta)
     assert_close(y, expected, torch.float32, "odd rank, wide slice")
+
+
+@pytest.mark.parametrize("run_len", [15, 16, 17, 33, 70])
+def test_cpu_kernel_work_items_across_long_runs(run_len: int) -> None:
+    """A prefill run split into work items of 16 tokens (a partial last item and a
+    partial last block of 4), the same slot again later in the batch (one group of
+    non-consecutive tokens), and decodes of other slots in between."""
+    slots = [2] * run_len + [0, 1, -1, 2, 0] + [1] * (run_len // 2) + [2, 0]
+    x, y, w, meta = _setup(slots, "qkv", torch.float32, seed=14, device=CPU)
+    w = _in_backend_layout(CpuLoRABackend(), w)
+    expected = y.double() + naive_lora_delta(x, w, slots)
+    CpuLoRABackend().apply(y, x, w.lora_a, w.lora_b, w.scales, w.slice_sizes, meta)
+    assert_close(y, expected, torch.float32, f"C kernel, run of {run_len}")

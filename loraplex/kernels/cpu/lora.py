@@ -1,13 +1,15 @@
-"""The CPU LoRA backend: the C grouped kernel for short token runs, torch GEMMs for long ones.
+"""The CPU LoRA backend: one call of the C grouped kernel per projection for every token.
 
     y[t, slice] += scale[s] * (x[t] @ A[s]^T) @ B[s]^T      s = token_slots[t], -1 = none
 
-A prefill chunk of >= ``DIRECT_MIN_RUN`` tokens on one adapter is one pair of GEMMs
-on views (the torch backend's direct runs), where MKL is hard to beat. Everything
-else (decodes, short chunks: one or a few tokens per adapter) goes, grouped by slot,
-to one C call per projection (``lora_grouped.c``) instead of the torch path's padded
-buckets of a dozen ops each. The kernel reads B transposed, which the CPU slot
-buffers provide (``lora_b_rank_major``); other layouts and dtypes take the torch path.
+A step's tokens are grouped by adapter slot (decodes, short chunks and prefill runs
+alike) and ``lora_grouped.c`` serves them all in one call per projection: register
+tiles of 4 tokens for the shrink and the expand, each adapter's A and B read about
+once per 16 tokens. That replaces the torch path's padded buckets (a dozen ops each)
+for decodes, and for prefill runs it beats MKL's GEMMs, whose rank-wide shapes
+(N = rank in the shrink, K = rank in the expand) run far below peak. The kernel reads
+B transposed, which the CPU slot buffers provide (``lora_b_rank_major``); other
+layouts and dtypes take the torch path.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from loraplex.kernels.cpu.build import bind, limit
 from loraplex.kernels.metadata import LoRAMetadata
-from loraplex.kernels.torch_ref.lora import Run, TorchLoRABackend, split_runs
+from loraplex.kernels.torch_ref.lora import TorchLoRABackend
 
 _ARGTYPES = (
     ctypes.c_void_p,
@@ -46,7 +48,7 @@ def _slice_sizes_tensor(slice_sizes: tuple[int, ...]) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class TokenGroups:
-    """Tokens of the short runs, grouped by adapter slot (int64 tensors for the kernel)."""
+    """Token indices grouped by adapter slot (int64 tensors for the kernel)."""
 
     tokens: torch.Tensor  # [num_grouped_tokens], token indices, group after group
     starts: torch.Tensor  # [num_groups + 1], offsets into tokens
@@ -57,17 +59,29 @@ class TokenGroups:
         return int(self.slots.shape[0])
 
     @staticmethod
-    def from_short_runs(short: dict[int, list[int]]) -> TokenGroups:
+    def from_slot_tokens(by_slot: dict[int, list[int]]) -> TokenGroups:
+        """Groups from ``{slot: token indices}``."""
         tokens: list[int] = []
         starts = [0]
-        for tok in short.values():
+        for tok in by_slot.values():
             tokens += tok
             starts.append(len(tokens))
         return TokenGroups(
             torch.tensor(tokens, dtype=torch.int64),
             torch.tensor(starts, dtype=torch.int64),
-            torch.tensor(list(short), dtype=torch.int64),
+            torch.tensor(list(by_slot), dtype=torch.int64),
         )
+
+    @staticmethod
+    def from_meta(meta: LoRAMetadata) -> TokenGroups:
+        """Every token with an adapter, grouped by slot (segments of one slot merged)."""
+        starts = meta.seg_starts_cpu or tuple(meta.seg_starts.tolist())
+        seg_slots = meta.seg_slots_cpu or tuple(meta.seg_slots.tolist())
+        by_slot: dict[int, list[int]] = {}
+        for i, slot in enumerate(seg_slots):
+            if slot >= 0 and starts[i + 1] > starts[i]:
+                by_slot.setdefault(slot, []).extend(range(starts[i], starts[i + 1]))
+        return TokenGroups.from_slot_tokens(by_slot)
 
 
 def supports(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> bool:
@@ -129,28 +143,29 @@ def lora_grouped_cpu(
         max_out,
         torch.get_num_threads(),
     )
+    if bad < 0:
+        raise MemoryError("LoRA: the C kernel could not allocate its work list")
     if bad:
         raise ValueError(f"LoRA: {bad} token groups point at a slot outside [0, {num_slots})")
 
 
 class CpuLoRABackend(TorchLoRABackend):
-    """Torch LoRA with the short token runs served by the compiled C kernel (CPU only)."""
+    """LoRA by the compiled C kernel (CPU, float32); the torch path for what it cannot read."""
 
     name = "cpu"
     lora_b_rank_major = True
 
     def __init__(self) -> None:
         super().__init__()
-        self._split_meta: LoRAMetadata | None = None
-        self._split: tuple[list[Run], TokenGroups] | None = None
+        self._groups_meta: LoRAMetadata | None = None
+        self._groups: TokenGroups | None = None
 
-    def _runs_and_groups(self, meta: LoRAMetadata) -> tuple[list[Run], TokenGroups]:
-        # One LoRAMetadata serves every projection of a step: split it once.
-        if self._split_meta is not meta or self._split is None:
-            runs, short = split_runs(meta)
-            self._split = (runs, TokenGroups.from_short_runs(short))
-            self._split_meta = meta
-        return self._split
+    def _token_groups(self, meta: LoRAMetadata) -> TokenGroups:
+        # One LoRAMetadata serves every projection of a step: group its tokens once.
+        if self._groups_meta is not meta or self._groups is None:
+            self._groups = TokenGroups.from_meta(meta)
+            self._groups_meta = meta
+        return self._groups
 
     def apply(
         self,
@@ -167,8 +182,4 @@ class CpuLoRABackend(TorchLoRABackend):
         if not supports(y, x, lora_a, lora_b):
             super().apply(y, x, lora_a, lora_b, scales, slice_sizes, meta)
             return
-        runs, groups = self._runs_and_groups(meta)
-        for run in runs:
-            self._apply_run(y, x, lora_a, lora_b, scales, slice_sizes, run)
-        if groups.num_groups:
-            lora_grouped_cpu(y, x, lora_a, lora_b, scales, slice_sizes, groups)
+        lora_grouped_cpu(y, x, lora_a, lora_b, scales, slice_sizes, self._token_groups(meta))
