@@ -143,7 +143,9 @@ def machine_info() -> dict[str, Any]:
     with suppress(OSError):
         info["loadavg_1_5_15"] = list(os.getloadavg())
     env = {
-        k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS") if k in os.environ
+        k: os.environ[k]
+        for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "LORAPLEX_MALLOC_TUNING")
+        if k in os.environ
     }
     if env:
         info["env"] = env

@@ -166,6 +166,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["auto", "torch", "cpu"],
         help="attention kernels on the CPU (auto: the C decode kernel when it builds)",
     )
+    p.add_argument(
+        "--linear-backend",
+        default="auto",
+        choices=["auto", "torch", "cpu"],
+        help="loraplex dense projections on the CPU (auto: the C packed-panel kernel when it builds)",
+    )
     # PEFT
     p.add_argument("--peft-requests", type=int, default=32, help="PEFT runs on the first K requests")
     p.add_argument("--peft-batch-size", type=int, default=16)
@@ -272,6 +278,7 @@ def engine_args(args: argparse.Namespace, num_adapters: int) -> dict[str, Any]:
         "max_lora_rank": args.rank,
         "lora_backend": args.lora_backend,
         "attention_backend": args.attention_backend,
+        "linear_backend": args.linear_backend,
         "block_size": args.block_size,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -526,6 +533,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # What "auto" resolved to (the C kernels on a CPU with a compiler, else torch).
         eargs["resolved_backends"] = {
             "attention": llm.llm_engine.runner.attn.name,
+            "linear": llm.llm_engine.model.linear.name,
             "lora": llm.llm_engine.lora_manager.backend.name,
         }
         print(f"backends: {eargs['resolved_backends']}", flush=True)

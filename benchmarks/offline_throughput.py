@@ -127,6 +127,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["auto", "torch", "cpu"],
         help="loraplex attention kernels on the CPU (auto: the C decode kernel when it builds)",
     )
+    p.add_argument(
+        "--linear-backend",
+        default="auto",
+        choices=["auto", "torch", "cpu"],
+        help="loraplex dense projections on the CPU (auto: the C packed-panel kernel when it builds)",
+    )
     # loraplex engine
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=128)
@@ -245,6 +251,7 @@ def run_loraplex(
         kv_cache_memory=int(args.kv_cache_gib * 2**30),
         num_threads=args.threads,
         attention_backend=args.attention_backend,
+        linear_backend=args.linear_backend,
         seed=0,
     )
     engine = llm.llm_engine
@@ -285,6 +292,7 @@ def run_loraplex(
                 "kv_cache_gib": args.kv_cache_gib,
                 "num_kv_blocks": bm.num_blocks,
                 "attention_backend": engine.runner.attn.name,
+                "linear_backend": engine.model.linear.name,
             },
         },
     )

@@ -1,9 +1,10 @@
-"""Contracts for the attention and LoRA backends, and the registry that picks one.
+"""Contracts for the attention, LoRA and linear backends, and the registry that picks one.
 
 Each contract has a PyTorch implementation (``torch_ref``), which runs anywhere and
 is the reference the tests compare against, a Triton one (``triton``), used on CUDA,
-and ``cpu``: the torch backend with its hot part (decode attention; LoRA of short
-token runs) served by C kernels compiled for the host on first use (``kernels/cpu``).
+and ``cpu``: the torch backend with its hot part (decode attention; LoRA; the dense
+projections) served by C kernels compiled for the host on first use (``kernels/cpu``).
+The linear backend has no Triton version: on CUDA ``auto`` keeps torch's cuBLAS.
 ``select_*_backend("auto", device)`` picks Triton on CUDA and ``cpu`` on the CPU when
 its kernels build, else torch; a name forces one (Triton runs on the CPU under
 ``TRITON_INTERPRET=1``, slowly, for tests).
@@ -25,6 +26,30 @@ import torch
 from loraplex.kernels.metadata import AttentionMetadata, LoRAMetadata
 
 BackendName = Literal["auto", "torch", "triton", "cpu"]
+LinearBackendName = Literal["auto", "torch", "cpu"]
+
+
+class LinearBackend:
+    """The base model's dense projections, ``y = x @ W^T + b``: torch's ``F.linear``.
+
+    A backend may keep weights in its own layout: the model passes each weight through
+    ``prepare`` once at load time and hands the result back to ``__call__``.
+    """
+
+    name = "torch"
+
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        """The form of ``weight`` ([out_features, in_features]) that ``__call__`` reads."""
+        return weight
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [num_tokens, in_features]
+        weight: torch.Tensor,  # what prepare returned
+        bias: torch.Tensor | None,  # [out_features]
+        out_features: int,
+    ) -> torch.Tensor:  # [num_tokens, out_features]
+        return torch.nn.functional.linear(x, weight, bias)
 
 
 class AttentionBackend(abc.ABC):
@@ -176,3 +201,16 @@ def select_lora_backend(name: BackendName, device: torch.device) -> LoRABackend:
     from loraplex.kernels.torch_ref.lora import TorchLoRABackend
 
     return TorchLoRABackend()
+
+
+def select_linear_backend(name: LinearBackendName, device: torch.device) -> LinearBackend:
+    """Return the linear backend for ``name`` on ``device`` (C panels on CPU by default)."""
+    if name not in ("auto", "torch", "cpu"):
+        raise ValueError(f"unknown linear backend {name!r}; choose 'auto', 'torch' or 'cpu'")
+    chosen = _resolve(name, device)
+    if chosen == "cpu":
+        _require_cpu_kernels("linear", device)
+        from loraplex.kernels.cpu.linear import CpuLinearBackend
+
+        return CpuLinearBackend()
+    return LinearBackend()  # torch, and 'auto' on CUDA (cuBLAS)

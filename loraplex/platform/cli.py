@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="LoRA kernels (auto: Triton on CUDA, the C kernels on CPU when they build)",
     )
+    serve.add_argument(
+        "--linear-backend",
+        choices=["auto", "torch", "cpu"],
+        default="auto",
+        help="dense projections (auto: the C packed-panel kernel on CPU for float32, else torch)",
+    )
     serve.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
     serve.add_argument(
         "--lora-modules",
@@ -118,6 +124,7 @@ def _serve(args: argparse.Namespace) -> int:
             scheduling_policy=args.scheduling_policy,
             attention_backend=args.attention_backend,
             lora_backend=args.lora_backend,
+            linear_backend=args.linear_backend,
             enable_lora=args.enable_lora or bool(args.lora_modules),
             max_loras=args.max_loras,
             max_cpu_loras=args.max_cpu_loras,

@@ -71,6 +71,9 @@ class EngineConfig:
     max_lora_rank: int = 64
     lora_backend: Literal["auto", "torch", "triton", "cpu"] = "auto"
     """LoRA kernels, chosen like ``attention_backend``."""
+    linear_backend: Literal["auto", "torch", "cpu"] = "auto"
+    """The base model's dense projections: on CPU the C packed-panel kernel ("cpu", float32)
+    when a C compiler is present, else torch's F.linear (always on CUDA)."""
     num_threads: int | None = None
     """torch intra-op threads on CPU; None leaves torch's default."""
 

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
-from loraplex.kernels.backend import select_attention_backend
+from loraplex.kernels.backend import select_attention_backend, select_linear_backend
 from loraplex.platform.config import EngineConfig, RuntimeInfo, parse_dtype
 from loraplex.platform.detokenizer import IncrementalDetokenizer
+from loraplex.platform.host_memory import tune_host_malloc
 from loraplex.platform.model.loader import load_hf_config, load_model
 from loraplex.platform.model.runner import ModelRunner
 from loraplex.platform.model.source import resolve_model_dir
@@ -70,7 +71,12 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's context of {arch.max_position_embeddings}"
             )
-        self.model, self.arch, self.hf_config = load_model(self.model_dir, dtype, device, max_model_len)
+        if device.type == "cpu":
+            tune_host_malloc()
+        linear = select_linear_backend(config.linear_backend, device)
+        self.model, self.arch, self.hf_config = load_model(
+            self.model_dir, dtype, device, max_model_len, linear
+        )
         per_block = kv_bytes_per_block(
             arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype
         )
@@ -111,7 +117,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
         logger.info(
-            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, %s attention",
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, "
+            "%s attention, %s linear",
             self.model_dir.name,
             device,
             dtype,
@@ -119,6 +126,7 @@ class LLMEngine:
             config.block_size,
             max_model_len,
             self.runner.attn.name,
+            linear.name,
         )
 
     # -- requests ----------------------------------------------------------------

@@ -63,7 +63,9 @@ def test_tiny_models_match_hf(name: str, tiny_dirs: dict[str, Path]) -> None:
     prompts = _prompts(32, seed=TINY.index(name))
     refs = _references(model_dir, prompts, MAX_NEW)
 
-    # One request alone.
+    # One request alone, with torch's F.linear and with the default (the C panel kernel).
+    plain = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=256, linear_backend="torch")
+    _check(_run(plain, prompts[4:5], MAX_NEW), refs[4:5], f"{name} single, torch linear")
     llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=256, max_num_seqs=32)
     _check(_run(llm, prompts[4:5], MAX_NEW), refs[4:5], f"{name} single")
     # 32 mixed-length requests at once.

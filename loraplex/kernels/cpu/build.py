@@ -35,7 +35,11 @@ from loraplex.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("paged_decode.c", "lora_grouped.c")  # compiled; every *.c and *.h here goes into the cache key
+SOURCES = (
+    "paged_decode.c",
+    "lora_grouped.c",
+    "linear_panels.c",
+)  # compiled; every *.c and *.h here goes into the cache key
 CFLAGS = (
     "-O3",
     "-march=native",

@@ -16,8 +16,7 @@
  * a prefill run is compute-bound. B is read transposed ([rank, max_out] per slot, as
  * the CPU slot buffers store it), so the expand's inner loop runs along y's rows.
  *
- * The vectors are GCC/Clang vector extensions of 16 floats: one AVX-512 register where
- * the CPU has it, split by the compiler into AVX2/SSE/NEON registers elsewhere.
+ * The vectors are GCC/Clang vector extensions of 16 floats (vec_tiles.h).
  *
  * Work items write disjoint parts of y (a chunk of a group's token rows, all columns),
  * so no two threads touch the same element.
@@ -39,31 +38,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec_tiles.h"
+
 #define MAX_RANK 512
 #define MAX_SLICES 8
-#define TB 4            /* tokens per register tile (the tiles below are written for 4) */
-#define RB 4            /* rank rows per shrink tile */
-#define VL 16           /* floats per vector */
 #define ITEM_TOKENS 16  /* tokens per work item: enough to reuse A and B, small enough to balance */
 #define EXPAND_COLS 1024 /* columns per expand pass: rank x 1024 floats of B^T, 64 KiB at rank 16 */
-
-typedef float v16 __attribute__((vector_size(VL * sizeof(float))));
-
-static inline v16 vload(const float *p) {
-    v16 v;
-    memcpy(&v, p, sizeof v); /* unaligned load */
-    return v;
-}
-
-static inline void vstore(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-
-static inline v16 vsplat(float s) { return (v16){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
-
-static inline float vsum(v16 v) {
-    float s = 0.0f;
-    for (int i = 0; i < VL; ++i) s += v[i];
-    return s;
-}
 
 int64_t loraplex_lora_max_rank(void) { return MAX_RANK; }
 int64_t loraplex_lora_max_slices(void) { return MAX_SLICES; }
@@ -74,25 +54,7 @@ static inline void shrink_tile(const float *const xs[TB], const float *a, int64_
                                int64_t in_features, float *r) {
     const float *rows[RB];
     for (int j = 0; j < RB; ++j) rows[j] = a + (k0 + j < rank ? k0 + j : k0) * in_features;
-    v16 acc[TB][RB];
-    for (int t = 0; t < TB; ++t)
-        for (int j = 0; j < RB; ++j) acc[t][j] = vsplat(0.0f);
-    int64_t d = 0;
-    for (; d + VL <= in_features; d += VL) {
-        v16 av[RB];
-        for (int j = 0; j < RB; ++j) av[j] = vload(rows[j] + d);
-        for (int t = 0; t < TB; ++t) {
-            const v16 xv = vload(xs[t] + d);
-            for (int j = 0; j < RB; ++j) acc[t][j] += xv * av[j];
-        }
-    }
-    for (int t = 0; t < TB; ++t) {
-        for (int j = 0; j < RB && k0 + j < rank; ++j) {
-            float s = vsum(acc[t][j]);
-            for (int64_t e = d; e < in_features; ++e) s += xs[t][e] * rows[j][e];
-            r[t * rank + k0 + j] = s;
-        }
-    }
+    dot_tile(xs, rows, in_features, r + k0, rank, TB, rank - k0);
 }
 
 /* y_t[o .. o + NV*VL) += sum_k r[t][k] * bt[k][o ..] for 4 tokens; NV is a constant at

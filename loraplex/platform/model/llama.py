@@ -15,12 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplex.kernels.backend import AttentionBackend
+from loraplex.kernels.backend import AttentionBackend, LinearBackend
 from loraplex.kernels.metadata import AttentionMetadata
 from loraplex.platform.model.arch import ModelArch, rope_inv_freq
 from loraplex.storage.kv.kv_cache import KVCache
 
 LORA_GROUPS = ("qkv", "o", "gate_up", "down")
+PROJECTIONS = LORA_GROUPS  # each layer's fused projections: <name>_weight, <name>_bias
 
 
 class LoRAHook(Protocol):
@@ -65,6 +66,19 @@ class DecoderLayer(nn.Module):
         self.down_weight = param(h, i)
         self.down_bias = param(h) if arch.mlp_bias else None
         self.scale = arch.head_dim**-0.5
+        self.out_features = {"qkv": q + 2 * kv, "o": h, "gate_up": 2 * i, "down": h}
+        self.linear = LinearBackend()
+
+    def use_linear(self, linear: LinearBackend) -> None:
+        """Compute the projections with ``linear``, its own weight layout replacing ours."""
+        for name in PROJECTIONS:
+            weight = getattr(self, f"{name}_weight")
+            setattr(self, f"{name}_weight", nn.Parameter(linear.prepare(weight.data), requires_grad=False))
+        self.linear = linear
+
+    def _project(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = getattr(self, f"{name}_weight"), getattr(self, f"{name}_bias")
+        return self.linear(x, weight, bias, self.out_features[name])
 
     def forward(
         self,
@@ -80,7 +94,7 @@ class DecoderLayer(nn.Module):
         arch = self.arch
         num_tokens = hidden.shape[0]
         x = rms_norm(hidden, self.input_norm, arch.rms_norm_eps)
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = self._project("qkv", x)
         if lora is not None:
             lora(self.layer_idx, "qkv", x, qkv)
         q, k, v = qkv.split([arch.q_size, arch.kv_size, arch.kv_size], dim=-1)
@@ -92,18 +106,18 @@ class DecoderLayer(nn.Module):
         k = k * cos_h + rotate_half(k) * sin_h
         attn.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = attn.forward(q, k_cache, v_cache, meta, self.scale).reshape(num_tokens, arch.q_size)
-        o = F.linear(out, self.o_weight, self.o_bias)
+        o = self._project("o", out)
         if lora is not None:
             lora(self.layer_idx, "o", out, o)
         hidden = hidden + o
 
         x = rms_norm(hidden, self.post_norm, arch.rms_norm_eps)
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        gate_up = self._project("gate_up", x)
         if lora is not None:
             lora(self.layer_idx, "gate_up", x, gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         act = F.silu(gate) * up
-        down = F.linear(act, self.down_weight, self.down_bias)
+        down = self._project("down", act)
         if lora is not None:
             lora(self.layer_idx, "down", act, down)
         return hidden + down
@@ -135,6 +149,23 @@ class LlamaForCausalLM(nn.Module):
         self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", emb.cos(), persistent=False)
         self.register_buffer("rope_sin", emb.sin(), persistent=False)
+        self.linear = LinearBackend()
+        self._logits_weight: torch.Tensor | None = None  # the LM head in the linear backend's layout
+
+    def use_linear(self, linear: LinearBackend) -> None:
+        """Compute every projection and the LM head with ``linear`` (call once, after loading)."""
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.use_linear(linear)
+        if self.lm_head is not None:
+            self.lm_head = nn.Parameter(linear.prepare(self.lm_head.data), requires_grad=False)
+            self._logits_weight = None
+        else:
+            # Tied: the embedding lookup needs the plain matrix, so a re-laid-out LM head
+            # is a second copy (none for the torch backend, whose prepare returns it).
+            prepared = linear.prepare(self.embed.data)
+            self._logits_weight = None if prepared is self.embed.data else prepared
+        self.linear = linear
 
     def forward(
         self,
@@ -153,5 +184,7 @@ class LlamaForCausalLM(nn.Module):
         return rms_norm(hidden, self.norm, self.arch.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
-        weight = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+        weight = self._logits_weight
+        if weight is None:
+            weight = self.embed if self.lm_head is None else self.lm_head
+        return self.linear(hidden, weight, None, self.arch.vocab_size).float()

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from loraplex.kernels.backend import LinearBackend
 from loraplex.platform.model.arch import ModelArch
 from loraplex.platform.model.llama import LlamaForCausalLM
 
@@ -54,9 +55,14 @@ def _read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(
-    model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    linear: LinearBackend | None = None,
 ) -> tuple[LlamaForCausalLM, ModelArch, Any]:
-    """Build our model for ``model_dir`` and fill it with its weights (cast to ``dtype``)."""
+    """Build our model for ``model_dir`` and fill it with its weights (cast to ``dtype``);
+    ``linear`` computes its projections (torch's ``F.linear`` when None)."""
     hf_config = load_hf_config(model_dir)
     arch = ModelArch.from_hf_config(hf_config)
     state = _read_state_dict(model_dir)
@@ -106,4 +112,6 @@ def load_model(
     if missing or unexpected:
         raise KeyError(f"weights do not fit the model: missing {missing}, unexpected {list(unexpected)}")
     model.eval()
+    if linear is not None:
+        model.use_linear(linear)
     return model, arch, hf_config
