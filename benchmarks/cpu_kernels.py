@@ -13,6 +13,11 @@ Two questions, each answered by a ratio (lower is better):
   against the same LoRA with every token on one adapter (same shapes, same FLOPs):
   what serving 16 different adapters costs over serving one.
 
+A third table compares the ``cpu`` linear backend (packed-panel C kernel) with torch's
+``F.linear`` (MKL) on the model's projections for 4, 64 and (SmolLM2) 1,024 rows (a
+small and a full decode step, a prefill step): target <= 1.0, it has to be faster to be
+the default.
+
 Timings interleave the contenders round by round and report medians, so a noisy
 (shared) machine slows both sides alike. Head counts: SmolLM2-135M (9 query / 3 KV
 heads, head_dim 64, hidden 576) and Llama-3-8B (32 / 8, head_dim 128, hidden 4096).
@@ -45,6 +50,7 @@ from loraplex.kernels.torch_ref.lora import TorchLoRABackend
 
 ATTENTION_TARGET = 2.0
 LORA_TARGET = 1.5
+LINEAR_TARGET = 1.0  # the C projection must not be slower than F.linear to be the default
 
 
 @dataclass(frozen=True)
@@ -212,6 +218,46 @@ def lora_batches(num_adapters: int = 16) -> dict[str, list[int]]:
     }
 
 
+# -- dense projections ----------------------------------------------------------------------
+
+
+def bench_linear(cfg: HeadConfig, rows: int, repeats: int) -> Row:
+    """All four projections of one layer (qkv, o, gate_up, down) for ``rows`` rows of x,
+    over 8 layers' worth of distinct weights so they stream from memory as in a step."""
+    from loraplex.kernels.cpu.linear import CpuLinearBackend
+
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = [
+        (q + 2 * kv, cfg.hidden),
+        (cfg.hidden, q),
+        (2 * cfg.intermediate, cfg.hidden),
+        (cfg.hidden, cfg.intermediate),
+    ]
+    gen = torch.Generator().manual_seed(2)
+    layers = 8 if cfg.hidden < 1024 else 1
+    weights = [[torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes] for _ in range(layers)]
+    backend = CpuLinearBackend()
+    packed = [[backend.prepare(w) for w in layer] for layer in weights]
+    xs = [torch.randn(rows, k, generator=gen) for _, k in shapes]
+
+    def ours() -> object:
+        for layer in packed:
+            for x, w, (n, _) in zip(xs, layer, shapes, strict=True):
+                backend(x, w, None, n)
+        return None
+
+    def torch_linear() -> object:
+        for layer in weights:
+            for x, w in zip(xs, layer, strict=True):
+                F.linear(x, w)
+        return None
+
+    mine, base = interleaved_medians([ours, torch_linear], repeats)
+    flops = 2 * rows * layers * sum(n * k for n, k in shapes)
+    shape_str = f"rows={rows} x {layers} layers: {flops / mine / 1e6:.0f} vs {flops / base / 1e6:.0f} GFLOP/s"
+    return Row("linear [cpu] / F.linear", cfg.name, shape_str, mine, base, mine / base, LINEAR_TARGET)
+
+
 def print_table(rows: list[Row]) -> None:
     header = (
         f"{'benchmark':34} {'model':13} {'shape':57} {'ours ms':>9} {'base ms':>9} {'ratio':>6} "
@@ -262,6 +308,11 @@ def main() -> None:
             for projection in ("qkv", "gate_up"):
                 for lora_backend in lora_backends:
                     rows.append(bench_lora(cfg, lora_backend, projection, slots, label, args.repeats))
+    if load_library() is not None:
+        # Llama-3-8B's layer is 218 M parameters (0.45 TFLOP at 1,024 rows): decode sizes only.
+        for cfg, sizes in ((SMOLLM2, (4, 64, 1024)), (LLAMA3_8B, (4, 64))):
+            for num_rows in sizes:
+                rows.append(bench_linear(cfg, num_rows, max(3, args.repeats // 3)))
     print_table(rows)
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)

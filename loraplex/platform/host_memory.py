@@ -3,11 +3,13 @@
 A CPU forward step allocates and frees tensors of megabytes (a 1,024-token step of
 SmolLM2: 12 MB for ``gate_up`` alone). glibc serves blocks above its mmap threshold
 with fresh ``mmap`` calls and trims the heap top when enough is free, so those bytes
-come back zeroed by the kernel, page by page, on every step: ~128,000 minor page
-faults per 1,024-token step here, ~25% of its time. Raising the mmap threshold and
-the trim threshold keeps freed blocks in the process for the next step (the same
-effect jemalloc or tcmalloc give, which the CPU inference guides of PyTorch and
-Intel recommend through ``LD_PRELOAD``).
+come back zeroed by the kernel, page by page. Its dynamic threshold adapts to sizes
+it has seen (up to 32 MB), so the cost is worst on an engine's first steps and for
+any block over 32 MB: the first 1,024-token steps of SmolLM2 took ~128,000 minor
+page faults each, ~25% of their time; over a whole benchmark run the gain was
+within noise (+3%). Raising the mmap and trim thresholds keeps freed blocks in the
+process from the start (the effect jemalloc or tcmalloc give, which the CPU inference
+guides of PyTorch and Intel recommend through ``LD_PRELOAD``).
 
 The setting is process-wide: everything else in the process (another model, a
 benchmark's peers) gets it too. ``LORAPLEX_MALLOC_TUNING=0`` leaves malloc alone.
