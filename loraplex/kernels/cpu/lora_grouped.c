@@ -97,10 +97,9 @@ static inline void expand_rows(float *const *yt, const float *bt, int64_t max_ou
 
 /* One work item's tokens (up to ITEM_TOKENS: n real ones; rows past n repeat token n - 1,
  * so a short last block pads with its own last row) and one slice: shrink every token
- * into r, then expand
- * column chunk by column chunk, each chunk's B^T rows (rank x EXPAND_COLS floats)
- * staying in L2 while all the item's tokens add their terms, so B is read from memory
- * about once per item, not once per 4 tokens. */
+ * into r, then expand column chunk by column chunk, each chunk's B^T rows (rank x
+ * EXPAND_COLS floats) staying in L2 while all the item's tokens add their terms, so B
+ * is read from memory about once per item, not once per 4 tokens. */
 static void item_slice(const float *const xs[ITEM_TOKENS + TB], float *const ys[ITEM_TOKENS + TB],
                        int64_t n, const float *a, const float *bt, float scale, int64_t rank,
                        int64_t in_features, int64_t max_out, int64_t size) {

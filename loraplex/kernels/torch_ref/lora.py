@@ -300,20 +300,6 @@ class TorchLoRABackend(LoRABackend):
             r = r.view(num_slices, bucket.num_groups, bucket.group_len, max_rank)
             self._expand_bucket(y, r, lora_b, scales, slice_sizes, bucket)
 
-    def _apply_run(
-        self,
-        y: torch.Tensor,
-        x: torch.Tensor,
-        lora_a: torch.Tensor,
-        lora_b: torch.Tensor,
-        scales: torch.Tensor,
-        slice_sizes: tuple[int, ...],
-        run: Run,
-    ) -> None:
-        """One prefill run's whole delta: a shrink GEMM, then an expand GEMM per slice."""
-        r = self._shrink_run(x, lora_a, run)
-        self._expand_run(y, r, lora_b, scales, slice_sizes, run)
-
     def apply(
         self,
         y: torch.Tensor,
@@ -328,8 +314,8 @@ class TorchLoRABackend(LoRABackend):
         if meta.num_active_slots == 0:
             return
         grouping = self._group(meta, x.device)
-        for run in grouping.runs:
-            self._apply_run(y, x, lora_a, lora_b, scales, slice_sizes, run)
+        for run in grouping.runs:  # a shrink GEMM, then an expand GEMM per slice, on views
+            self._expand_run(y, self._shrink_run(x, lora_a, run), lora_b, scales, slice_sizes, run)
         for bucket in grouping.buckets:
             r = self._shrink_bucket(x, lora_a, bucket)
             self._expand_bucket(y, r, lora_b, scales, slice_sizes, bucket)
