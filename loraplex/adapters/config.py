@@ -24,9 +24,6 @@ class AdapterManagerConfig:
     """Copy uploaded folders into the store (immutable); False serves them in place."""
     archive_limits: ArchiveLimits = field(default_factory=ArchiveLimits)
     """Bounds on uploaded archives."""
-    lora_b_rank_major: bool = False
-    """Store each slot's B transposed in memory (``[rank, out]`` rows), for a LoRA backend
-    that reads it that way (the CPU kernels); the tensors keep their logical shape."""
     num_loader_threads: int = 1
     """Background threads that read adapters from disk into the host tier."""
 

@@ -45,6 +45,7 @@ from loraplex.adapters.slot_buffers import LoRASlotBuffers, SlotBuffers
 from loraplex.adapters.slot_table import SlotTable
 from loraplex.adapters.spec import BaseModelSpec, GroupName
 from loraplex.adapters.store import AdapterStore
+from loraplex.kernels.lora_layout import LOGICAL_LAYOUT, LoRAWeightLayout
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,10 @@ class AdapterManager:
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        weight_layout: LoRAWeightLayout = LOGICAL_LAYOUT,
     ) -> None:
+        """``weight_layout``: how the device slots store adapters, the LoRA backend's
+        ``weight_layout`` (the logical one by default)."""
         self.spec = spec
         self.config = config or AdapterManagerConfig()
         self.device = torch.device(device)
@@ -77,7 +81,7 @@ class AdapterManager:
             self.config.max_lora_rank,
             self.device,
             dtype,
-            b_rank_major=self.config.lora_b_rank_major,
+            layout=weight_layout,
         )
         self._registry = AdapterRegistry()
         self._loads: dict[str, Future[AdapterWeights]] = {}  # version -> background disk read
@@ -280,8 +284,13 @@ class AdapterManager:
     # -- model runner ----------------------------------------------------------------------
 
     def get_buffers(self, layer_idx: int, group: GroupName) -> SlotBuffers:
-        """``(lora_a, lora_b, scales, slice_sizes)`` of ``group`` in layer ``layer_idx``."""
+        """``(lora_a, lora_b, scales, slice_sizes)`` of ``group`` in layer ``layer_idx``, in
+        the weight layout (what the LoRA backend's ``apply`` reads)."""
         return self._buffers.get(layer_idx, group)
+
+    def get_logical_buffers(self, layer_idx: int, group: GroupName) -> SlotBuffers:
+        """The same in the logical layout (a copy where the weight layout needs one)."""
+        return self._buffers.get_logical(layer_idx, group)
 
     @property
     def device_nbytes(self) -> int:

@@ -1,15 +1,15 @@
 """The device tier: stacked, rank-padded LoRA buffers for every layer and projection group.
 
-For each layer and group (see ``spec.GROUPS``), in the ``LoRABackend`` layout::
+For each layer and group (see ``spec.GROUPS``), in the LoRA backend's weight layout
+(``kernels/lora_layout.py``), whose logical form is::
 
     lora_a: [num_slices, max_loras, max_rank, in_features]
     lora_b: [num_slices, max_loras, max_out, max_rank]      max_out = max(slice_sizes)
     scales: [max_loras] float32, shared by every layer and group
 
-With ``b_rank_major`` the B buffer is allocated as ``[num_slices, max_loras, max_rank,
-max_out]`` and handed out transposed, so its logical shape (and every write through
-it) is unchanged while each slot's B^T rows are contiguous, which the CPU kernel's
-expand reads as long vector rows.
+The CPU backend asks for a packed layout (A^T with the slices side by side, B in
+64-column panels) that its kernel streams; the torch and Triton backends read the
+logical one.
 
 A slot holds one adapter: rows ``[:rank]`` of A and columns ``[:rank]`` / rows
 ``[:out_features]`` of B are its weights (B already scaled), everything else is zero,
@@ -31,13 +31,14 @@ import torch
 
 from loraplex.adapters.peft_weights import AdapterWeights
 from loraplex.adapters.spec import GROUPS, BaseModelSpec, GroupName
+from loraplex.kernels.lora_layout import LOGICAL_LAYOUT, LoRAWeightLayout
 
 
 class SlotBuffers(NamedTuple):
     """What one fused projection passes to ``LoRABackend.apply``."""
 
-    lora_a: torch.Tensor  # [num_slices, max_loras, max_rank, in_features]
-    lora_b: torch.Tensor  # [num_slices, max_loras, max_out, max_rank]
+    lora_a: torch.Tensor  # in the backend's layout; logically [num_slices, max_loras, max_rank, in_features]
+    lora_b: torch.Tensor  # in the backend's layout; logically [num_slices, max_loras, max_out, max_rank]
     scales: torch.Tensor  # [max_loras] float32
     slice_sizes: tuple[int, ...]
 
@@ -53,13 +54,14 @@ class LoRASlotBuffers:
         device: torch.device,
         dtype: torch.dtype,
         *,
-        b_rank_major: bool = False,
+        layout: LoRAWeightLayout = LOGICAL_LAYOUT,
     ) -> None:
         self.spec = spec
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.device = device
         self.dtype = dtype
+        self.layout = layout
         self.scales = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self._buffers: list[dict[GroupName, SlotBuffers]] = []
         for _ in range(spec.num_layers):
@@ -67,23 +69,21 @@ class LoRASlotBuffers:
             for group, modules in GROUPS.items():
                 sizes = spec.slice_sizes(group)
                 in_features = spec.group_in_features(group)
-                lora_a = torch.zeros(
-                    len(modules), max_loras, max_rank, in_features, dtype=dtype, device=device
+                lora_a, lora_b = layout.allocate(
+                    len(modules), max_loras, max_rank, in_features, max(sizes), dtype, device
                 )
-                if b_rank_major:
-                    lora_b = torch.zeros(
-                        len(modules), max_loras, max_rank, max(sizes), dtype=dtype, device=device
-                    ).transpose(2, 3)
-                else:
-                    lora_b = torch.zeros(
-                        len(modules), max_loras, max(sizes), max_rank, dtype=dtype, device=device
-                    )
                 per_group[group] = SlotBuffers(lora_a, lora_b, self.scales, sizes)
             self._buffers.append(per_group)
 
     def get(self, layer_idx: int, group: GroupName) -> SlotBuffers:
-        """Buffers of ``group`` in layer ``layer_idx``."""
+        """Buffers of ``group`` in layer ``layer_idx``, in the layout."""
         return self._buffers[layer_idx][group]
+
+    def get_logical(self, layer_idx: int, group: GroupName) -> SlotBuffers:
+        """The same buffers in the logical layout (a copy where the layout needs one)."""
+        buf = self._buffers[layer_idx][group]
+        lora_a, lora_b = self.layout.logical(buf.lora_a, buf.lora_b)
+        return SlotBuffers(lora_a, lora_b, buf.scales, buf.slice_sizes)
 
     @property
     def nbytes(self) -> int:
@@ -103,16 +103,19 @@ class LoRASlotBuffers:
         for layer_idx, per_group in enumerate(self._buffers):
             for group, modules in GROUPS.items():
                 buf = per_group[group]
-                buf.lora_a[:, slot_idx].zero_()
-                buf.lora_b[:, slot_idx].zero_()
+                self.layout.clear_slot(buf.lora_a, buf.lora_b, slot_idx)
                 for slice_idx, module in enumerate(modules):
                     w = weights.modules.get((layer_idx, module))
                     if w is None:
                         continue
-                    rank, out_features = w.rank, w.lora_b.shape[0]
-                    buf.lora_a[slice_idx, slot_idx, :rank].copy_(w.lora_a, non_blocking=non_blocking)
-                    buf.lora_b[slice_idx, slot_idx, :out_features, :rank].copy_(
-                        w.lora_b, non_blocking=non_blocking
+                    self.layout.write(
+                        buf.lora_a,
+                        buf.lora_b,
+                        slice_idx,
+                        slot_idx,
+                        w.lora_a,
+                        w.lora_b,
+                        non_blocking=non_blocking,
                     )
         self.scales[slot_idx] = 1.0
 

@@ -23,6 +23,7 @@ from typing import Literal
 
 import torch
 
+from loraplex.kernels.lora_layout import LOGICAL_LAYOUT, LoRAWeightLayout
 from loraplex.kernels.metadata import AttentionMetadata, LoRAMetadata
 
 BackendName = Literal["auto", "torch", "triton", "cpu"]
@@ -103,9 +104,14 @@ class LoRABackend(abc.ABC):
     """
 
     name: str
-    # The B layout this backend reads fastest; every backend accepts either, since the
-    # logical shape is the same (see adapters/slot_buffers.py).
-    lora_b_rank_major: bool = False
+
+    def weight_layout(self, dtype: torch.dtype, device: torch.device) -> LoRAWeightLayout:
+        """How the slot buffers should store adapters for this backend (``kernels/lora_layout.py``).
+
+        ``apply`` reads weights in this layout; ``shrink`` / ``expand`` and the other
+        backends read the logical one, which every layout can give back.
+        """
+        return LOGICAL_LAYOUT
 
     @abc.abstractmethod
     def shrink(
@@ -138,7 +144,11 @@ class LoRABackend(abc.ABC):
         slice_sizes: tuple[int, ...],
         meta: LoRAMetadata,
     ) -> None:
-        """Shrink then expand: the whole LoRA delta of one (fused) projection."""
+        """Shrink then expand: the whole LoRA delta of one (fused) projection.
+
+        ``lora_a`` / ``lora_b`` are in this backend's ``weight_layout`` (the shapes above
+        are the logical layout's).
+        """
         if meta.num_active_slots == 0:
             return
         x_rank = self.shrink(x, lora_a, meta)

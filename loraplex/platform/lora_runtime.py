@@ -62,10 +62,10 @@ class LoRARuntime:
                 max_loras=config.max_loras,
                 max_lora_rank=config.max_lora_rank,
                 max_cpu_loras=config.cpu_lora_capacity,
-                lora_b_rank_major=self.backend.lora_b_rank_major,
             ),
             device=device,
             dtype=dtype,
+            weight_layout=self.backend.weight_layout(dtype, device),
         )
         self.runner = runner
         self._slot_of_seq: dict[int, int] = {}

@@ -46,12 +46,11 @@ def make_manager(spec: BaseModelSpec, store_dir: Path) -> Iterator[Callable[...,
     managers: list[AdapterManager] = []
 
     def factory(**kwargs: Any) -> AdapterManager:
-        dtype = kwargs.pop("dtype", None)
+        extra = {name: kwargs.pop(name) for name in ("dtype", "weight_layout") if name in kwargs}
         kwargs.setdefault("store_dir", store_dir)
         kwargs.setdefault("max_loras", 2)
         kwargs.setdefault("max_lora_rank", 8)
         kwargs.setdefault("max_cpu_loras", 4)
-        extra = {"dtype": dtype} if dtype is not None else {}
         manager = AdapterManager(spec, AdapterManagerConfig(**kwargs), **extra)
         managers.append(manager)
         return manager

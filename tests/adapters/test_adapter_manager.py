@@ -14,11 +14,13 @@ import torch
 from adapter_testlib import CONFIG, WEIGHTS, edit_tensors, files_under, key, make_adapter
 
 from loraplex.adapters import (
+    GROUPS,
     AdapterExistsError,
     AdapterManager,
     AdapterNotFoundError,
     AdapterRemovedError,
     AdapterValidationError,
+    BaseModelSpec,
     LoRARequest,
     NoFreeSlotError,
 )
@@ -98,6 +100,35 @@ def test_slot_holds_the_adapter_weights_and_zeros_elsewhere(
     assert torch.count_nonzero(buf.lora_a[1:, slot4]) == 0  # adapter 4 does not adapt k/v
     assert torch.count_nonzero(manager.get_buffers(0, "down").lora_b[:, slot4]) == 0
     assert buf.scales.tolist() == [1.0, 1.0]
+
+
+def test_packed_layout_holds_the_same_adapters_as_the_logical_one(
+    adapters: dict[int, Path], make_manager: Any, spec: BaseModelSpec
+) -> None:
+    """The CPU backend's packed slot layout, seen logically, is byte for byte the logical
+    layout through loads, evictions into a used slot (cleared first) and partial adapters."""
+    from loraplex.kernels.cpu.lora_layout import CPU_PACKED_LAYOUT
+
+    managers = [make_manager(max_loras=2), make_manager(max_loras=2, weight_layout=CPU_PACKED_LAYOUT)]
+    for manager in managers:
+        _add(manager, adapters, 1, 2, 3, 4)
+    # 1 and 3 fill the slots; 4 (q_proj only) evicts 3, then 2 evicts 1.
+    script = [("acquire", 1), ("acquire", 3), ("release", 3), ("acquire", 4), ("release", 1), ("acquire", 2)]
+    for op, adapter_id in script:
+        for manager in managers:
+            if op == "acquire":
+                manager.acquire(adapter_id, f"r{adapter_id}")
+            else:
+                manager.release(f"r{adapter_id}")
+        logical, packed = managers
+        assert packed.get_buffers(0, "qkv").lora_b.dim() == 5  # really the packed layout
+        for layer in range(spec.num_layers):
+            for group in GROUPS:
+                want = logical.get_buffers(layer, group)
+                got = packed.get_logical_buffers(layer, group)
+                assert torch.equal(got.lora_a, want.lora_a), (op, adapter_id, layer, group)
+                assert torch.equal(got.lora_b, want.lora_b), (op, adapter_id, layer, group)
+                assert torch.equal(got.scales, want.scales)
 
 
 def test_no_slot_leak_after_a_random_workload(adapters: dict[int, Path], make_manager: Any) -> None:

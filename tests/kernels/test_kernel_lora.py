@@ -7,6 +7,7 @@ three unequal slices (q/k/v under GQA) or two equal ones (gate/up).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from collections.abc import Callable
@@ -172,10 +173,10 @@ def _apply_id(case: ApplyCase) -> str:
 
 
 def _in_backend_layout(backend: LoRABackend, w: LoRAWeights) -> LoRAWeights:
-    """``w`` with B stored the way ``backend`` reads it (as the slot buffers would store it)."""
-    if backend.lora_b_rank_major:
-        w.lora_b = w.lora_b.transpose(2, 3).contiguous().transpose(2, 3)
-    return w
+    """A copy of ``w`` in the weight layout ``backend`` reads (as the slot buffers store it);
+    naive math keeps using ``w``."""
+    lora_a, lora_b = backend.weight_layout(w.lora_a.dtype, w.lora_a.device).pack(w.lora_a, w.lora_b)
+    return dataclasses.replace(w, lora_a=lora_a, lora_b=lora_b)
 
 
 def _check_apply(case: ApplyCase) -> None:
@@ -183,9 +184,9 @@ def _check_apply(case: ApplyCase) -> None:
     slots = BATCHES[batch]
     backend: LoRABackend = BACKENDS[name]()
     x, y, w, meta = _setup(slots, "qkv", dtype, seed=5)
-    w = _in_backend_layout(backend, w)
+    packed = _in_backend_layout(backend, w)
     expected = y.double().cpu() + naive_lora_delta(x, w, slots)
-    backend.apply(y, x, w.lora_a, w.lora_b, w.scales, w.slice_sizes, meta)
+    backend.apply(y, x, packed.lora_a, packed.lora_b, w.scales, w.slice_sizes, meta)
     assert_close(y, expected, dtype, f"{name} apply on {batch}")
 
 
@@ -210,10 +211,10 @@ def test_backend_apply_reuses_plan_across_projections(backend_name: str) -> None
         for layout in ("qkv", "gate_up"):
             gen = torch.Generator().manual_seed(len(slots))
             w = make_lora_weights(IN_FEATURES, SLICE_LAYOUTS[layout], RANKS, torch.float32, DEVICE, gen)
-            w = _in_backend_layout(backend, w)
+            packed = _in_backend_layout(backend, w)
             x = torch.randn(len(slots), IN_FEATURES, generator=gen).to(DEVICE)
             y = torch.zeros(len(slots), sum(w.slice_sizes), device=DEVICE)
-            backend.apply(y, x, w.lora_a, w.lora_b, w.scales, w.slice_sizes, meta)
+            backend.apply(y, x, packed.lora_a, packed.lora_b, w.scales, w.slice_sizes, meta)
             assert_close(y, naive_lora_delta(x, w, slots), torch.float32, f"{layout} after cache")
 
 
@@ -340,33 +341,45 @@ CPU = torch.device("cpu")
 
 
 def test_cpu_backend_serves_runs_and_decodes_and_falls_back() -> None:
-    """Prefill runs and decodes go to the C kernel; layouts it cannot read go to torch."""
+    """Packed weights go to the C kernel; logical ones, and packed ones with an x the
+    kernel cannot read (strided columns), go to the torch path with the same result."""
     from loraplex.kernels.cpu.lora import supports
 
-    # A 20-token run (direct, torch) and interleaved decodes over 3 slots and no adapter.
+    # A 20-token run and interleaved decodes over 4 slots and no adapter.
     slots = [1] * 20 + [0, 2, -1, 2, 0, 1, 1, 3, -1, 2]
     x, y, w, meta = _setup(slots, "gate_up", torch.float32, seed=11, device=CPU)
     expected = y.double() + naive_lora_delta(x, w, slots)
-    standard_b = w.lora_b
     backend = CpuLoRABackend()
-    assert not supports(y, x, w.lora_a, standard_b)  # [.., out, rank] rows: torch path
-    y_torch_path = y.clone()
-    backend.apply(y_torch_path, x, w.lora_a, standard_b, w.scales, w.slice_sizes, meta)
-    assert_close(y_torch_path, expected, torch.float32, "cpu backend, torch fallback")
-    w = _in_backend_layout(backend, w)
-    assert supports(y, x, w.lora_a, w.lora_b)
-    backend.apply(y, x, w.lora_a, w.lora_b, w.scales, w.slice_sizes, meta)
-    assert_close(y, expected, torch.float32, "cpu backend, C kernel")
+    packed = _in_backend_layout(backend, w)
+    assert packed.lora_a.dim() == 3 and packed.lora_b.dim() == 5  # the CPU layout, not the logical one
+    sizes = w.slice_sizes
+    assert not supports(y, x, w.lora_a, w.lora_b, w.scales, sizes)
+    assert supports(y, x, packed.lora_a, packed.lora_b, w.scales, sizes)
+    strided_x = torch.stack([x, torch.full_like(x, float("nan"))], dim=2).flatten(1)[:, ::2]
+    assert torch.equal(strided_x, x) and not supports(
+        y, strided_x, packed.lora_a, packed.lora_b, w.scales, sizes
+    )
+    cases = [
+        ("torch path, logical weights", x, w.lora_a, w.lora_b),
+        ("torch path, packed weights seen logically", strided_x, packed.lora_a, packed.lora_b),
+        ("C kernel", x, packed.lora_a, packed.lora_b),
+    ]
+    for label, xs, lora_a, lora_b in cases:
+        out = y.clone()
+        backend.apply(out, xs, lora_a, lora_b, w.scales, w.slice_sizes, meta)
+        assert_close(out, expected, torch.float32, f"cpu backend, {label}")
 
 
 def test_cpu_kernel_rejects_slots_outside_the_buffers() -> None:
-    from loraplex.kernels.cpu.lora import TokenGroups, lora_grouped_cpu
+    from loraplex.kernels.cpu.lora import PackedWeights, TokenGroups, lora_grouped_cpu
 
     x, y, w, _ = _setup([0, 1], "qkv", torch.float32, seed=12, device=CPU)
     w = _in_backend_layout(CpuLoRABackend(), w)
     groups = TokenGroups.from_slot_tokens({len(RANKS): [0, 1]})
     with pytest.raises(ValueError, match="outside"):
-        lora_grouped_cpu(y, x, w.lora_a, w.lora_b, w.scales, w.slice_sizes, groups)
+        weights = PackedWeights.check(w.lora_a, w.lora_b, w.scales, w.slice_sizes)
+        assert weights is not None
+        lora_grouped_cpu(y, x, weights, groups)
 
 
 def test_cpu_kernel_odd_rank_wide_slices_and_partial_token_blocks() -> None:
@@ -375,15 +388,14 @@ def test_cpu_kernel_odd_rank_wide_slices_and_partial_token_blocks() -> None:
     gen = torch.Generator().manual_seed(13)
     slice_sizes = (600, 40)
     ranks = [3, 5, 2]
-    w = _in_backend_layout(
-        CpuLoRABackend(), make_lora_weights(IN_FEATURES, slice_sizes, ranks, torch.float32, CPU, gen)
-    )
+    w = make_lora_weights(IN_FEATURES, slice_sizes, ranks, torch.float32, CPU, gen)
+    packed = _in_backend_layout(CpuLoRABackend(), w)
     slots = [0, 1, 2, 1, 0, -1, 1, 1, 0, 1, 1, 2, 0, 0]  # slot 1: 6 tokens, slot 0: 5, slot 2: 2
     x = torch.randn(len(slots), IN_FEATURES, generator=gen)
     y = torch.randn(len(slots), sum(slice_sizes), generator=gen)
     expected = y.double() + naive_lora_delta(x, w, slots)
     meta = LoRAMetadata.from_token_slots(slots, CPU)
-    CpuLoRABackend().apply(y, x, w.lora_a, w.lora_b, w.scales, w.slice_sizes, meta)
+    CpuLoRABackend().apply(y, x, packed.lora_a, packed.lora_b, w.scales, w.slice_sizes, meta)
     assert_close(y, expected, torch.float32, "odd rank, wide slice")
 
 
@@ -394,7 +406,39 @@ def test_cpu_kernel_work_items_across_long_runs(run_len: int) -> None:
     non-consecutive tokens), and decodes of other slots in between."""
     slots = [2] * run_len + [0, 1, -1, 2, 0] + [1] * (run_len // 2) + [2, 0]
     x, y, w, meta = _setup(slots, "qkv", torch.float32, seed=14, device=CPU)
-    w = _in_backend_layout(CpuLoRABackend(), w)
+    packed = _in_backend_layout(CpuLoRABackend(), w)
     expected = y.double() + naive_lora_delta(x, w, slots)
-    CpuLoRABackend().apply(y, x, w.lora_a, w.lora_b, w.scales, w.slice_sizes, meta)
+    CpuLoRABackend().apply(y, x, packed.lora_a, packed.lora_b, w.scales, w.slice_sizes, meta)
     assert_close(y, expected, torch.float32, f"C kernel, run of {run_len}")
+
+
+@pytest.mark.parametrize(
+    "slice_sizes,ranks",
+    [
+        ((64,), [16, 9]),  # n_pad 16: one vector of rank columns
+        ((40, 72), [16, 16]),  # 32: two
+        ((48, 16, 16), [16, 4]),  # 48: three
+        ((64,), [64, 33]),  # 64: four
+        ((48, 16, 16), [8, 8]),  # 24 -> 32: padded columns
+        ((24, 200), [40, 7]),  # 80: a group of four vectors and one of one
+    ],
+    ids=lambda v: str(v),
+)
+def test_cpu_kernel_shrink_tiles(slice_sizes: tuple[int, ...], ranks: list[int]) -> None:
+    """Every shrink tile shape (1-4 vectors of rank columns, rows of 4 and the widest
+    tile) on groups of 1 to 17 tokens, interleaved, over 300 input features (two whole
+    chunks of 128 and a partial one)."""
+    in_features = 300
+    counts = [1, 17, 4, 12, 5, 13, 16, 8, 6, 2]  # tokens of slot i
+    slot_ranks = [ranks[i % len(ranks)] for i in range(len(counts))]
+    gen = torch.Generator().manual_seed(sum(slice_sizes) + sum(ranks))
+    w = make_lora_weights(in_features, slice_sizes, slot_ranks, torch.float32, CPU, gen)
+    packed = _in_backend_layout(CpuLoRABackend(), w)
+    slots = [slot for slot, n in enumerate(counts) for _ in range(n)]
+    random.Random(len(slots)).shuffle(slots)
+    x = torch.randn(len(slots), in_features, generator=gen)
+    y = torch.randn(len(slots), sum(slice_sizes), generator=gen)
+    expected = y.double() + naive_lora_delta(x, w, slots)
+    meta = LoRAMetadata.from_token_slots(slots, CPU)
+    CpuLoRABackend().apply(y, x, packed.lora_a, packed.lora_b, w.scales, w.slice_sizes, meta)
+    assert_close(y, expected, torch.float32, f"shrink tiles for {slice_sizes} ranks {ranks}")

@@ -1,38 +1,42 @@
 /*
  * Multi-adapter LoRA on the CPU for every token of a step: decodes, short chunks and
- * prefill runs, one call per projection.
+ * prefill runs, one call per projection, on weights packed for it (kernels/cpu/lora_layout.py).
  *
- *   for each (group of tokens on one adapter slot, chunk of up to ITEM_TOKENS of them):
- *     for each slice s, for each block of 4 tokens t:
- *       r[t] = scale[slot] * A[s, slot] @ x[t]                           (shrink: rank dots)
- *       y[t, off_s : off_s + size_s] += r[t] @ B^T[s, slot, :, :size_s]   (expand: rank axpys)
+ *   for each work item (up to ITEM_TOKENS tokens of one adapter slot):
+ *     r[t, :] = scale[slot] * x[t] @ At[slot]                    (shrink, every slice at once)
+ *     for each slice s, panel p of 64 output columns:
+ *       y[t, off_s + 64p : +64] += r[t, s*rank : (s+1)*rank] @ Bp[s, slot, p]   (expand)
  *
- * Both halves are register tiles: the shrink computes 4 tokens x 4 rank rows of dot
- * products per pass over in_features (16 vector accumulators; each vector of x and of
- * A loaded once feeds 4 FMAs), the expand keeps 4 tokens x 64 output columns of y in
- * registers while it adds all rank terms (each B^T vector loaded once feeds 4 FMAs,
- * y is read and written once). A group's A and B stay in L1/L2 while its tokens use
- * them, so a decode group of a few tokens reads its adapter's bytes about once, and
- * a prefill run is compute-bound. B is read transposed ([rank, max_out] per slot, as
- * the CPU slot buffers store it), so the expand's inner loop runs along y's rows.
+ * Both halves are register tiles with no horizontal reductions:
+ * - the shrink holds rows x vectors of r in registers (6 x 4, 8 x 3, 12 x 2 or 12 x 1
+ *   vectors: the slices' rank columns side by side, 16 per vector) and, per input
+ *   feature d, loads the vectors of At's row d once and broadcasts x[t, d] to each row.
+ *   The input dimension is walked in chunks of D_CHUNK so a chunk of At (<= 24 KiB at
+ *   3 slices x rank 16) stays in L1 while every row tile of the item uses it;
+ * - the expand keeps 4 tokens x 64 columns of the delta in registers while it adds
+ *   the rank terms of one panel of B (rank x 64 floats, contiguous: one stream the
+ *   prefetcher follows), then adds it into y, which it loads only then, so the FMAs
+ *   never wait on y. On a prefill step y is hundreds of MB of read-modify-write: a
+ *   block of 4 tokens walks its rows end to end before the next block starts.
  *
- * The vectors are GCC/Clang vector extensions of 16 floats (vec_tiles.h).
- *
- * Work items write disjoint parts of y (a chunk of a group's token rows, all columns),
- * so no two threads touch the same element.
+ * Padding: rows of a short tile repeat the item's last token (their pointers), so the
+ * loads are valid; their shrink rows land in scratch rows past n and the expand never
+ * stores them. The vectors are GCC/Clang vector extensions of 16 floats (vec_tiles.h).
+ * Work items write disjoint rows of y, so no two threads touch the same element.
  *
  * Layouts (contiguous unless a stride is given):
  *   x          [num_tokens, in_features], row stride x_stride
  *   y          [num_tokens, sum(slice_sizes)], row stride y_stride
- *   lora_a     [num_slices, num_slots, rank, in_features]
- *   lora_bt    [num_slices, num_slots, rank, max_out]
+ *   lora_at    [num_slots, in_features, n_pad]   column s * rank + k = row k of slice s's A;
+ *                                                n_pad = num_slices * rank rounded up to 16
+ *   lora_bp    [num_slices, num_slots, num_panels, rank, PW]   Bp[.., p, k, c] = B[64p + c, k]
  *   scales     [num_slots] float32
  *   tokens     [group_starts[num_groups]] int64, token indices grouped by slot
  *   group_starts [num_groups + 1] int64, group_slots [num_groups] int64
- *   slice_sizes  [num_slices] int64
+ *   slice_sizes  [num_slices] int64, each <= num_panels * PW
  *
  * Returns the number of groups whose slot is outside [0, num_slots) (skipped; the
- * launcher raises), or -1 if the work list could not be allocated.
+ * launcher raises), or -1 if scratch memory could not be allocated.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -42,94 +46,116 @@
 
 #define MAX_RANK 512
 #define MAX_SLICES 8
+#define PW 64           /* output columns per B panel: 4 vectors */
 #define ITEM_TOKENS 16  /* tokens per work item: enough to reuse A and B, small enough to balance */
-#define EXPAND_COLS 1024 /* columns per expand pass: rank x 1024 floats of B^T, 64 KiB at rank 16 */
+#define PAD_ROWS 12     /* the largest shrink tile: scratch rows past an item's tokens */
+#define D_CHUNK 128     /* input features per shrink pass over an item's row tiles */
 
 int64_t loraplex_lora_max_rank(void) { return MAX_RANK; }
 int64_t loraplex_lora_max_slices(void) { return MAX_SLICES; }
+int64_t loraplex_lora_panel_width(void) { return PW; }
 
-/* r[t][k0 + j] = a_{k0+j} . x_t for 4 tokens and RB rank rows k0.. (rows past `rank`
- * repeat row k0 and are not stored). */
-static inline void shrink_tile(const float *const xs[TB], const float *a, int64_t k0, int64_t rank,
-                               int64_t in_features, float *r) {
-    const float *rows[RB];
-    for (int j = 0; j < RB; ++j) rows[j] = a + (k0 + j < rank ? k0 + j : k0) * in_features;
-    dot_tile(xs, rows, in_features, r + k0, rank, TB, rank - k0);
+/* r[t][c0 .. c0 + nv*VL) = (first ? 0 : r) + sum_{d0 <= d < d1} x_t[d] * at[d][c0 ..] for
+ * `rows` rows; rows and nv are constants at each call site, so the accumulators live
+ * in registers. */
+static inline __attribute__((always_inline)) void shrink_tile(const float *const *xs, const float *at,
+                                                              int64_t n_pad, int64_t c0, int64_t d0,
+                                                              int64_t d1, float *r, int first,
+                                                              const int rows, const int nv) {
+    v16 acc[PAD_ROWS][4];
+    for (int t = 0; t < rows; ++t)
+        for (int j = 0; j < nv; ++j)
+            acc[t][j] = first ? vsplat(0.0f) : vload(r + t * n_pad + c0 + j * VL);
+    for (int64_t d = d0; d < d1; ++d) {
+        v16 av[4];
+        for (int j = 0; j < nv; ++j) av[j] = vload(at + d * n_pad + c0 + j * VL);
+        for (int t = 0; t < rows; ++t) {
+            const v16 xv = vsplat(xs[t][d]);
+            for (int j = 0; j < nv; ++j) acc[t][j] += xv * av[j];
+        }
+    }
+    for (int t = 0; t < rows; ++t)
+        for (int j = 0; j < nv; ++j) vstore(r + t * n_pad + c0 + j * VL, acc[t][j]);
 }
 
-/* y_t[o .. o + NV*VL) += sum_k r[t][k] * bt[k][o ..] for 4 tokens; NV is a constant at
- * each call site, so the 4 x NV accumulators live in registers. Padding rows of a short
- * block repeat its last real row and hold its values, so storing them rewrites the same
- * numbers. */
-static inline __attribute__((always_inline)) void expand_tile(float *const *ys, const float *bt,
-                                                              int64_t max_out, int64_t rank,
-                                                              const float *r, int64_t o,
-                                                              const int nv) {
+/* The widest row tile for nv vectors that fits 32 registers with its loads. */
+static inline int big_rows(int nv) { return nv == 4 ? 6 : nv == 3 ? 8 : 12; }
+
+static void shrink_rows(const float *const *xs, const float *at, int64_t n_pad, int64_t c0,
+                        int64_t d0, int64_t d1, float *r, int first, int rows, int nv) {
+#define SHRINK_CASE(R, NV) \
+    case (R) * 8 + (NV): shrink_tile(xs, at, n_pad, c0, d0, d1, r, first, R, NV); break;
+    switch (rows * 8 + nv) {
+        SHRINK_CASE(4, 1) SHRINK_CASE(4, 2) SHRINK_CASE(4, 3) SHRINK_CASE(4, 4)
+        SHRINK_CASE(12, 1) SHRINK_CASE(12, 2) SHRINK_CASE(8, 3) SHRINK_CASE(6, 4)
+        default: break;
+    }
+#undef SHRINK_CASE
+}
+
+/* r[t, :n_pad] = x_t @ at for the item's n tokens (rows past n: scratch). */
+static void item_shrink(const float *const *xs, int64_t n, const float *at, int64_t n_pad,
+                        int64_t in_features, float *r) {
+    for (int64_t c0 = 0; c0 < n_pad; c0 += 4 * VL) {
+        const int nv = n_pad - c0 >= 4 * VL ? 4 : (int)((n_pad - c0) / VL);
+        const int big = big_rows(nv);
+        for (int64_t d0 = 0; d0 < in_features; d0 += D_CHUNK) {
+            const int64_t d1 = d0 + D_CHUNK < in_features ? d0 + D_CHUNK : in_features;
+            for (int64_t t0 = 0; t0 < n;) {
+                const int rows = n - t0 >= big ? big : 4;
+                shrink_rows(xs + t0, at, n_pad, c0, d0, d1, r + t0 * n_pad, d0 == 0, rows, nv);
+                t0 += rows;
+            }
+        }
+    }
+}
+
+/* y_t[o .. o + nv*VL) += sum_k r_t[k] * panel[k][c ..] for 4 token rows, `real` of them
+ * stored; nv is a constant at each call site. */
+static inline __attribute__((always_inline)) void expand_tile(float *const *ys, const float *panel,
+                                                              int64_t rank, const float *r,
+                                                              int64_t r_stride, int64_t o,
+                                                              int64_t real, const int nv) {
     v16 acc[TB][4];
     for (int t = 0; t < TB; ++t)
-        for (int j = 0; j < nv; ++j) acc[t][j] = vload(ys[t] + o + j * VL);
+        for (int j = 0; j < nv; ++j) acc[t][j] = vsplat(0.0f);
     for (int64_t k = 0; k < rank; ++k) {
         v16 bv[4];
-        for (int j = 0; j < nv; ++j) bv[j] = vload(bt + k * max_out + o + j * VL);
+        for (int j = 0; j < nv; ++j) bv[j] = vload(panel + k * PW + j * VL);
         for (int t = 0; t < TB; ++t) {
-            const v16 rv = vsplat(r[t * rank + k]);
+            const v16 rv = vsplat(r[t * r_stride + k]);
             for (int j = 0; j < nv; ++j) acc[t][j] += rv * bv[j];
         }
     }
-    for (int t = 0; t < TB; ++t)
-        for (int j = 0; j < nv; ++j) vstore(ys[t] + o + j * VL, acc[t][j]);
+    for (int t = 0; t < TB && t < real; ++t)
+        for (int j = 0; j < nv; ++j) vstore(ys[t] + o + j * VL, vload(ys[t] + o + j * VL) + acc[t][j]);
 }
 
-/* Columns c0 .. c1 of a block of 4 token rows, `real` of them not padding. */
-static inline void expand_rows(float *const *yt, const float *bt, int64_t max_out, int64_t rank,
-                               const float *rt, int64_t c0, int64_t c1, int64_t real) {
-    int64_t o = c0;
-    for (; o + 4 * VL <= c1; o += 4 * VL) expand_tile(yt, bt, max_out, rank, rt, o, 4);
-    for (; o + VL <= c1; o += VL) expand_tile(yt, bt, max_out, rank, rt, o, 1);
-    for (; o < c1; ++o) { /* the slice's last size % 16 columns */
-        for (int64_t t = 0; t < real; ++t) {
-            float acc = yt[t][o];
-            for (int64_t k = 0; k < rank; ++k) acc += rt[t * rank + k] * bt[k * max_out + o];
-            yt[t][o] = acc;
-        }
+/* One panel (cols <= PW columns at y column o) for a block of 4 token rows. */
+static void expand_panel(float *const *yt, const float *panel, int64_t rank, const float *rt,
+                         int64_t r_stride, int64_t o, int64_t cols, int64_t real) {
+    if (cols == PW) {
+        expand_tile(yt, panel, rank, rt, r_stride, o, real, 4);
+        return;
     }
-}
-
-/* One work item's tokens (up to ITEM_TOKENS: n real ones; rows past n repeat token n - 1,
- * so a short last block pads with its own last row) and one slice: shrink every token
- * into r, then expand column chunk by column chunk, each chunk's B^T rows (rank x
- * EXPAND_COLS floats) staying in L2 while all the item's tokens add their terms, so B
- * is read from memory about once per item, not once per 4 tokens. */
-static void item_slice(const float *const xs[ITEM_TOKENS + TB], float *const ys[ITEM_TOKENS + TB],
-                       int64_t n, const float *a, const float *bt, float scale, int64_t rank,
-                       int64_t in_features, int64_t max_out, int64_t size) {
-    /* r[t * rank + k], packed: with a row stride of MAX_RANK the rows of r fell into two
-     * L1 sets and the kernel ran ~20% slower */
-    float r[(ITEM_TOKENS + TB) * MAX_RANK];
-    for (int64_t t0 = 0; t0 < n; t0 += TB)
-        for (int64_t k0 = 0; k0 < rank; k0 += RB)
-            shrink_tile(xs + t0, a, k0, rank, in_features, r + t0 * rank);
-    for (int64_t i = 0; i < n * rank; ++i) r[i] *= scale;
-    /* A padded row must hold the values of the real row it repeats, which is in the same
-     * tile, so that storing it rewrites the same numbers (all loads precede the stores). */
-    for (int64_t t = n; t < n + TB; ++t)
-        memcpy(r + t * rank, r + (n - 1) * rank, sizeof(float) * (size_t)rank);
-    for (int64_t c0 = 0; c0 < size; c0 += EXPAND_COLS) {
-        const int64_t c1 = c0 + EXPAND_COLS < size ? c0 + EXPAND_COLS : size;
-        for (int64_t t0 = 0; t0 < n; t0 += TB) {
-            const int64_t real = n - t0 < TB ? n - t0 : TB;
-            expand_rows(ys + t0, bt, max_out, rank, r + t0 * rank, c0, c1, real);
+    int64_t c = 0;
+    for (; c + VL <= cols; c += VL) expand_tile(yt, panel + c, rank, rt, r_stride, o + c, real, 1);
+    for (; c < cols; ++c) { /* the slice's last size % 16 columns */
+        for (int64_t t = 0; t < real; ++t) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < rank; ++k) acc += rt[t * r_stride + k] * panel[k * PW + c];
+            yt[t][o + c] += acc;
         }
     }
 }
 
 int64_t loraplex_lora_grouped_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride,
-                                  const float *lora_a, const float *lora_bt, const float *scales,
-                                  const int64_t *tokens, const int64_t *group_starts,
-                                  const int64_t *group_slots, const int64_t *slice_sizes,
+                                  const float *lora_at, const float *lora_bp, const float *scales,
+                                  const int64_t *slice_sizes, const int64_t *tokens,
+                                  const int64_t *group_starts, const int64_t *group_slots,
                                   int64_t num_groups, int64_t num_slices, int64_t num_slots,
-                                  int64_t rank, int64_t in_features, int64_t max_out,
-                                  int num_threads) {
+                                  int64_t rank, int64_t in_features, int64_t n_pad,
+                                  int64_t num_panels, int num_threads) {
     int64_t offsets[MAX_SLICES];
     int64_t total = 0;
     for (int64_t s = 0; s < num_slices; ++s) {
@@ -151,35 +177,54 @@ int64_t loraplex_lora_grouped_f32(const float *x, int64_t x_stride, float *y, in
         }
     }
     int64_t bad_groups = 0;
+    int failed = 0;
+    const int64_t panel_floats = rank * PW;
 
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(+ : bad_groups)
-    for (int64_t item = 0; item < num_items; ++item) {
-        const int64_t g = items[2 * item], first = items[2 * item + 1];
-        const int64_t slot = group_slots[g];
-        if (slot < 0 || slot >= num_slots) {
-            bad_groups += first == group_starts[g]; /* count each group once */
-            continue;
+#pragma omp parallel num_threads(num_threads) reduction(+ : bad_groups) reduction(| : failed)
+    {
+        /* r[t * n_pad + c]: the item's rank vectors, every slice side by side */
+        float *r = malloc(sizeof(float) * (size_t)((ITEM_TOKENS + PAD_ROWS) * n_pad));
+        if (r == NULL) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_items; ++item) {
+            const int64_t g = items[2 * item], first = items[2 * item + 1];
+            const int64_t slot = group_slots[g];
+            if (slot < 0 || slot >= num_slots) {
+                bad_groups += first == group_starts[g]; /* count each group once */
+                continue;
+            }
+            const float scale = scales[slot];
+            if (scale == 0.0f || r == NULL) continue; /* a free slot: no delta, by the slot buffers' contract */
+            const int64_t end = group_starts[g + 1];
+            const int64_t cnt = end - first < ITEM_TOKENS ? end - first : ITEM_TOKENS;
+            const float *xs[ITEM_TOKENS + PAD_ROWS];
+            float *ys[ITEM_TOKENS + PAD_ROWS];
+            for (int64_t j = 0; j < ITEM_TOKENS + PAD_ROWS; ++j) {
+                const int64_t t = tokens[first + (j < cnt ? j : cnt - 1)]; /* padding repeats the last */
+                xs[j] = x + t * x_stride;
+                ys[j] = y + t * y_stride;
+            }
+            item_shrink(xs, cnt, lora_at + slot * in_features * n_pad, n_pad, in_features, r);
+            for (int64_t i = 0; i < cnt * n_pad; ++i) r[i] *= scale;
+            for (int64_t t = cnt; t < cnt + TB; ++t) /* the expand's padding rows: finite values */
+                memcpy(r + t * n_pad, r + (cnt - 1) * n_pad, sizeof(float) * (size_t)n_pad);
+            /* Token blocks outermost: each block's 4 y rows are read and written in long
+             * runs the hardware prefetcher follows (y is the bulk of a prefill step's
+             * traffic); the slot's B panels are re-read from L2/L3 per block. */
+            for (int64_t t0 = 0; t0 < cnt; t0 += TB) {
+                const int64_t real = cnt - t0 < TB ? cnt - t0 : TB;
+                for (int64_t s = 0; s < num_slices; ++s) {
+                    const float *bp = lora_bp + (s * num_slots + slot) * num_panels * panel_floats;
+                    for (int64_t p = 0; p * PW < slice_sizes[s]; ++p) {
+                        const int64_t cols = slice_sizes[s] - p * PW < PW ? slice_sizes[s] - p * PW : PW;
+                        expand_panel(ys + t0, bp + p * panel_floats, rank, r + t0 * n_pad + s * rank,
+                                     n_pad, offsets[s] + p * PW, cols, real);
+                    }
+                }
+            }
         }
-        const float scale = scales[slot];
-        if (scale == 0.0f) continue; /* a free slot: no delta, by the slot buffers' contract */
-        const int64_t end = group_starts[g + 1];
-        const int64_t n = end - first < ITEM_TOKENS ? end - first : ITEM_TOKENS;
-        const float *xs[ITEM_TOKENS + TB];
-        float *ys[ITEM_TOKENS + TB];
-        for (int64_t j = 0; j < ITEM_TOKENS + TB; ++j) {
-            /* padding rows repeat the last real token (see item_slice) */
-            const int64_t t = tokens[first + (j < n ? j : n - 1)];
-            xs[j] = x + t * x_stride;
-            ys[j] = y + t * y_stride;
-        }
-        for (int64_t s = 0; s < num_slices; ++s) {
-            float *yso[ITEM_TOKENS + TB];
-            for (int j = 0; j < ITEM_TOKENS + TB; ++j) yso[j] = ys[j] + offsets[s];
-            item_slice(xs, yso, n, lora_a + (s * num_slots + slot) * rank * in_features,
-                       lora_bt + (s * num_slots + slot) * rank * max_out, scale, rank, in_features,
-                       max_out, slice_sizes[s]);
-        }
+        free(r);
     }
     free(items);
-    return bad_groups;
+    return failed ? -1 : bad_groups;
 }
