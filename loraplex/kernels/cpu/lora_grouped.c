@@ -47,6 +47,7 @@
 #define MAX_RANK 512
 #define MAX_SLICES 8
 #define PW 64           /* output columns per B panel: 4 vectors */
+#define TB 4            /* token rows per expand tile */
 #define ITEM_TOKENS 16  /* tokens per work item: enough to reuse A and B, small enough to balance */
 #define PAD_ROWS 12     /* the largest shrink tile: scratch rows past an item's tokens */
 #define D_CHUNK 128     /* input features per shrink pass over an item's row tiles */
