@@ -225,7 +225,7 @@ class CpuLoRABackend(TorchLoRABackend):
         super().__init__()
         self._groups_meta: LoRAMetadata | None = None
         self._groups: TokenGroups | None = None
-        self._weights: dict[tuple[int, int, int, tuple[int, ...]], PackedWeights | None] = {}
+        self._weights: dict[tuple[int, int, int, tuple[int, ...]], PackedWeights] = {}
 
     def weight_layout(self, dtype: torch.dtype, device: torch.device) -> LoRAWeightLayout:
         if device.type == "cpu" and dtype == torch.float32 and _kernel() is not None:
