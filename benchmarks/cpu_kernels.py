@@ -52,11 +52,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from loraplex.kernels.backend import AttentionBackend, LoRABackend, select_linear_backend
+from loraplex.kernels.contracts import AttentionBackend, LoRABackend
 from loraplex.kernels.cpu.build import load_library
 from loraplex.kernels.metadata import AttentionMetadata, LoRAMetadata
-from loraplex.kernels.torch_ref.attention import TorchAttentionBackend
-from loraplex.kernels.torch_ref.lora import TorchLoRABackend
+from loraplex.kernels.portable.attention import PortableAttentionBackend
+from loraplex.kernels.portable.lora import PortableLoRABackend
+from loraplex.kernels.registry import select_linear_backend
 
 ATTENTION_TARGET = 2.0
 LORA_TARGET = 1.5
@@ -404,7 +405,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     rows: list[Row] = []
-    backends: list[AttentionBackend] = [TorchAttentionBackend()]
+    backends: list[AttentionBackend] = [PortableAttentionBackend()]
     if load_library() is not None:
         from loraplex.kernels.cpu.attention import CpuAttentionBackend
 
@@ -415,7 +416,7 @@ def main() -> None:
         for backend in backends:
             rows.append(bench_decode_attention(cfg, backend, args.repeats))
     flush = CacheFlusher()
-    lora_backends: list[LoRABackend] = [TorchLoRABackend()]
+    lora_backends: list[LoRABackend] = [PortableLoRABackend()]
     if load_library() is not None:
         from loraplex.kernels.cpu.lora import CpuLoRABackend
 

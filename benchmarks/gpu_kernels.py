@@ -8,7 +8,7 @@ Run on one GPU (sized for an H200; about 3-5 minutes, well under 8)::
 
 1. Correctness, bf16 and fp16 (bf16 only in --cpu-smoke): every Triton kernel (paged decode plain and split-K,
    extend attention, write_kv, copy_blocks, copy_blocks_between, BGMV/SGMV shrink and
-   expand, both backends) against its torch reference on the same device.
+   expand, both backends) against its portable (torch) reference on the same device.
 2. Decode attention: achieved bandwidth (K/V bytes read / time) as a percentage of a
    measured device-to-device copy, batch 1/16/64 x context 512/4k/32k, Llama-3-8B
    heads (32 query / 8 KV, head_dim 128, bf16, block 16); the split-K heuristic's
@@ -44,16 +44,12 @@ if "--cpu-smoke" in sys.argv:
 import torch
 import torch.nn.functional as F
 
-from loraplex.kernels.metadata import AttentionMetadata, LoRAMetadata
-from loraplex.kernels.torch_ref.attention import (
-    TorchAttentionBackend,
-    extend_attention_ref,
-    gather_context,
-    paged_decode_ref,
-    write_kv_ref,
-)
-from loraplex.kernels.torch_ref.cache_ops import copy_blocks_ref
-from loraplex.kernels.torch_ref.lora import TorchLoRABackend
+from loraplex.kernels.metadata import PAD_BLOCK_ID, AttentionMetadata, LoRAMetadata
+from loraplex.kernels.portable import cache_ops as portable_cache_ops
+from loraplex.kernels.portable import extend_attention as portable_extend
+from loraplex.kernels.portable import paged_decode as portable_decode
+from loraplex.kernels.portable.attention import PortableAttentionBackend
+from loraplex.kernels.portable.lora import PortableLoRABackend
 from loraplex.kernels.triton import cache_ops
 from loraplex.kernels.triton.attention_backend import TritonAttentionBackend
 from loraplex.kernels.triton.extend_attention import extend_attention
@@ -62,7 +58,7 @@ from loraplex.kernels.triton.lora_expand import bgmv_expand, sgmv_expand
 from loraplex.kernels.triton.lora_shrink import bgmv_shrink, sgmv_shrink
 from loraplex.kernels.triton.paged_decode import choose_num_splits, paged_decode
 
-# (atol, rtol) of Triton vs torch reference, both on the device, per dtype.
+# (atol, rtol) of Triton vs the portable reference, both on the device, per dtype.
 TOLERANCES = {torch.bfloat16: (3e-2, 3e-2), torch.float16: (4e-3, 5e-3)}
 
 
@@ -107,11 +103,11 @@ class Timer:
 def _paged_cache(
     lens: list[int], block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random K/V caches and shuffled block tables holding ``lens`` tokens per sequence."""
+    """Random K/V caches and shuffled, ``PAD_BLOCK_ID``-padded block tables holding ``lens`` tokens."""
     per_seq = [-(-n // block_size) for n in lens]
     num_blocks = sum(per_seq) + 2
     order = torch.randperm(num_blocks)
-    table = torch.zeros(len(lens), max(per_seq), dtype=torch.int32)
+    table = torch.full((len(lens), max(per_seq)), PAD_BLOCK_ID, dtype=torch.int32)
     used = 0
     for i, n in enumerate(per_seq):
         table[i, :n] = order[used : used + n].to(torch.int32)
@@ -165,7 +161,7 @@ def check_attention(checks: Checks, dtype: torch.dtype, device: torch.device, ti
             seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
             q = torch.randn(len(lens), num_heads, head_dim, device=device).to(dtype)
             scale = head_dim**-0.5
-            ref = paged_decode_ref(q, k_cache, v_cache, table, seq_lens, scale)
+            ref = portable_decode.paged_decode(q, k_cache, v_cache, table, seq_lens, scale)
             for splits in (None, 4) if tiny else (None, 1, 4):  # None: the heuristic (1 on a CPU)
                 out = paged_decode(q, k_cache, v_cache, table, seq_lens, scale, max(lens), num_splits=splits)
                 checks.close(f"paged_decode splits={splits} bs{block_size} {tag}", dtype, out, ref)
@@ -185,9 +181,9 @@ def check_attention(checks: Checks, dtype: torch.dtype, device: torch.device, ti
             )  # fmt: skip
             refs = []
             for i, n in enumerate(ctx):
-                k = gather_context(k_cache, table[i], n)
-                v = gather_context(v_cache, table[i], n)
-                refs.append(extend_attention_ref(q[starts[i] : starts[i + 1]], k, v, scale))
+                k = portable_extend.gather_context(k_cache, table[i], n)
+                v = portable_extend.gather_context(v_cache, table[i], n)
+                refs.append(portable_extend.extend_attention(q[starts[i] : starts[i + 1]], k, v, scale))
             checks.close(f"extend_attention bs{block_size} {tag}", dtype, out, torch.cat(refs))
 
     # Both backends on one engine-like step: write_kv, then decodes + extends together.
@@ -215,7 +211,7 @@ def check_attention(checks: Checks, dtype: torch.dtype, device: torch.device, ti
     key = torch.randn(num_tokens, kv_heads, head_dim, device=device).to(dtype)
     value = torch.randn(num_tokens, kv_heads, head_dim, device=device).to(dtype)
     outs = []
-    for backend in (TritonAttentionBackend(), TorchAttentionBackend()):
+    for backend in (TritonAttentionBackend(), PortableAttentionBackend()):
         kc, vc = k_cache.clone(), v_cache.clone()
         backend.write_kv(key, value, kc, vc, meta.slot_mapping)
         outs.append((kc, vc, backend.forward(q, kc, vc, meta, head_dim**-0.5)))
@@ -232,7 +228,7 @@ def check_cache_ops(checks: Checks, dtype: torch.dtype, device: torch.device) ->
     slots = torch.tensor([0, 17, -1, 40, 191, 5], dtype=torch.int64, device=device)
     kt, vt, kr, vr = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
     cache_ops.write_kv(key, value, kt, vt, slots)
-    write_kv_ref(key, value, kr, vr, slots)
+    portable_cache_ops.write_kv(key, value, kr, vr, slots)
     checks.equal("write_kv", dtype, torch.stack([kt, vt]), torch.stack([kr, vr]))
 
     src = torch.tensor([1, 4, 9], device=device)
@@ -240,7 +236,7 @@ def check_cache_ops(checks: Checks, dtype: torch.dtype, device: torch.device) ->
     triton_caches = [k_cache.clone(), v_cache.clone()]
     ref_caches = [k_cache.clone(), v_cache.clone()]
     cache_ops.copy_blocks(triton_caches, src, dst)
-    copy_blocks_ref(ref_caches, src, dst)
+    portable_cache_ops.copy_blocks(ref_caches, src, dst)
     checks.equal("copy_blocks", dtype, torch.stack(triton_caches), torch.stack(ref_caches))
 
     staging = torch.zeros(4, 16, 3, 64, dtype=dtype, device=device)
@@ -272,7 +268,7 @@ def check_lora(checks: Checks, dtype: torch.dtype, device: torch.device, tiny: b
         meta = LoRAMetadata.from_token_slots(token_slots, device)
         x = torch.randn(len(token_slots), in_features, device=device).to(dtype)
         y = torch.randn(len(token_slots), sum(slice_sizes), device=device).to(dtype)
-        torch_backend = TorchLoRABackend()
+        torch_backend = PortableLoRABackend()
         ref_rank = torch_backend.shrink(x, lora_a, meta)
         max_seg = max(b - a for a, b in zip(meta.seg_starts_cpu, meta.seg_starts_cpu[1:], strict=False))
         checks.close(f"bgmv_shrink {name}", dtype, bgmv_shrink(x, lora_a, meta.token_slots), ref_rank)

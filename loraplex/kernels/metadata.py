@@ -13,27 +13,64 @@ Index arithmetic, for sequence ``i``::
     context_len(i)       = seq_lens[i]            (cached prefix + the new tokens)
     cached_prefix_len(i) = seq_lens[i] - query_len(i)
     KV slot of token t   = slot_mapping[t] = block_id * block_size + offset
+    used blocks of i     = block_tables[i, :ceil(seq_lens[i] / block_size)]
+    padding of row i     = block_tables[i, ceil(seq_lens[i] / block_size):] == PAD_BLOCK_ID
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+PAD_BLOCK_ID = -1
+"""Fills a block-table row past its sequence's last block; no kernel may read it.
+
+Not a valid block id (0 is one), so a kernel that reads past a sequence's blocks
+fails or is caught by ``check_block_tables`` instead of reading another sequence's KV.
+"""
+
+
+def check_block_tables(
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: Sequence[int],  # [num_seqs], host ints
+    block_size: int,
+) -> None:
+    """Raise ``ValueError`` if a block a sequence uses is ``PAD_BLOCK_ID`` (or any negative id).
+
+    Reads ``block_tables``: a device sync when it lives on an accelerator, so kernels
+    call this only where the table is on the host (or the backend is not a GPU path).
+    """
+    num_seqs = len(seq_lens)
+    if num_seqs == 0:
+        return
+    table = block_tables[:num_seqs]
+    num_used = torch.tensor([-(-n // block_size) for n in seq_lens], device=table.device)
+    used = torch.arange(table.shape[1], device=table.device)[None, :] < num_used[:, None]
+    bad = (table < 0) & used
+    if bool(bad.any()):
+        seq, idx = (int(i) for i in bad.nonzero()[0].tolist())
+        raise ValueError(
+            f"block_tables[{seq}, {idx}] is {int(table[seq, idx])} (PAD_BLOCK_ID is {PAD_BLOCK_ID}) but "
+            f"sequence {seq} has seq_len {seq_lens[seq]}, so it uses {int(num_used[seq])} blocks of "
+            f"{block_size}: the table is padded inside the used range"
+        )
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
     """Where each token of a flat batch reads and writes its KV.
 
-    Tensors live on the model's device. ``block_tables`` rows are padded with 0 past
-    a sequence's last block; kernels never read past ``ceil(seq_lens[i] / block_size)``.
+    Tensors live on the model's device. ``block_tables`` rows are padded with
+    ``PAD_BLOCK_ID`` past a sequence's last block; kernels never read past
+    ``ceil(seq_lens[i] / block_size)``.
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = do not write
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative query lengths
     seq_lens: torch.Tensor  # [num_seqs] int32, context length after this step
-    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, PAD_BLOCK_ID-padded
     num_decodes: int  # the first num_decodes sequences have query_len == 1
     max_query_len: int
     max_seq_len: int

@@ -133,10 +133,10 @@ def test_fused_groups_apply_with_the_torch_backend(
     tmp_path: Path, spec: BaseModelSpec, make_manager: Any
 ) -> None:
     """Two adapters in two slots, one flat batch: the backend reproduces PEFT per token."""
-    lora_mod = pytest.importorskip("loraplex.kernels.torch_ref.lora")
+    lora_mod = pytest.importorskip("loraplex.kernels.portable.lora")
     from loraplex.kernels.metadata import LoRAMetadata
 
-    backend = lora_mod.TorchLoRABackend()
+    backend = lora_mod.PortableLoRABackend()
     models = {1: make_peft_model(seed=11, r=4, lora_alpha=8), 2: make_peft_model(seed=12, r=8, lora_alpha=4)}
     manager = make_manager(max_loras=3, max_lora_rank=8)
     slots = {}

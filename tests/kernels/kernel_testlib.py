@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.kernels.metadata import AttentionMetadata
+from loraplex.kernels.metadata import PAD_BLOCK_ID, AttentionMetadata
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -50,7 +50,7 @@ class PagedContext:
 
     k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, 0-padded
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, PAD_BLOCK_ID-padded
     seq_lens: list[int]
 
 
@@ -68,7 +68,7 @@ def make_paged_context(
     num_blocks = sum(blocks_per_seq) + 3  # spare blocks nobody owns: reading one is a bug
     order = torch.randperm(num_blocks, generator=gen).tolist()
     width = max(blocks_per_seq)
-    table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    table = torch.full((len(seq_lens), width), PAD_BLOCK_ID, dtype=torch.int32)
     used = 0
     for i, n in enumerate(blocks_per_seq):
         table[i, :n] = torch.tensor(order[used : used + n], dtype=torch.int32)

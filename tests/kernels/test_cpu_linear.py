@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.kernels.backend import LinearBackend, select_linear_backend
 from loraplex.kernels.cpu import build
 from loraplex.kernels.cpu.linear import CpuLinearBackend, linear_packed, pack_weight, panel_width
+from loraplex.kernels.portable.linear import PortableLinearBackend
+from loraplex.kernels.registry import select_linear_backend
 
 CPU = torch.device("cpu")
 
@@ -71,14 +72,14 @@ def test_backend_packs_float32_and_leaves_other_dtypes_to_torch() -> None:
 
 def test_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(select_linear_backend("auto", CPU), CpuLinearBackend)  # when a compiler exists
-    assert type(select_linear_backend("torch", CPU)) is LinearBackend
-    assert type(select_linear_backend("auto", torch.device("cuda"))) is LinearBackend
+    assert type(select_linear_backend("torch", CPU)) is PortableLinearBackend
+    assert type(select_linear_backend("auto", torch.device("cuda"))) is PortableLinearBackend
     with pytest.raises(ValueError, match="unknown linear backend"):
         select_linear_backend("triton", CPU)  # type: ignore[arg-type]
     monkeypatch.setenv(build.ENV_SWITCH, "0")
     build.clear_caches()
     try:
-        assert type(select_linear_backend("auto", CPU)) is LinearBackend
+        assert type(select_linear_backend("auto", CPU)) is PortableLinearBackend
         with pytest.raises(ValueError, match="'cpu' linear backend needs"):
             select_linear_backend("cpu", CPU)
     finally:

@@ -1,9 +1,9 @@
-"""The compiled C paged decode kernel (``loraplex/kernels/cpu``) vs naive math and the torch path.
+"""The compiled C paged decode kernel (``loraplex/kernels/cpu``) vs naive math and the portable path.
 
 Same grid axes as the Triton decode tests: block sizes 8/16/32, head dims 64/128,
 GQA ratios 1/3/4, contexts of 1 token, one block, one past a boundary, a partial
 last block and over 1,000 tokens, mixed in one batch. float32 and bfloat16 (the
-kernel's types; float16 goes to the torch path, checked through the backend).
+kernel's types; float16 goes to the portable path, checked through the backend).
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ import pytest
 import torch
 from kernel_testlib import assert_close, make_paged_context, naive_paged_decode
 
-from loraplex.kernels.backend import select_attention_backend, select_lora_backend
 from loraplex.kernels.cpu import build
 from loraplex.kernels.cpu.attention import CpuAttentionBackend
 from loraplex.kernels.cpu.paged_decode import paged_decode_cpu, supports
-from loraplex.kernels.torch_ref.attention import TorchAttentionBackend, paged_decode_ref
-from loraplex.kernels.torch_ref.lora import TorchLoRABackend
+from loraplex.kernels.portable.attention import PortableAttentionBackend
+from loraplex.kernels.portable.lora import PortableLoRABackend
+from loraplex.kernels.portable.paged_decode import paged_decode
+from loraplex.kernels.registry import select_attention_backend, select_lora_backend
 
 CPU = torch.device("cpu")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -41,8 +42,8 @@ def _check(
     assert supports(query, ctx.k_cache)
     out = paged_decode_cpu(query, ctx.k_cache, ctx.v_cache, ctx.block_tables, seq_lens, scale)
     assert_close(out, naive_paged_decode(query, ctx, scale), dtype, "C paged decode vs naive")
-    reference = paged_decode_ref(query, ctx.k_cache, ctx.v_cache, ctx.block_tables, seq_lens, scale)
-    assert_close(out, reference.double(), dtype, "C paged decode vs torch reference")
+    reference = paged_decode(query, ctx.k_cache, ctx.v_cache, ctx.block_tables, seq_lens, scale)
+    assert_close(out, reference.double(), dtype, "C paged decode vs portable")
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=["float32", "bfloat16"])
@@ -101,12 +102,12 @@ def test_float16_and_wide_groups_fall_back_to_torch() -> None:
 
 def test_registry_picks_c_kernels_on_cpu_unless_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(select_attention_backend("auto", CPU), CpuAttentionBackend)
-    assert type(select_attention_backend("torch", CPU)) is TorchAttentionBackend
+    assert type(select_attention_backend("torch", CPU)) is PortableAttentionBackend
     monkeypatch.setenv(build.ENV_SWITCH, "0")
     build.clear_caches()
     try:
-        assert type(select_attention_backend("auto", CPU)) is TorchAttentionBackend
-        assert type(select_lora_backend("auto", CPU)) is TorchLoRABackend
+        assert type(select_attention_backend("auto", CPU)) is PortableAttentionBackend
+        assert type(select_lora_backend("auto", CPU)) is PortableLoRABackend
         with pytest.raises(ValueError, match="'cpu' attention backend needs"):
             select_attention_backend("cpu", CPU)
     finally:
@@ -120,6 +121,6 @@ def test_build_reports_compiler_errors(tmp_path: Path, monkeypatch: pytest.Monke
     build.clear_caches()
     try:
         assert build.load_library() is None
-        assert type(select_attention_backend("auto", CPU)) is TorchAttentionBackend
+        assert type(select_attention_backend("auto", CPU)) is PortableAttentionBackend
     finally:
         build.clear_caches()

@@ -1,4 +1,4 @@
-"""Paged decode (plain and split-K) and extend attention: Triton vs torch reference vs naive math.
+"""Paged decode (plain and split-K) and extend attention: Triton vs portable (torch) vs naive math.
 
 The Triton kernels run under TRITON_INTERPRET=1 on CPU-only machines (conftest.py).
 Context lengths cover 1, exactly one block, a partial last block, a few blocks and
@@ -22,12 +22,8 @@ from kernel_testlib import (
     naive_paged_decode,
 )
 
-from loraplex.kernels.torch_ref.attention import (
-    GatherWorkspace,
-    extend_attention_ref,
-    gather_context,
-    paged_decode_ref,
-)
+from loraplex.kernels.portable import extend_attention as portable_extend
+from loraplex.kernels.portable import paged_decode as portable_decode
 from loraplex.kernels.triton.extend_attention import extend_attention
 from loraplex.kernels.triton.paged_decode import choose_num_splits, paged_decode
 
@@ -67,8 +63,10 @@ def _check_decode(
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
 
     expected = naive_paged_decode(query, ctx, scale)
-    reference = paged_decode_ref(query, ctx.k_cache, ctx.v_cache, ctx.block_tables, seq_lens, scale)
-    assert_close(reference, expected, dtype, "torch paged_decode_ref vs naive")
+    reference = portable_decode.paged_decode(
+        query, ctx.k_cache, ctx.v_cache, ctx.block_tables, seq_lens, scale
+    )
+    assert_close(reference, expected, dtype, "portable paged_decode vs naive")
     for num_splits in splits:
         out = paged_decode(
             query,
@@ -81,7 +79,7 @@ def _check_decode(
             num_splits=num_splits,
         )
         assert_close(out, expected, dtype, f"triton paged_decode (splits={num_splits}) vs naive")
-        assert_close(out, reference.double(), dtype, f"triton paged_decode (splits={num_splits}) vs torch")
+        assert_close(out, reference.double(), dtype, f"triton paged_decode (splits={num_splits}) vs portable")
 
 
 @pytest.mark.parametrize("case", FAST_CASES, ids=_case_id)
@@ -96,7 +94,7 @@ def test_paged_decode_grid(case: tuple[int, int, int, int, torch.dtype]) -> None
     _check_decode(case, long_len=300, splits=(1, 2))
 
 
-def test_paged_decode_ref_chunks_with_workspace() -> None:
+def test_portable_paged_decode_chunks_with_workspace() -> None:
     # Many short sequences share a chunk (mixed lengths -> masked), long ones get their own.
     gen = torch.Generator().manual_seed(7)
     lens = [5, 16, 3, 2000, 17, 1, 33, 700]
@@ -104,13 +102,13 @@ def test_paged_decode_ref_chunks_with_workspace() -> None:
     query = torch.randn(len(lens), 6, 64, generator=gen)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     expected = naive_paged_decode(query, ctx, 0.125)
-    workspace = GatherWorkspace()
+    workspace = portable_decode.GatherWorkspace()
     for _ in range(2):  # the second call reuses the buffers
-        out = paged_decode_ref(
+        out = portable_decode.paged_decode(
             query, ctx.k_cache, ctx.v_cache, ctx.block_tables, seq_lens, 0.125,
             seq_lens_cpu=tuple(lens), workspace=workspace,
         )  # fmt: skip
-        assert_close(out, expected, torch.float32, "paged_decode_ref with workspace")
+        assert_close(out, expected, torch.float32, "portable paged_decode with workspace")
 
 
 def test_choose_num_splits() -> None:
@@ -149,10 +147,10 @@ def _check_extend(case: tuple[int, int, int, int, torch.dtype], chunks: list[tup
         k = naive_gather(ctx.k_cache, ctx.block_tables[i], seq_len)
         v = naive_gather(ctx.v_cache, ctx.block_tables[i], seq_len)
         expected = naive_attention(query[lo:hi], k, v, scale)
-        k_ref = gather_context(ctx.k_cache, ctx.block_tables[i], seq_len)
-        v_ref = gather_context(ctx.v_cache, ctx.block_tables[i], seq_len)
-        reference = extend_attention_ref(query[lo:hi], k_ref, v_ref, scale)
-        assert_close(reference, expected, dtype, f"torch extend_attention_ref seq {i} vs naive")
+        k_ref = portable_extend.gather_context(ctx.k_cache, ctx.block_tables[i], seq_len)
+        v_ref = portable_extend.gather_context(ctx.v_cache, ctx.block_tables[i], seq_len)
+        reference = portable_extend.extend_attention(query[lo:hi], k_ref, v_ref, scale)
+        assert_close(reference, expected, dtype, f"portable extend_attention seq {i} vs naive")
         assert_close(out[lo:hi], expected, dtype, f"triton extend_attention seq {i} vs naive")
 
 

@@ -1,6 +1,6 @@
 """KV cache ops: write_kv by slot, copy-on-write block copies, swaps between pools.
 
-Triton and torch versions are both checked against element-by-element expectations
+Triton and portable versions are both checked against element-by-element expectations
 built with plain Python loops.
 """
 
@@ -10,10 +10,10 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from kernel_refs import swap_blocks
 from kernel_testlib import DTYPES, kernel_device
 
-from loraplex.kernels.torch_ref.attention import write_kv_ref
-from loraplex.kernels.torch_ref.cache_ops import copy_blocks_ref, swap_blocks
+from loraplex.kernels.portable import cache_ops as portable_cache_ops
 from loraplex.kernels.triton import cache_ops
 
 DEVICE = kernel_device()
@@ -22,7 +22,9 @@ WriteKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torc
 CopyBlocks = Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor], None]
 
 
-@pytest.mark.parametrize("impl", [cache_ops.write_kv, write_kv_ref], ids=["triton", "torch"])
+@pytest.mark.parametrize(
+    "impl", [cache_ops.write_kv, portable_cache_ops.write_kv], ids=["triton", "portable"]
+)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("block_size,num_kv_heads,head_dim", [(8, 3, 64), (16, 1, 128), (32, 2, 64)])
 def test_write_kv(
@@ -62,7 +64,9 @@ def test_write_kv_from_strided_views() -> None:
     assert torch.equal(v_cache.view(-1, 2, 64)[slots], v)
 
 
-@pytest.mark.parametrize("impl", [cache_ops.copy_blocks, copy_blocks_ref], ids=["triton", "torch"])
+@pytest.mark.parametrize(
+    "impl", [cache_ops.copy_blocks, portable_cache_ops.copy_blocks], ids=["triton", "portable"]
+)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_copy_blocks(impl: CopyBlocks, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(2)
@@ -93,7 +97,7 @@ def test_copy_blocks_between_pools() -> None:
     assert torch.equal(big[0], big_before[9]) and torch.equal(big[1:], big_before[1:])
 
 
-def test_swap_blocks_torch() -> None:
+def test_swap_blocks_ref() -> None:
     gen = torch.Generator().manual_seed(4)
     device_pool = torch.randn(6, 16, 2, 64, generator=gen).to(DEVICE)
     host_pool = torch.zeros(3, 16, 2, 64)

@@ -1,4 +1,4 @@
-"""LoRA shrink/expand: Triton BGMV/SGMV kernels and the torch backend vs per-token naive math.
+"""LoRA shrink/expand: Triton BGMV/SGMV kernels and the portable (torch) backend vs per-token naive math.
 
 Every batch mixes adapters of ranks 8, 16 and 64 (padded to 64), tokens without an
 adapter (-1), and adapters that repeat and interleave; fused projections stack
@@ -24,10 +24,10 @@ from kernel_testlib import (
     naive_lora_shrink,
 )
 
-from loraplex.kernels.backend import LoRABackend
+from loraplex.kernels.contracts import LoRABackend
 from loraplex.kernels.cpu.lora import CpuLoRABackend
 from loraplex.kernels.metadata import LoRAMetadata
-from loraplex.kernels.torch_ref.lora import DIRECT_MIN_RUN, TorchLoRABackend, group_tokens, plan_buckets
+from loraplex.kernels.portable.lora import DIRECT_MIN_RUN, PortableLoRABackend, group_tokens, plan_buckets
 from loraplex.kernels.triton.lora_backend import TritonLoRABackend
 from loraplex.kernels.triton.lora_expand import bgmv_expand, sgmv_expand
 from loraplex.kernels.triton.lora_shrink import bgmv_shrink, sgmv_shrink
@@ -75,7 +75,7 @@ def test_bgmv_shrink(dtype: torch.dtype, split_k: int) -> None:
     out = bgmv_shrink(x, w.lora_a, meta.token_slots, split_k=split_k)
     expected = naive_lora_shrink(x, w, DECODE_SLOTS)
     assert_close(out, expected, torch.float32 if dtype == torch.float32 else torch.float16, "bgmv_shrink")
-    reference = TorchLoRABackend().shrink(x, w.lora_a, meta)
+    reference = PortableLoRABackend().shrink(x, w.lora_a, meta)
     assert_close(out, reference.double(), dtype, "bgmv_shrink vs torch")
 
 
@@ -86,7 +86,7 @@ def test_sgmv_shrink(dtype: torch.dtype, split_k: int) -> None:
     out = sgmv_shrink(x, w.lora_a, meta.seg_starts, meta.seg_slots, _max_seg_len(meta), split_k=split_k)
     expected = naive_lora_shrink(x, w, PREFILL_SLOTS)
     assert_close(out, expected, torch.float32 if dtype == torch.float32 else torch.float16, "sgmv_shrink")
-    reference = TorchLoRABackend().shrink(x, w.lora_a, meta)
+    reference = PortableLoRABackend().shrink(x, w.lora_a, meta)
     assert_close(out, reference.double(), dtype, "sgmv_shrink vs torch")
 
 
@@ -97,7 +97,7 @@ def test_bgmv_expand(dtype: torch.dtype, layout: str) -> None:
     x_rank = naive_lora_shrink(x, w, DECODE_SLOTS).float().to(DEVICE)
     expected = y.double().cpu() + _naive_expand(x_rank, w, DECODE_SLOTS)
     reference = y.clone()
-    TorchLoRABackend().expand(reference, x_rank, w.lora_b, w.scales, w.slice_sizes, meta)
+    PortableLoRABackend().expand(reference, x_rank, w.lora_b, w.scales, w.slice_sizes, meta)
     bgmv_expand(y, x_rank, w.lora_b, w.scales, w.slice_sizes, meta.token_slots)
     assert_close(y, expected, dtype, "bgmv_expand")
     assert_close(y, reference.double(), dtype, "bgmv_expand vs torch")
@@ -110,7 +110,7 @@ def test_sgmv_expand(dtype: torch.dtype, layout: str) -> None:
     x_rank = naive_lora_shrink(x, w, PREFILL_SLOTS).float().to(DEVICE)
     expected = y.double().cpu() + _naive_expand(x_rank, w, PREFILL_SLOTS)
     reference = y.clone()
-    TorchLoRABackend().expand(reference, x_rank, w.lora_b, w.scales, w.slice_sizes, meta)
+    PortableLoRABackend().expand(reference, x_rank, w.lora_b, w.scales, w.slice_sizes, meta)
     sgmv_expand(
         y, x_rank, w.lora_b, w.scales, w.slice_sizes, meta.seg_starts, meta.seg_slots, _max_seg_len(meta)
     )
@@ -136,7 +136,7 @@ def _naive_expand(x_rank: torch.Tensor, w: LoRAWeights, slots: list[int]) -> tor
 # -- whole backends: apply = shrink + expand ---------------------------------------------
 
 BACKENDS: dict[str, Callable[[], LoRABackend]] = {
-    "torch": TorchLoRABackend,
+    "torch": PortableLoRABackend,
     "triton-auto": lambda: TritonLoRABackend("auto"),
     "triton-bgmv": lambda: TritonLoRABackend("bgmv"),
     "triton-sgmv": lambda: TritonLoRABackend("sgmv"),
@@ -226,14 +226,14 @@ def test_backend_apply_without_adapters_is_a_no_op(backend_name: str) -> None:
     assert torch.equal(y, before)
 
 
-# -- torch backend specifics ------------------------------------------------------------
+# -- portable backend specifics ---------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
 def test_torch_shrink_then_expand(dtype: torch.dtype) -> None:
     # The two halves on their own (the engine uses apply; the API offers both).
     x, y, w, meta = _setup(MIXED_SLOTS, "qkv", dtype, seed=7)
-    backend = TorchLoRABackend()
+    backend = PortableLoRABackend()
     x_rank = backend.shrink(x, w.lora_a, meta)
     assert x_rank.dtype == torch.float32 and x_rank.shape == (3, len(MIXED_SLOTS), max(RANKS))
     assert_close(x_rank, naive_lora_shrink(x, w, MIXED_SLOTS), dtype, "torch shrink")
@@ -311,7 +311,7 @@ def test_torch_bucket_padding_is_inert() -> None:
     x = torch.randn(len(slots), IN_FEATURES, generator=gen).to(DEVICE)
     x[0] *= 1e3
     y = torch.zeros(len(slots), 32, device=DEVICE)
-    TorchLoRABackend().apply(y, x, w.lora_a, w.lora_b, w.scales, w.slice_sizes, meta)
+    PortableLoRABackend().apply(y, x, w.lora_a, w.lora_b, w.scales, w.slice_sizes, meta)
     assert_close(y, naive_lora_delta(x, w, slots), torch.float32, "padded bucket")
 
 
@@ -331,7 +331,7 @@ def test_torch_bucket_slot_ranges(slots: list[int], slot_range: tuple[int, int] 
     w = make_lora_weights(IN_FEATURES, (24, 8), [8, 16, 64, 8, 16, 64, 8, 16], torch.float32, DEVICE, gen)
     x = torch.randn(len(slots), IN_FEATURES, generator=gen).to(DEVICE)
     y = torch.zeros(len(slots), 32, device=DEVICE)
-    TorchLoRABackend().apply(y, x, w.lora_a, w.lora_b, w.scales, w.slice_sizes, meta)
+    PortableLoRABackend().apply(y, x, w.lora_a, w.lora_b, w.scales, w.slice_sizes, meta)
     assert_close(y, naive_lora_delta(x, w, slots), torch.float32, f"bucket over slots {slots}")
 
 

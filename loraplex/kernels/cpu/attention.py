@@ -1,10 +1,10 @@
-"""The CPU attention backend: the C paged decode kernel, torch for everything else.
+"""The CPU attention backend: the C paged decode kernel, the portable backend for everything else.
 
 Decode attention is most of the attention time of a serving step (every running
 sequence reads its whole context every step), so it gets the compiled kernel;
 prefill/extend chunks are few per step and long, where torch's SDPA is already
 efficient. Shapes or dtypes the kernel does not take (float16, very wide GQA
-groups) fall back to the torch path per call.
+groups) fall back to the portable path per call.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import torch
 
 from loraplex.kernels.cpu.paged_decode import paged_decode_cpu, supports
 from loraplex.kernels.metadata import AttentionMetadata
-from loraplex.kernels.torch_ref.attention import TorchAttentionBackend
+from loraplex.kernels.portable.attention import PortableAttentionBackend
 
 
-class CpuAttentionBackend(TorchAttentionBackend):
-    """Torch attention with decode served by the compiled C kernel (CPU only)."""
+class CpuAttentionBackend(PortableAttentionBackend):
+    """Portable attention with decode served by the compiled C kernel (CPU only)."""
 
     name = "cpu"
 

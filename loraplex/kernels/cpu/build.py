@@ -14,7 +14,7 @@ spin against it on a small machine.
 
 Set ``LORAPLEX_CPU_KERNELS=0`` to disable them; without a C compiler, or if the
 build fails, ``load_library`` returns None (with one warning) and the engine runs
-the pure-torch path.
+the portable (pure PyTorch) backends.
 """
 
 from __future__ import annotations

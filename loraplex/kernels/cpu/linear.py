@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from loraplex.kernels.backend import LinearBackend
+from loraplex.kernels.contracts import LinearBackend
 from loraplex.kernels.cpu.build import bind, limit
 
 _ARGTYPES = (

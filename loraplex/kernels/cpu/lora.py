@@ -5,13 +5,13 @@
 A step's tokens are grouped by adapter slot (decodes, short chunks and prefill runs
 alike) and ``lora_grouped.c`` serves them all in one call per projection: register
 tiles with no horizontal sums for the shrink and the expand, each adapter's A and B
-read about once per 16 tokens. That replaces the torch path's padded buckets (a dozen
+read about once per 16 tokens. That replaces the portable path's padded buckets (a dozen
 ops each) for decodes, and for prefill runs it beats MKL's GEMMs, whose rank-wide
 shapes (N = rank in the shrink, K = rank in the expand) run far below peak.
 
 The kernel reads the packed layout of ``lora_layout.py``, which this backend asks the
 slot buffers for (``weight_layout``) in float32; other dtypes keep the logical layout
-and take the torch path.
+and take the portable path.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from loraplex.kernels.cpu.build import bind, limit
 from loraplex.kernels.cpu.lora_layout import CPU_PACKED_LAYOUT, PANEL, padded_columns
 from loraplex.kernels.lora_layout import LOGICAL_LAYOUT, LoRAWeightLayout
 from loraplex.kernels.metadata import LoRAMetadata
-from loraplex.kernels.torch_ref.lora import TorchLoRABackend
+from loraplex.kernels.portable.lora import PortableLoRABackend
 
 _ARGTYPES = (
     ctypes.c_void_p,
@@ -212,8 +212,8 @@ def lora_grouped_cpu(
         raise ValueError(f"LoRA: {bad} token groups point at a slot outside [0, {weights.dims[1]})")
 
 
-class CpuLoRABackend(TorchLoRABackend):
-    """LoRA by the compiled C kernel (CPU, float32, packed weights); the torch path otherwise."""
+class CpuLoRABackend(PortableLoRABackend):
+    """LoRA by the compiled C kernel (CPU, float32, packed weights); the portable path otherwise."""
 
     name = "cpu"
     # Checked weights per (buffers, slice sizes): the engine passes the same slot buffers

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from loraplex.kernels.cpu.build import bind, limit
+from loraplex.kernels.metadata import PAD_BLOCK_ID
 
 _SYMBOLS = {torch.float32: "loraplex_paged_decode_f32", torch.bfloat16: "loraplex_paged_decode_bf16"}
 _ARGTYPES = (*[ctypes.c_void_p] * 6, *[ctypes.c_int64] * 7, ctypes.c_float, ctypes.c_int)
@@ -48,7 +49,13 @@ def paged_decode_cpu(
     scale: float,
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
 ) -> torch.Tensor:
-    """Decode attention with the C kernel; call ``supports`` first (this asserts it)."""
+    """Decode attention with the C kernel; call ``supports`` first (this asserts it).
+
+    The kernel reads the first ``ceil(seq_lens[i] / block_size)`` entries of each
+    table row (the ``PAD_BLOCK_ID`` padding after them is never read) and reports any
+    of them outside ``[0, num_blocks)``, padding included, instead of reading it:
+    this raises ``ValueError`` then.
+    """
     assert supports(query, k_cache), "C paged decode does not support these shapes or dtype"
     num_seqs, num_heads, head_dim = query.shape
     num_cache_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
@@ -87,6 +94,6 @@ def paged_decode_cpu(
     if bad_items:
         raise ValueError(
             f"paged decode: {bad_items} (sequence, kv head) items had seq_len < 1 or a block id "
-            f"outside [0, {num_cache_blocks})"
+            f"outside [0, {num_cache_blocks}), such as PAD_BLOCK_ID ({PAD_BLOCK_ID}) within seq_len"
         )
     return out

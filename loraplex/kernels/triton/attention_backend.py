@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from loraplex.kernels.backend import AttentionBackend
+from loraplex.kernels.contracts import AttentionBackend
 from loraplex.kernels.metadata import AttentionMetadata
 from loraplex.kernels.triton import cache_ops
 from loraplex.kernels.triton.extend_attention import extend_attention

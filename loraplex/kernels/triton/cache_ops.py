@@ -4,8 +4,8 @@
 copy-on-write (a shared last block is duplicated before a sequence appends to it)
 and ``copy_blocks_between`` moves blocks between two pools on the same device
 (swap out to / in from a staging pool). Moving blocks across devices (GPU <-> host)
-is a plain ``index_select`` + ``copy_`` (``torch_ref.cache_ops.swap_blocks``): a
-Triton kernel cannot read host memory.
+needs a plain ``index_select`` + ``copy_`` in torch instead: a Triton kernel cannot
+read host memory.
 
 One launch per cache tensor: the interpreter cannot follow raw pointer arrays, and
 on the GPU the launches are tiny next to the attention they precede.

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.metadata import check_block_tables
 from loraplex.kernels.triton.common import (
     SUPPORTED_DTYPES,
     dot_f32,
@@ -145,6 +146,11 @@ def extend_attention(
     prefix     = seq_lens[i] - query_len(i);  row j of sequence i sits at prefix + j
     s[j, t]    = q[j] . K_i[t] * scale  for t <= prefix + j, else -inf
     out[j]     = softmax(s[j]) @ V_i     (online, fp32; GQA: head h reads h // group)
+
+    Entries of ``block_tables[i]`` past ``ceil(seq_lens[i] / block_size)`` are
+    ``PAD_BLOCK_ID`` and never loaded (table loads are masked by position < seq_len).
+    Used entries are checked for padding only when the table is on the host (the
+    interpreter): on the GPU the check would cost a device sync per call.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, page_size, num_kv_heads, kv_dim = k_cache.shape
@@ -167,6 +173,8 @@ def extend_attention(
     assert out.shape == query.shape and out.stride(2) == 1, "out is [num_tokens, num_heads, head_dim]"
     if first_seq == num_seqs or num_tokens == 0 or max_query_len == 0:
         return out
+    if block_tables.device.type == "cpu":
+        check_block_tables(block_tables[first_seq:], seq_lens[first_seq:].tolist(), page_size)
 
     head_dim_pad = pow2_at_least(head_dim)
     block_m = 64 if max_query_len > 32 else pow2_at_least(max_query_len)

@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from loraplex.kernels.backend import LoRABackend
+from loraplex.kernels.contracts import LoRABackend
 from loraplex.kernels.metadata import LoRAMetadata
 from loraplex.kernels.triton.lora_expand import bgmv_expand, sgmv_expand
 from loraplex.kernels.triton.lora_shrink import bgmv_shrink, sgmv_shrink

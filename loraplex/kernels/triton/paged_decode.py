@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.metadata import check_block_tables
 from loraplex.kernels.triton.common import (
     SUPPORTED_DTYPES,
     device_sms,
@@ -220,6 +221,11 @@ def paged_decode(
     s[i, h, t] = (q[i, h] . K[table[i][t // B], t % B, h // group]) * scale,  t < seq_lens[i]
     p[i, h, :] = softmax(s[i, h, :])            (online, fp32, split-K when long)
     out[i, h]  = sum_t p[i, h, t] * V[table[i][t // B], t % B, h // group]
+
+    Entries of ``block_tables[i]`` past ``ceil(seq_lens[i] / B)`` are ``PAD_BLOCK_ID``
+    and never loaded (table loads are masked by ``t < seq_lens[i]``). Used entries are
+    checked for padding only when the table is on the host (the interpreter): on the
+    GPU the check would cost a device sync per call.
     """
     num_seqs, num_heads, head_dim = query.shape
     _, page_size, num_kv_heads, kv_dim = k_cache.shape
@@ -239,6 +245,8 @@ def paged_decode(
     assert out.shape == query.shape and out.stride(2) == 1, "out is [num_seqs, num_heads, head_dim]"
     if num_seqs == 0:
         return out
+    if block_tables.device.type == "cpu":
+        check_block_tables(block_tables, seq_lens.tolist(), page_size)
 
     group = num_heads // num_kv_heads
     head_dim_pad = pow2_at_least(head_dim)

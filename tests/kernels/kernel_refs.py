@@ -1,25 +1,12 @@
-"""PyTorch KV block copies: copy-on-write within a pool, swaps between pools and devices.
+"""Reference implementations that only the kernel tests and benchmarks use.
 
-These are the references of ``triton.cache_ops`` and also the only path for moves
-across devices (GPU pool <-> host pool), which a Triton kernel cannot do.
+What the portable backend runs lives in ``loraplex/kernels/portable`` and serves as
+the Triton kernels' reference from there; this module holds only what no backend calls.
 """
 
 from __future__ import annotations
 
 import torch
-
-
-def copy_blocks_ref(
-    caches: list[torch.Tensor],  # each [num_blocks, block_size, num_kv_heads, head_dim]
-    src: torch.Tensor,  # [num_pairs] int64
-    dst: torch.Tensor,  # [num_pairs] int64
-) -> None:
-    """``cache[dst[i]] = cache[src[i]]`` for every cache (all sources read before any write)."""
-    if src.numel() == 0:
-        return
-    src_ids, dst_ids = src.long(), dst.long()
-    for cache in caches:
-        cache.index_copy_(0, dst_ids, cache.index_select(0, src_ids))
 
 
 def swap_blocks(
@@ -30,6 +17,7 @@ def swap_blocks(
 ) -> None:
     """``dst_cache[dst_ids[i]] = src_cache[src_ids[i]]`` across pools, possibly across devices.
 
+    The reference of ``triton.cache_ops.copy_blocks_between`` (which stays on one device).
     One gather on the source device, one transfer, one scatter on the destination
     device. Only host-to-GPU transfers are non-blocking: a non-blocking GPU-to-host
     copy could be read by the host-side scatter before it lands.

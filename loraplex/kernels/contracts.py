@@ -1,13 +1,18 @@
-"""Contracts for the attention, LoRA and linear backends, and the registry that picks one.
+"""Contracts of the engine's compute backends, and the one definition of their names.
 
-Each contract has a PyTorch implementation (``torch_ref``), which runs anywhere and
-is the reference the tests compare against, a Triton one (``triton``), used on CUDA,
-and ``cpu``: the torch backend with its hot part (decode attention; LoRA; the dense
-projections) served by C kernels compiled for the host on first use (``kernels/cpu``).
-The linear backend has no Triton version: on CUDA ``auto`` keeps torch's cuBLAS.
-``select_*_backend("auto", device)`` picks Triton on CUDA and ``cpu`` on the CPU when
-its kernels build, else torch; a name forces one (Triton runs on the CPU under
-``TRITON_INTERPRET=1``, slowly, for tests).
+Three subsystems have more than one implementation, so each has a contract here:
+
+* ``AttentionBackend``: paged attention over a flat batch, plus the KV cache writes
+  and block copies that go with it;
+* ``LoRABackend``: batched multi-adapter LoRA (shrink, expand, apply);
+* ``LinearBackend``: the base model's dense projections.
+
+Implementations live in ``portable/`` (pure PyTorch, runs anywhere), ``cpu/`` (C
+kernels compiled for the host) and ``triton/`` (CUDA); ``registry.py`` picks one by
+name and device. Implementations import this module, never the registry.
+
+The names users choose from (``EngineConfig``, the CLI's flags) are the ``Literal``
+types below and the tuples derived from them. "torch" names the portable backend.
 
 KV cache layout (per layer, one tensor each for K and V)::
 
@@ -19,42 +24,30 @@ so one block's tokens are contiguous and one token's heads are contiguous.
 from __future__ import annotations
 
 import abc
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 from loraplex.kernels.lora_layout import LOGICAL_LAYOUT, LoRAWeightLayout
 from loraplex.kernels.metadata import AttentionMetadata, LoRAMetadata
 
-BackendName = Literal["auto", "torch", "triton", "cpu"]
+AttentionBackendName = Literal["auto", "torch", "triton", "cpu"]
+LoRABackendName = Literal["auto", "torch", "triton", "cpu"]
+# No Triton linear backend: on CUDA torch's F.linear already runs cuBLAS.
 LinearBackendName = Literal["auto", "torch", "cpu"]
 
-
-class LinearBackend:
-    """The base model's dense projections, ``y = x @ W^T + b``: torch's ``F.linear``.
-
-    A backend may keep weights in its own layout: the model passes each weight through
-    ``prepare`` once at load time and hands the result back to ``__call__``.
-    """
-
-    name = "torch"
-
-    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
-        """The form of ``weight`` ([out_features, in_features]) that ``__call__`` reads."""
-        return weight
-
-    def __call__(
-        self,
-        x: torch.Tensor,  # [num_tokens, in_features]
-        weight: torch.Tensor,  # what prepare returned
-        bias: torch.Tensor | None,  # [out_features]
-        out_features: int,
-    ) -> torch.Tensor:  # [num_tokens, out_features]
-        return torch.nn.functional.linear(x, weight, bias)
+ATTENTION_BACKEND_NAMES: tuple[AttentionBackendName, ...] = get_args(AttentionBackendName)
+LORA_BACKEND_NAMES: tuple[LoRABackendName, ...] = get_args(LoRABackendName)
+LINEAR_BACKEND_NAMES: tuple[LinearBackendName, ...] = get_args(LinearBackendName)
 
 
 class AttentionBackend(abc.ABC):
-    """Paged attention over a flat batch of decode and prefill/extend tokens."""
+    """Paged attention over a flat batch of decode and prefill/extend tokens.
+
+    Block tables (``AttentionMetadata.block_tables``) are padded with ``PAD_BLOCK_ID``
+    past each sequence's last block; an implementation reads only the first
+    ``ceil(seq_len / block_size)`` entries of a row and must not read a padded one.
+    """
 
     name: str
 
@@ -155,72 +148,25 @@ class LoRABackend(abc.ABC):
         self.expand(y, x_rank, lora_b, scales, slice_sizes, meta)
 
 
-def _resolve(name: str, device: torch.device) -> str:
-    if name not in ("auto", "torch", "triton", "cpu"):
-        raise ValueError(f"unknown kernel backend {name!r}; choose 'auto', 'torch', 'triton' or 'cpu'")
-    if name != "auto":
-        return name
-    if device.type == "cuda":
-        return "triton"
-    if device.type == "cpu":
-        from loraplex.kernels.cpu.build import load_library
+class LinearBackend(abc.ABC):
+    """The base model's dense projections, ``y = x @ W^T + b``.
 
-        return "cpu" if load_library() is not None else "torch"
-    return "torch"
+    A backend may keep weights in its own layout: the model passes each weight through
+    ``prepare`` once at load time and hands the result back to ``__call__``.
+    """
 
+    name: str
 
-def select_attention_backend(name: BackendName, device: torch.device) -> AttentionBackend:
-    """Return the attention backend for ``name`` on ``device`` (Triton on CUDA, C on CPU by default)."""
-    chosen = _resolve(name, device)
-    if chosen == "triton":
-        from loraplex.kernels.triton.attention_backend import TritonAttentionBackend
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        """The form of ``weight`` ([out_features, in_features]) that ``__call__`` reads."""
+        return weight
 
-        return TritonAttentionBackend()
-    if chosen == "cpu":
-        _require_cpu_kernels("attention", device)
-        from loraplex.kernels.cpu.attention import CpuAttentionBackend
-
-        return CpuAttentionBackend()
-    from loraplex.kernels.torch_ref.attention import TorchAttentionBackend
-
-    return TorchAttentionBackend()
-
-
-def _require_cpu_kernels(what: str, device: torch.device) -> None:
-    from loraplex.kernels.cpu.build import load_library
-
-    if device.type != "cpu" or load_library() is None:
-        raise ValueError(
-            f"the 'cpu' {what} backend needs a CPU device and a C compiler "
-            "(and LORAPLEX_CPU_KERNELS not set to 0); use 'torch' instead"
-        )
-
-
-def select_lora_backend(name: BackendName, device: torch.device) -> LoRABackend:
-    """Return the LoRA backend for ``name`` on ``device`` (Triton on CUDA, C on CPU by default)."""
-    chosen = _resolve(name, device)
-    if chosen == "triton":
-        from loraplex.kernels.triton.lora_backend import TritonLoRABackend
-
-        return TritonLoRABackend()
-    if chosen == "cpu":
-        _require_cpu_kernels("LoRA", device)
-        from loraplex.kernels.cpu.lora import CpuLoRABackend
-
-        return CpuLoRABackend()
-    from loraplex.kernels.torch_ref.lora import TorchLoRABackend
-
-    return TorchLoRABackend()
-
-
-def select_linear_backend(name: LinearBackendName, device: torch.device) -> LinearBackend:
-    """Return the linear backend for ``name`` on ``device`` (C panels on CPU by default)."""
-    if name not in ("auto", "torch", "cpu"):
-        raise ValueError(f"unknown linear backend {name!r}; choose 'auto', 'torch' or 'cpu'")
-    chosen = _resolve(name, device)
-    if chosen == "cpu":
-        _require_cpu_kernels("linear", device)
-        from loraplex.kernels.cpu.linear import CpuLinearBackend
-
-        return CpuLinearBackend()
-    return LinearBackend()  # torch, and 'auto' on CUDA (cuBLAS)
+    @abc.abstractmethod
+    def __call__(
+        self,
+        x: torch.Tensor,  # [num_tokens, in_features]
+        weight: torch.Tensor,  # what prepare returned
+        bias: torch.Tensor | None,  # [out_features]
+        out_features: int,
+    ) -> torch.Tensor:  # [num_tokens, out_features]
+        """``x @ W^T + bias`` from the prepared weight."""

@@ -1,4 +1,4 @@
-"""PyTorch batched multi-adapter LoRA: the engine's CPU path and the Triton kernels' reference.
+"""``LoRABackend`` in plain PyTorch: batched multi-adapter LoRA that runs anywhere, tuned for the CPU.
 
 The engine calls ``apply`` in every projection of every layer, so op count matters
 as much as FLOPs: a per-token or per-slot Python loop would cost more than the
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.kernels.backend import LoRABackend
+from loraplex.kernels.contracts import LoRABackend
 from loraplex.kernels.metadata import LoRAMetadata
 
 # Runs at least this long are prefill chunks served on views; shorter runs are batched.
@@ -171,7 +171,7 @@ def _slice_offsets(slice_sizes: tuple[int, ...]) -> list[int]:
     return [sum(slice_sizes[:i]) for i in range(len(slice_sizes))]
 
 
-class TorchLoRABackend(LoRABackend):
+class PortableLoRABackend(LoRABackend):
     """Batched LoRA in plain PyTorch: grouped by slot, no per-token loops; tuned for the CPU."""
 
     name = "torch"

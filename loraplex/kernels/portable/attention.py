@@ -1,0 +1,82 @@
+"""``AttentionBackend`` in plain PyTorch: runs anywhere, tuned for the CPU.
+
+Decode sequences go through the chunked ``paged_decode`` (gathered blocks, batched
+GEMMs); prefill/extend chunks one sequence at a time through ``extend_attention``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.kernels.contracts import AttentionBackend
+from loraplex.kernels.metadata import AttentionMetadata
+from loraplex.kernels.portable import cache_ops
+from loraplex.kernels.portable.extend_attention import extend_attention, gather_context
+from loraplex.kernels.portable.paged_decode import GatherWorkspace, paged_decode
+
+
+class PortableAttentionBackend(AttentionBackend):
+    """Paged attention in plain PyTorch; runs anywhere, tuned for the CPU."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._workspace = GatherWorkspace()
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        cache_ops.write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        out = torch.empty_like(query)
+        nd = meta.num_decodes
+        if nd > 0:
+            self._decode(query[:nd], k_cache, v_cache, meta, scale, out[:nd])
+        starts = meta.query_start_loc_cpu or tuple(meta.query_start_loc.tolist())
+        lens = meta.seq_lens_cpu or tuple(meta.seq_lens.tolist())
+        for i in range(nd, meta.num_seqs):
+            lo, hi, ctx = starts[i], starts[i + 1], lens[i]
+            k = gather_context(k_cache, meta.block_tables[i], ctx)
+            v = gather_context(v_cache, meta.block_tables[i], ctx)
+            out[lo:hi] = extend_attention(query[lo:hi], k, v, scale)
+        return out
+
+    def _decode(
+        self,
+        query: torch.Tensor,  # [num_decodes, num_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,  # [num_decodes, num_heads, head_dim], written
+    ) -> None:
+        """The decode sequences (the first ``num_decodes`` of the batch)."""
+        nd = query.shape[0]
+        out.copy_(
+            paged_decode(
+                query,
+                k_cache,
+                v_cache,
+                meta.block_tables[:nd],
+                meta.seq_lens[:nd],
+                scale,
+                seq_lens_cpu=meta.seq_lens_cpu[:nd] or None,
+                workspace=self._workspace,
+            )
+        )
+
+    def copy_blocks(self, caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+        cache_ops.copy_blocks(caches, src, dst)

@@ -1,0 +1,107 @@
+"""Pick a backend implementation by name and device.
+
+``select_*_backend("auto", device)`` picks::
+
+    device   attention / LoRA                           linear
+    cuda     triton                                     torch (F.linear, cuBLAS)
+    cpu      cpu when its C kernels build, else torch   cpu when its C kernels build, else torch
+    other    torch                                      torch
+
+A name other than "auto" forces that backend ("torch" is the portable one; Triton
+runs on the CPU under ``TRITON_INTERPRET=1``, slowly, for tests). Implementations
+are imported here, lazily, so that choosing one never imports Triton or builds C
+kernels it does not need; no implementation imports this module.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.kernels.contracts import (
+    ATTENTION_BACKEND_NAMES,
+    LINEAR_BACKEND_NAMES,
+    LORA_BACKEND_NAMES,
+    AttentionBackend,
+    AttentionBackendName,
+    LinearBackend,
+    LinearBackendName,
+    LoRABackend,
+    LoRABackendName,
+)
+
+
+def _check_name(kind: str, name: str, allowed: tuple[str, ...]) -> None:
+    if name not in allowed:
+        choices = ", ".join(repr(n) for n in allowed)
+        raise ValueError(f"unknown {kind} backend {name!r}; choose one of {choices}")
+
+
+def _cpu_kernels_available(device: torch.device) -> bool:
+    from loraplex.kernels.cpu.build import load_library
+
+    return device.type == "cpu" and load_library() is not None
+
+
+def _resolve_auto(device: torch.device) -> str:
+    """What "auto" means for attention and LoRA on ``device``."""
+    if device.type == "cuda":
+        return "triton"
+    return "cpu" if _cpu_kernels_available(device) else "torch"
+
+
+def _require_cpu_kernels(kind: str, device: torch.device) -> None:
+    if not _cpu_kernels_available(device):
+        raise ValueError(
+            f"the 'cpu' {kind} backend needs a CPU device and a C compiler "
+            "(and LORAPLEX_CPU_KERNELS not set to 0); use 'torch' instead"
+        )
+
+
+def select_attention_backend(name: AttentionBackendName, device: torch.device) -> AttentionBackend:
+    """Return the attention backend for ``name`` on ``device`` (Triton on CUDA, C on CPU by default)."""
+    _check_name("attention", name, ATTENTION_BACKEND_NAMES)
+    chosen = _resolve_auto(device) if name == "auto" else name
+    if chosen == "triton":
+        from loraplex.kernels.triton.attention_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    if chosen == "cpu":
+        _require_cpu_kernels("attention", device)
+        from loraplex.kernels.cpu.attention import CpuAttentionBackend
+
+        return CpuAttentionBackend()
+    from loraplex.kernels.portable.attention import PortableAttentionBackend
+
+    return PortableAttentionBackend()
+
+
+def select_lora_backend(name: LoRABackendName, device: torch.device) -> LoRABackend:
+    """Return the LoRA backend for ``name`` on ``device`` (Triton on CUDA, C on CPU by default)."""
+    _check_name("LoRA", name, LORA_BACKEND_NAMES)
+    chosen = _resolve_auto(device) if name == "auto" else name
+    if chosen == "triton":
+        from loraplex.kernels.triton.lora_backend import TritonLoRABackend
+
+        return TritonLoRABackend()
+    if chosen == "cpu":
+        _require_cpu_kernels("LoRA", device)
+        from loraplex.kernels.cpu.lora import CpuLoRABackend
+
+        return CpuLoRABackend()
+    from loraplex.kernels.portable.lora import PortableLoRABackend
+
+    return PortableLoRABackend()
+
+
+def select_linear_backend(name: LinearBackendName, device: torch.device) -> LinearBackend:
+    """Return the linear backend for ``name`` on ``device`` (C panels on CPU by default)."""
+    _check_name("linear", name, LINEAR_BACKEND_NAMES)
+    use_cpu = name == "cpu" or (name == "auto" and _cpu_kernels_available(device))
+    if use_cpu:
+        _require_cpu_kernels("linear", device)
+        from loraplex.kernels.cpu.linear import CpuLinearBackend
+
+        return CpuLinearBackend()
+    from loraplex.kernels.portable.linear import PortableLinearBackend
+
+    return PortableLinearBackend()  # torch, and 'auto' off the CPU (cuBLAS on CUDA)

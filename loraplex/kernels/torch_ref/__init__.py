@@ -1,1 +1,0 @@
-"""loraplex kernels/torch_ref."""
