@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from loraplex.kernels.metadata import PAD_BLOCK_ID
 from loraplex.storage.kv.block_manager import AllocStatus, BlockCopy, KVBlockManager
 
 
@@ -109,4 +110,5 @@ def test_block_table_tensor() -> None:
     m.allocate_slots(2, 0, 1)
     t = m.block_table_tensor([1, 2])
     assert t.dtype.is_floating_point is False and str(t.dtype) == "torch.int32"
-    assert t.tolist() == [[0, 1, 2], [3, 0, 0]]
+    assert t.tolist() == [[0, 1, 2], [3, PAD_BLOCK_ID, PAD_BLOCK_ID]]
+    assert PAD_BLOCK_ID == -1

@@ -1,23 +1,56 @@
-"""The physical KV block pool: ids, reference counts and the free-block queue.
+"""The physical KV block pool: ids, reference counts, the LRU free queue and the key index.
 
 The pool knows nothing about sequences; the block manager maps sequences to
-blocks. Free blocks sit in an LRU queue (oldest freed first out), which is the
-order the prefix cache will later want for eviction: a freed block that still
-holds cached KV stays findable until it is handed out again.
+blocks. A full block may carry a content key (``block_hash``); the pool keeps an
+index ``key -> block_id`` of those cached blocks. A freed block keeps its key and
+stays findable in the free queue until it is handed out again, so the free queue
+doubles as the prefix cache's LRU eviction order (vLLM v1):
+
+    allocate(n)            pop the oldest free blocks; a keyed one is *evicted*:
+                           its key leaves the index and ``on_evict(block_id, key)``
+                           runs before the block is handed out (demotion hook)
+    lookup(key)            the cached block for ``key`` or None (no state change)
+    take(block_id)         a hit: ref 0 -> 1 leaves the free queue, else ref += 1
+    cache_block(id, key)   register a full block under ``key`` (first one wins)
+    decref(block_id)       at ref 0 the block joins the free queue's tail, key kept
+
+Promotion from a lower tier (host, disk) into a fresh block, paired verbs:
+
+    allocate_for_key(key)      a fresh block (ref 1, held by the promotion, not findable)
+    publish_promoted(block_id) the data landed: index it under key, drop the promotion's ref
+    cancel_promoted(block_id)  the transfer failed: drop the ref, the block stays keyless
+
+A block is findable only after its data is there, so a failed transfer is a miss,
+never a hit on garbage.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+from loraplex.storage.kv.block_hash import BlockKey
+
+EvictCallback = Callable[[int, BlockKey], None]
+"""``on_evict(block_id, key)``: a cached block is about to be reused; copy its data out now.
+
+Runs before the block is handed out, so its KV is still intact; the copy (or a
+transfer enqueued by it) must complete before the next forward writes the block.
+It must not raise: the pool has already dropped the key from its index.
+"""
 
 
 @dataclass
 class KVBlock:
-    """One physical block: ``block_size`` token slots in every layer's K and V cache."""
+    """One physical block: ``block_size`` token slots in every layer's K and V cache.
+
+    ``key`` is set only while the block is full, indexed, and therefore immutable.
+    """
 
     block_id: int
     ref_cnt: int = 0
+    key: BlockKey | None = None
 
 
 class BlockPool:
@@ -29,19 +62,45 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # OrderedDict as an O(1) LRU queue: popitem(last=False) takes the oldest
-        # and move_to_end / pop allow removal from the middle (prefix-cache hits).
+        # and pop() removes from the middle (a prefix-cache hit on a free block).
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._index: dict[BlockKey, int] = {}
+        self._promoting: dict[int, BlockKey] = {}
+        self.on_evict: EvictCallback | None = None
+        self.num_evicted_blocks = 0
 
+    # -- queries ---------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks findable by key (in use or free)."""
+        return len(self._index)
 
     def free_block_ids(self) -> list[int]:
         """Free block ids in the order they would be handed out."""
         return list(self._free)
 
+    def is_free(self, block_id: int) -> bool:
+        return block_id in self._free
+
+    def lookup(self, key: BlockKey) -> int | None:
+        """The block cached under ``key``, or None. Changes nothing (no LRU touch)."""
+        return self._index.get(key)
+
+    def promoting_block_ids(self) -> list[int]:
+        """Blocks held by a promotion in flight (one reference each)."""
+        return list(self._promoting)
+
+    # -- allocation ------------------------------------------------------------
     def allocate(self, num_blocks: int) -> list[KVBlock]:
-        """Take ``num_blocks`` free blocks (oldest freed first), each with ref_cnt 1."""
+        """Take ``num_blocks`` free blocks (oldest freed first), each with ref_cnt 1.
+
+        A block that still holds a cached key is evicted on the way out: its key
+        leaves the index and ``on_evict`` sees it before the caller gets the block.
+        """
         if num_blocks > len(self._free):
             raise RuntimeError(f"asked for {num_blocks} blocks with only {len(self._free)} free")
         out = []
@@ -50,8 +109,31 @@ class BlockPool:
             block = self.blocks[block_id]
             assert block.ref_cnt == 0, f"free block {block_id} has ref_cnt {block.ref_cnt}"
             block.ref_cnt = 1
+            if block.key is not None:
+                self._evict(block)
             out.append(block)
         return out
+
+    def _evict(self, block: KVBlock) -> None:
+        key = block.key
+        assert key is not None, f"block {block.block_id} has no key to evict"
+        assert self._index.get(key) == block.block_id, (
+            f"block {block.block_id} has key {key.hex()} but the index maps it to {self._index.get(key)}"
+        )
+        del self._index[key]
+        block.key = None
+        self.num_evicted_blocks += 1
+        if self.on_evict is not None:
+            self.on_evict(block.block_id, key)
+
+    def take(self, block_id: int) -> None:
+        """A prefix-cache hit: one more reference to a cached block (free or in use)."""
+        block = self.blocks[block_id]
+        if block.key is None:
+            raise RuntimeError(f"block {block_id} holds no cached key: not a prefix-cache hit")
+        if block.ref_cnt == 0:
+            del self._free[block_id]
+        block.ref_cnt += 1
 
     def incref(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -59,18 +141,93 @@ class BlockPool:
         block.ref_cnt += 1
 
     def decref(self, block_id: int) -> None:
-        """Drop one reference; the block returns to the tail of the free queue at zero."""
+        """Drop one reference; at zero the block joins the tail of the free queue, key kept."""
         block = self.blocks[block_id]
         assert block.ref_cnt > 0, f"decref on free block {block_id}"
         block.ref_cnt -= 1
         if block.ref_cnt == 0:
             self._free[block_id] = None
 
+    def decref_all(self, block_ids: Iterable[int]) -> None:
+        for block_id in block_ids:
+            self.decref(block_id)
+
+    # -- the key index ---------------------------------------------------------
+    def cache_block(self, block_id: int, key: BlockKey) -> bool:
+        """Make a full, written block findable under ``key``; True if it now is.
+
+        If another block already holds ``key`` the index keeps that one and this
+        block stays keyless: blocks are never de-duplicated, because a block table
+        must stay append-only (the runner and other tables already point at both).
+        """
+        block = self.blocks[block_id]
+        if block.key is not None:
+            if block.key != key:
+                raise RuntimeError(f"block {block_id} is cached as {block.key.hex()}, not {key.hex()}")
+            return True
+        if key in self._index:
+            return False
+        block.key = key
+        self._index[key] = block_id
+        return True
+
+    # -- promotion from a lower tier -------------------------------------------
+    def cached_blocks(self) -> list[tuple[int, BlockKey]]:
+        """Every findable block and its key, least recently used first among the free ones."""
+        free = [(b, self.blocks[b].key) for b in self._free if self.blocks[b].key is not None]
+        used = [(b, k) for k, b in self._index.items() if self.blocks[b].ref_cnt > 0]
+        return [(b, k) for b, k in free if k is not None] + used
+
+    def allocate_for_key(self, key: BlockKey) -> int | None:
+        """A fresh block to copy ``key``'s data into, or None (already cached here, or no free block).
+
+        The block has ref_cnt 1, held by the promotion, and is not findable until
+        ``publish_promoted``; exactly one of ``publish_promoted`` / ``cancel_promoted``
+        must follow.
+        """
+        if key in self._index or key in self._promoting.values() or not self._free:
+            return None
+        (block,) = self.allocate(1)
+        self._promoting[block.block_id] = key
+        return block.block_id
+
+    def publish_promoted(self, block_id: int) -> bool:
+        """The promoted data is in ``block_id``: index it and release the promotion's reference.
+
+        The block then sits at the free queue's tail (most recently used) unless a
+        sequence already took it. Returns False if the key was cached by another
+        block meanwhile (this one is then released keyless).
+        """
+        key = self._promoting.pop(block_id)
+        published = self.cache_block(block_id, key)
+        self.decref(block_id)
+        return published
+
+    def cancel_promoted(self, block_id: int) -> None:
+        """The transfer into ``block_id`` failed: release it without a key (a miss)."""
+        self._promoting.pop(block_id)
+        self.decref(block_id)
+
+    # -- invariants ------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Every block is either free (ref 0, queued once) or referenced (ref > 0)."""
+        """Free blocks are ref 0 and queued once; the index and block keys agree."""
         for block in self.blocks:
             queued = block.block_id in self._free
             if block.ref_cnt < 0 or queued != (block.ref_cnt == 0):
                 raise AssertionError(
                     f"block {block.block_id}: ref_cnt {block.ref_cnt}, in free queue: {queued}"
+                )
+            if block.key is not None and self._index.get(block.key) != block.block_id:
+                raise AssertionError(
+                    f"block {block.block_id} has key {block.key.hex()} but the index maps it to "
+                    f"{self._index.get(block.key)}"
+                )
+        for key, block_id in self._index.items():
+            if self.blocks[block_id].key != key:
+                raise AssertionError(f"index maps {key.hex()} to block {block_id}, whose key differs")
+        for block_id in self._promoting:
+            block = self.blocks[block_id]
+            if block.ref_cnt < 1 or block.key is not None:
+                raise AssertionError(
+                    f"promoting block {block_id}: ref_cnt {block.ref_cnt}, key {block.key!r}"
                 )
