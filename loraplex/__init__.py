@@ -14,16 +14,16 @@ __all__ = ["LLM", "EngineConfig", "LoRARequest", "RequestOutput", "SamplingParam
 
 if TYPE_CHECKING:
     from loraplex.adapters.request import LoRARequest
-    from loraplex.platform.config import EngineConfig
+    from loraplex.platform.engine.config import EngineConfig
     from loraplex.platform.llm import LLM
-    from loraplex.platform.outputs import RequestOutput
-    from loraplex.platform.sampling_params import SamplingParams
+    from loraplex.platform.engine.outputs import RequestOutput
+    from loraplex.platform.engine.sampling_params import SamplingParams
 
 _LAZY = {
     "LLM": "loraplex.platform.llm",
-    "EngineConfig": "loraplex.platform.config",
-    "SamplingParams": "loraplex.platform.sampling_params",
-    "RequestOutput": "loraplex.platform.outputs",
+    "EngineConfig": "loraplex.platform.engine.config",
+    "SamplingParams": "loraplex.platform.engine.sampling_params",
+    "RequestOutput": "loraplex.platform.engine.outputs",
     "LoRARequest": "loraplex.adapters.request",
 }
 

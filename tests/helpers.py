@@ -124,3 +124,19 @@ def load_benchmark(name: str) -> Any:
     sys.modules[spec.name] = module  # dataclasses look their module up by name
     spec.loader.exec_module(module)
     return module
+
+
+def make_peft_adapter(base_dir: Path, out: Path, seed: int, spec: dict[str, Any]) -> Any:
+    """Save a PEFT LoRA with random (non-zero) A and B for the HF model in ``base_dir``; return it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(**spec))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
+    peft_model.save_pretrained(out)
+    return peft_model.eval()

@@ -31,6 +31,7 @@ ValidationReason = Literal[
     "unexpected_tensor",  # a tensor name that is not a LoRA weight of a known layer
     "bad_dtype",  # a non floating point tensor
     "non_finite",  # NaN or Inf (also after conversion to the serving dtype)
+    "weight_magnitude",  # finite, but large enough to overflow the activations (see max_activation_gain)
     "too_large",  # file bigger than any valid adapter for this base model could be
     "unsafe_archive",  # path traversal, absolute path, link, device, encrypted member
     "archive_too_large",  # member or total size, or member count, over the limit

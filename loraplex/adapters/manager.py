@@ -281,6 +281,17 @@ class AdapterManager:
                 )
             return True
 
+    def pinned_slot(self, request_id: str) -> int | None:
+        """The slot ``request_id`` holds a pin on, or None: the one record of who uses what."""
+        with self._lock:
+            return self._slots.slot_of_request(request_id)
+
+    def pins_by_slot(self) -> dict[int, int]:
+        """Pins held on each slot that has any (slot -> number of holders)."""
+        with self._lock:
+            counts = (self._slots.pin_count(i) for i in range(self.config.max_loras))
+            return {i: c for i, c in enumerate(counts) if c > 0}
+
     # -- model runner ----------------------------------------------------------------------
 
     def get_buffers(self, layer_idx: int, group: GroupName) -> SlotBuffers:

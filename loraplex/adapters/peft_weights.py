@@ -12,6 +12,7 @@ PEFT's ``lora_B(lora_A(x)) * scaling`` for every module, patterns included.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -76,6 +77,39 @@ class AdapterWeights:
                 for key, w in self.modules.items()
             }
         )
+
+
+def activation_gain(
+    lora_a: torch.Tensor,  # [rank, in_features] float32
+    lora_b: torch.Tensor,  # [out_features, rank] float32, scaling folded in
+) -> float:
+    """How much the delta ``B @ A`` can scale an activation whose elements are about 1.
+
+    For an input x, ``|delta_j| = |B[j] . (A x)| <= ||B[j]||_2 * ||A x||_2``, and for x in
+    general position with unit-RMS elements ``||A x||_2`` is about ``||A||_F``. So the gain is
+    ``||A||_F * max_j ||B[j]||_2``: O(parameters), never forming the [out, in] product.
+    Computed in float64, where float32 weights cannot overflow the sums of squares.
+    """
+    norm_a = torch.linalg.vector_norm(lora_a.double())
+    return float(norm_a) * float(torch.linalg.vector_norm(lora_b.double(), dim=1).max())
+
+
+def max_activation_gain(dtype: torch.dtype) -> float:
+    """The largest ``activation_gain`` an adapter may have when served in ``dtype``.
+
+    The inputs of every adapted projection have elements around 1 (RMSNorm outputs, attention
+    outputs, SwiGLU products of them). The projections' outputs are multiplied with each other
+    one step later (q . k scores, silu(gate) * up, the next RMSNorm's mean of squares in float32),
+    so an output above sqrt(max) of its dtype overflows there even when it is representable
+    itself: sqrt(65504) = 256 in float16, about 1.8e19 in float32 and bfloat16. A trained
+    adapter's delta is a small correction to base weights of magnitude < 1; even the random
+    test adapters (every weight N(0, 0.5^2), scaling up to 5.7) measure 11 to 210. So the bound
+    refuses only broken or mis-scaled adapters (weights of 1e30, or 1e3 in float16). It is the
+    point where typical inputs overflow, not a guarantee for every input (Gaussian tails reach
+    a few times the gain): an adapter just under it that still overflows is caught by the
+    engine's non-finite-logits guard, which fails only the requests that use it.
+    """
+    return math.sqrt(torch.finfo(dtype).max)
 
 
 def _fail(reason: ValidationReason, source: str, message: str) -> AdapterValidationError:
@@ -187,11 +221,22 @@ def parse_weights(
         for kind, t in (("lora_A", a32), ("lora_B", b32)):
             if not bool(torch.isfinite(t).all()):
                 raise _fail("non_finite", source, f"{where} {kind} contains NaN or Inf")
+        b32_scaled = b32 * scaling
         lora_a = a32.to(dtype).contiguous()
-        lora_b = (b32 * scaling).to(dtype).contiguous()
+        lora_b = b32_scaled.to(dtype).contiguous()
         for kind, t in (("lora_A", lora_a), ("lora_B (scaled)", lora_b)):
             if not bool(torch.isfinite(t).all()):
                 raise _fail("non_finite", source, f"{where} {kind} overflows {dtype} (values too large)")
+        gain = activation_gain(a32, b32_scaled)
+        limit = max_activation_gain(dtype)
+        if not gain <= limit:
+            raise _fail(
+                "weight_magnitude",
+                source,
+                f"{where}: the scaled weights amplify a unit activation up to {gain:.3g} "
+                f"(||A||_F * max row ||B * scaling||), over the {limit:.3g} that {dtype} activations "
+                "can take without overflowing; the adapter is broken or mis-scaled",
+            )
         modules[(layer, module)] = LoRAModuleWeights(lora_a, lora_b, scaling)
     return AdapterWeights(modules)
 

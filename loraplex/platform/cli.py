@@ -6,61 +6,30 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
-from loraplex.platform.config import EngineConfig
+from loraplex.platform.api.limits import ServerLimits
+from loraplex.platform.config_flags import add_config_flags, config_from_args
+from loraplex.platform.engine.config import EngineConfig
 
-
-def _parse_bytes(text: str) -> int:
-    """'2GiB', '512MiB', '1e9' -> bytes."""
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-    low = text.strip().lower()
-    for suffix, mult in units.items():
-        if low.endswith(suffix):
-            return int(float(low[: -len(suffix)]) * mult)
-    return int(float(low))
+if TYPE_CHECKING:
+    from loraplex.adapters.request import LoRARequest
+    from loraplex.platform.engine.engine import LLMEngine
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description="Multi-tenant LoRA serving.")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
-    serve.add_argument(
-        "--model",
-        default=None,
-        help="local HF directory or .gguf file (default: bundled SmolLM2-135M-Instruct)",
+    serve = sub.add_parser(
+        "serve",
+        help="start the OpenAI-compatible HTTP server",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     serve.add_argument(
         "--served-model-name", default=None, help="model id clients send (default: the model's folder name)"
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    serve.add_argument("--device", default="auto")
-    serve.add_argument("--block-size", type=int, default=16)
-    serve.add_argument("--max-num-seqs", type=int, default=128)
-    serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument(
-        "--kv-cache-memory", type=_parse_bytes, default=None, help="KV pool size on CPU, e.g. 2GiB"
-    )
-    serve.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    serve.add_argument("--seed", type=int, default=0)
-    serve.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
-    serve.add_argument("--attention-backend", choices=["auto", "torch", "triton", "cpu"], default="auto")
-    serve.add_argument(
-        "--lora-backend",
-        choices=["auto", "torch", "triton", "cpu"],
-        default="auto",
-        help="LoRA kernels (auto: Triton on CUDA, the C kernels on CPU when they build)",
-    )
-    serve.add_argument(
-        "--linear-backend",
-        choices=["auto", "torch", "cpu"],
-        default="auto",
-        help="dense projections (auto: the C packed-panel kernel on CPU for float32, else torch)",
-    )
-    serve.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
     serve.add_argument(
         "--lora-modules",
         nargs="*",
@@ -68,10 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=PATH",
         help="adapters to serve: clients select one with model=NAME (implies --enable-lora)",
     )
-    serve.add_argument("--max-loras", type=int, default=4, help="adapter slots in accelerator memory")
-    serve.add_argument("--max-cpu-loras", type=int, default=None, help="adapters cached in host memory")
-    serve.add_argument("--max-lora-rank", type=int, default=64)
     serve.add_argument("--log-level", default="info")
+    add_config_flags(serve, EngineConfig, title="engine (EngineConfig)")
+    add_config_flags(serve, ServerLimits, title="request limits (ServerLimits)")
     return parser
 
 
@@ -85,17 +53,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
 
 
-def _register_loras(engine: Any, specs: list[str]) -> dict[str, Any]:
+def _register_loras(engine: LLMEngine, specs: list[str], base_name: str) -> dict[str, LoRARequest]:
     """Validate and register ``NAME=PATH`` adapters; return name -> LoRARequest."""
     from loraplex.adapters import LoRARequest
 
-    loras: dict[str, Any] = {}
+    loras: dict[str, LoRARequest] = {}
     for i, spec in enumerate(specs, start=1):
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
             raise ValueError(f"--lora-modules expects NAME=PATH, got {spec!r}")
         if name in loras:
             raise ValueError(f"--lora-modules names {name!r} twice")
+        if name == base_name:
+            raise ValueError(
+                f"--lora-modules: adapter {name!r} has the served model's name; requests could not reach it"
+            )
         lora = LoRARequest(name, i, path)
         engine.add_lora(lora)
         loras[name] = lora
@@ -103,51 +75,35 @@ def _register_loras(engine: Any, specs: list[str]) -> dict[str, Any]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    from loraplex.platform.api.app import build_app
+    from loraplex.platform.api.server import serve
+    from loraplex.platform.engine.async_engine import AsyncEngine
+    from loraplex.platform.engine.engine import LLMEngine
 
-    from loraplex.platform.async_engine import AsyncEngine
-    from loraplex.platform.engine import LLMEngine
-    from loraplex.platform.server import build_app
-
-    try:
-        config = EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            kv_cache_memory=args.kv_cache_memory,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            seed=args.seed,
-            scheduling_policy=args.scheduling_policy,
-            attention_backend=args.attention_backend,
-            lora_backend=args.lora_backend,
-            linear_backend=args.linear_backend,
-            enable_lora=args.enable_lora or bool(args.lora_modules),
-            max_loras=args.max_loras,
-            max_cpu_loras=args.max_cpu_loras,
-            max_lora_rank=args.max_lora_rank,
-        )
-        engine = LLMEngine(config)
-        loras = _register_loras(engine, args.lora_modules)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"loraplex: {exc}", file=sys.stderr)
-        return 2
     name = (
         args.served_model_name
         or (args.model and str(args.model).rstrip("/").split("/")[-1])
         or "SmolLM2-135M-Instruct"
     )
+    try:
+        config = config_from_args(
+            EngineConfig, args, enable_lora=args.enable_lora or bool(args.lora_modules)
+        )
+        limits = config_from_args(ServerLimits, args)
+        engine = LLMEngine(config)
+        loras = _register_loras(engine, args.lora_modules, name)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"loraplex: {exc}", file=sys.stderr)
+        return 2
     async_engine = AsyncEngine(engine)
     try:
-        uvicorn.run(
-            build_app(async_engine, name, loras), host=args.host, port=args.port, log_level=args.log_level
-        )
-    finally:
+        app = build_app(async_engine, name, loras, limits)
+    except ValueError as exc:
         async_engine.shutdown()
-    return 0
+        print(f"loraplex: {exc}", file=sys.stderr)
+        return 2
+    # Returns 1 when the engine died (so a supervisor restarts the process), 0 on a clean stop.
+    return serve(app, args.host, args.port, args.log_level)
 
 
 if __name__ == "__main__":

@@ -9,16 +9,18 @@ print(outs[0].outputs[0].text)
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from tqdm.auto import tqdm
 
-from loraplex.platform.config import EngineConfig
-from loraplex.platform.engine import LLMEngine
-from loraplex.platform.outputs import RequestOutput
-from loraplex.platform.sampling_params import SamplingParams
+from loraplex.adapters.request import LoRARequest
+from loraplex.platform.engine.config import EngineConfig
+from loraplex.platform.engine.engine import LLMEngine
+from loraplex.platform.engine.outputs import RequestOutput
+from loraplex.platform.engine.sampling_params import SamplingParams
 
 PromptType = str | list[int]
+T = TypeVar("T")
 
 
 class LLM:
@@ -27,10 +29,14 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
 
+    def shutdown(self) -> None:
+        """Flush the disk KV tier and stop its I/O workers (a no-op without tiers)."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
-    def add_lora(self, lora_request: Any) -> None:
+    def add_lora(self, lora_request: LoRARequest) -> None:
         """Register an adapter ahead of use (vLLM's ``LLM.llm_engine.add_lora``)."""
         self.llm_engine.add_lora(lora_request)
 
@@ -45,7 +51,7 @@ class LLM:
         prompts: PromptType | Seq[PromptType],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
-        lora_request: Any = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
         priority: Seq[int] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
@@ -63,7 +69,7 @@ class LLM:
             prompt_list = list(prompts)  # type: ignore[arg-type]
         n = len(prompt_list)
         params = self._per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
-        loras = self._per_prompt(lora_request, n, "lora_request")
+        loras: list[LoRARequest | None] = self._per_prompt(lora_request, n, "lora_request")
         prios = list(priority) if priority is not None else [0] * n
         if len(prios) != n:
             raise ValueError(f"priority has {len(prios)} entries for {n} prompts")
@@ -85,7 +91,7 @@ class LLM:
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
-        lora_request: Any = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
         add_generation_prompt: bool = True,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
@@ -105,12 +111,13 @@ class LLM:
         return self.generate(token_lists, sampling_params, lora_request=lora_request, use_tqdm=use_tqdm)
 
     @staticmethod
-    def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
+    def _per_prompt(value: T | Seq[T], n: int, name: str) -> list[T]:
+        """One value for every prompt, or a list aligned with the prompts."""
         if isinstance(value, list | tuple):
             if len(value) != n:
                 raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
             return list(value)
-        return [value] * n
+        return [cast(T, value)] * n
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -22,6 +22,7 @@ from adapter_testlib import (
 )
 
 from loraplex.adapters import AdapterManager, AdapterValidationError, LoRARequest
+from loraplex.adapters.peft_weights import activation_gain, max_activation_gain
 
 
 class _Evil:
@@ -113,6 +114,16 @@ REJECTIONS: dict[str, tuple[Callable[[Path], Path], str, tuple[str, ...]]] = {
     ),
     "nan": (_with_tensors(_set(key(1, "up_proj", "B"), float("nan"))), "non_finite", ("up_proj", "NaN")),
     "inf": (_with_tensors(_set(key(0, "q_proj", "A"), float("inf"))), "non_finite", ("q_proj", "Inf")),
+    "huge_finite_a": (
+        _with_tensors(_set(key(0, "k_proj", "A"), 1e30)),
+        "weight_magnitude",
+        ("layer 0 k_proj", "overflowing"),
+    ),
+    "huge_finite_b": (
+        _with_tensors(_set(key(1, "down_proj", "B"), 1e30)),
+        "weight_magnitude",
+        ("layer 1 down_proj", "overflowing"),
+    ),
     "bias_all": (_with_config(bias="all"), "bias", ("bias='all'",)),
     "lora_bias": (_with_config(lora_bias=True), "bias", ("lora_bias",)),
     "bias_tensor": (
@@ -217,12 +228,56 @@ def test_rejected_adapter_does_not_disturb_a_served_one(
 
 
 def test_fp16_overflow_after_scaling_is_rejected(tmp_path: Path, make_manager: Any) -> None:
-    path = make_adapter(tmp_path / "a", r=4, lora_alpha=4000)
-    edit_tensors(path, _set(key(0, "q_proj", "B"), 60000.0))
+    path = make_adapter(tmp_path / "a", r=4, lora_alpha=8)
+    edit_tensors(path, _set(key(0, "q_proj", "B"), 60000.0))  # * scaling 2 > 65504
     manager = make_manager(dtype=torch.float16)
     with pytest.raises(AdapterValidationError, match="overflows") as info:
         manager.add_adapter(LoRARequest("a", 1, str(path)))
     assert info.value.reason == "non_finite"
+
+
+def test_magnitude_bound_depends_on_the_serving_dtype(tmp_path: Path, make_manager: Any) -> None:
+    """A weight of 300 is representable in float16, but its delta times an O(1) activation is
+    squared one step later (q . k, silu(gate) * up) and overflows; float32 has room."""
+    path = make_adapter(tmp_path / "a", r=4, lora_alpha=8)
+    edit_tensors(path, _set(key(1, "up_proj", "A"), 300.0))
+    with pytest.raises(AdapterValidationError, match="layer 1 up_proj") as info:
+        make_manager(dtype=torch.float16).add_adapter(LoRARequest("a", 1, str(path)))
+    assert info.value.reason == "weight_magnitude"
+    assert "256" in str(info.value)  # sqrt(65504), the bound the message names
+    make_manager(dtype=torch.float32, store_dir=tmp_path / "store32").add_adapter(
+        LoRARequest("a", 1, str(path))
+    )
+
+
+@pytest.mark.parametrize(
+    "lora",
+    [dict(r=4, lora_alpha=8), dict(r=8, lora_alpha=16, use_rslora=True), dict(r=2, lora_alpha=2)],
+    ids=["plain", "rslora_scaled", "small"],
+)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_normal_adapters_pass_the_magnitude_bound(
+    lora: dict[str, Any], dtype: torch.dtype, tmp_path: Path, make_manager: Any
+) -> None:
+    path = make_adapter(tmp_path / "a", **lora)
+    manager = make_manager(dtype=dtype)
+    manager.add_adapter(LoRARequest("a", 1, str(path)))
+    manager.check_integrity()
+
+
+def test_activation_gain_is_the_scale_deltas_reach(tmp_path: Path) -> None:
+    """The gain the bound is applied to is the scale of the deltas of unit-RMS inputs (x ~ N(0, 1)):
+    the largest of 256 inputs' deltas lands within a Gaussian tail (a few times) of it."""
+    gen = torch.Generator().manual_seed(0)
+    for rank, in_features, out_features, scale in [(4, 64, 128, 0.5), (16, 512, 256, 0.02), (1, 32, 32, 3.0)]:
+        a = torch.randn(rank, in_features, generator=gen) * scale
+        b = torch.randn(out_features, rank, generator=gen) * scale
+        gain = activation_gain(a, b)
+        x = torch.randn(256, in_features, generator=gen)
+        largest = float(((x @ a.T) @ b.T).abs().max())
+        assert gain / 10 < largest < 5 * gain, (rank, gain, largest)
+    assert max_activation_gain(torch.float16) == pytest.approx(255.94, abs=0.01)
+    assert max_activation_gain(torch.float32) == pytest.approx(1.845e19, rel=1e-3)
 
 
 def test_missing_path_and_plain_file(tmp_path: Path, make_manager: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -58,6 +59,16 @@ def test_serve_default_model_answers_chat() -> None:
         assert "Paris" in r.json()["choices"][0]["message"]["content"]
         bad = httpx.post(f"{base}/v1/chat/completions", json={**body, "max_tokens": -1}, timeout=30)
         assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
+        # SIGTERM stops the server even with a long stream open: after the grace period
+        # (--graceful-shutdown-s, 10 s by default) open requests are cancelled, and the
+        # process ends as SIGTERM ends it (uvicorn raises it again once it has shut down).
+        long = {**body, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=long, timeout=120) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)

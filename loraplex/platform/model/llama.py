@@ -9,25 +9,19 @@ so greedy tokens match token for token in float32.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplex.kernels.backend import AttentionBackend, LinearBackend
+from loraplex.kernels.contracts import AttentionBackend, LinearBackend
 from loraplex.kernels.metadata import AttentionMetadata
+from loraplex.kernels.portable.linear import PortableLinearBackend
 from loraplex.platform.model.arch import ModelArch, rope_inv_freq
+from loraplex.platform.model.forward_batch import ForwardBatch, LoRABatch
 from loraplex.storage.kv.kv_cache import KVCache
 
 LORA_GROUPS = ("qkv", "o", "gate_up", "down")
 PROJECTIONS = LORA_GROUPS  # each layer's fused projections: <name>_weight, <name>_bias
-
-
-class LoRAHook(Protocol):
-    """Adds the batch's LoRA deltas to a fused projection's output, in place."""
-
-    def __call__(self, layer_idx: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None: ...
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -67,7 +61,7 @@ class DecoderLayer(nn.Module):
         self.down_bias = param(h) if arch.mlp_bias else None
         self.scale = arch.head_dim**-0.5
         self.out_features = {"qkv": q + 2 * kv, "o": h, "gate_up": 2 * i, "down": h}
-        self.linear = LinearBackend()
+        self.linear: LinearBackend = PortableLinearBackend()
 
     def use_linear(self, linear: LinearBackend) -> None:
         """Compute the projections with ``linear``, its own weight layout replacing ours."""
@@ -89,7 +83,7 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         attn: AttentionBackend,
-        lora: LoRAHook | None,
+        lora: LoRABatch | None,
     ) -> torch.Tensor:
         arch = self.arch
         num_tokens = hidden.shape[0]
@@ -149,7 +143,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope_sin: torch.Tensor
         self.register_buffer("rope_cos", emb.cos(), persistent=False)
         self.register_buffer("rope_sin", emb.sin(), persistent=False)
-        self.linear = LinearBackend()
+        self.linear: LinearBackend = PortableLinearBackend()
         self._logits_weight: torch.Tensor | None = None  # the LM head in the linear backend's layout
 
     def use_linear(self, linear: LinearBackend) -> None:
@@ -168,19 +162,14 @@ class LlamaForCausalLM(nn.Module):
         self.linear = linear
 
     def forward(
-        self,
-        input_ids: torch.Tensor,  # [T] int64
-        positions: torch.Tensor,  # [T] int64
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        attn: AttentionBackend,
-        lora: LoRAHook | None = None,
-    ) -> torch.Tensor:  # [T, hidden]
-        hidden = F.embedding(input_ids, self.embed)
-        cos = self.rope_cos[positions].to(self.dtype)
-        sin = self.rope_sin[positions].to(self.dtype)
+        self, batch: ForwardBatch, kv_cache: KVCache, attn: AttentionBackend
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        """Run every layer over ``batch``, reading and writing ``kv_cache`` through ``attn``."""
+        hidden = F.embedding(batch.input_ids, self.embed)
+        cos = self.rope_cos[batch.positions].to(self.dtype)
+        sin = self.rope_sin[batch.positions].to(self.dtype)
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, kv_cache.k[i], kv_cache.v[i], meta, attn, lora)
+            hidden = layer(hidden, cos, sin, kv_cache.k[i], kv_cache.v[i], batch.attn, attn, batch.lora)
         return rms_norm(hidden, self.norm, self.arch.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32

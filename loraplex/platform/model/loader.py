@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from loraplex.kernels.backend import LinearBackend
+from loraplex.kernels.contracts import LinearBackend
 from loraplex.platform.model.arch import ModelArch
 from loraplex.platform.model.llama import LlamaForCausalLM
 

@@ -1,0 +1,55 @@
+"""``POST /v1/chat/completions``: the model's chat template, whole or streamed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import jinja2
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from loraplex.platform.api.body import read_json
+from loraplex.platform.api.deps import ServerState, StateDep
+from loraplex.platform.api.errors import bad_request
+from loraplex.platform.api.params import chat_params, check_prompt_chars
+from loraplex.platform.api.protocol import ChatCompletionRequest
+from loraplex.platform.api.responses import ResponseShape
+from loraplex.platform.api.serving import respond
+
+router = APIRouter(tags=["chat"])
+
+
+def _render(state: ServerState, messages: list[dict[str, str]]) -> list[int]:
+    """Template and tokenize (CPU work: runs in a worker thread, never on the event loop)."""
+    tokenizer = state.tokenizer
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except jinja2.TemplateError as exc:  # the template refused the conversation (e.g. role order)
+        raise bad_request(f"The chat template refused these messages: {exc}", "messages") from None
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def create_chat_completion(request: Request, state: StateDep) -> Response:
+    """OpenAI chat completions over the model's own chat template."""
+    body = await read_json(request, ChatCompletionRequest)
+    lora = state.resolve_model(body.model)
+    if not getattr(state.tokenizer, "chat_template", None):
+        raise bad_request("This model has no chat template; use /v1/completions.", "messages")
+    messages = body.text_messages()
+    check_prompt_chars(sum(len(m["content"]) for m in messages), state.limits, "messages")
+    params = chat_params(body, state.limits)
+    prompt = await asyncio.to_thread(_render, state, messages)
+    shape = ResponseShape(
+        chat=True,
+        request_id=f"chatcmpl-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=body.model or state.served_model_name,
+        n=params.n,
+        num_top_logprobs=params.logprobs,
+        text_of=state.text_of,
+        include_usage=body.include_usage(),
+    )
+    return await respond(request, state, shape, [prompt], params, lora, body.stream)

@@ -1,0 +1,39 @@
+"""``POST /v1/completions``: one prompt or a list of them, whole or streamed."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from loraplex.platform.api.body import read_json
+from loraplex.platform.api.deps import StateDep
+from loraplex.platform.api.params import check_prompt_chars, completion_params
+from loraplex.platform.api.protocol import CompletionRequest
+from loraplex.platform.api.responses import ResponseShape
+from loraplex.platform.api.serving import respond
+
+router = APIRouter(tags=["completions"])
+
+
+@router.post("/v1/completions", response_model=None)
+async def create_completion(request: Request, state: StateDep) -> Response:
+    """OpenAI completions; a list of ``k`` prompts gives ``k * n`` choices (``index = i * n + j``)."""
+    body = await read_json(request, CompletionRequest)
+    lora = state.resolve_model(body.model)
+    prompts = body.prompts()
+    check_prompt_chars(sum(len(p) for p in prompts if isinstance(p, str)), state.limits, "prompt")
+    params = completion_params(body, state.limits, len(prompts))
+    shape = ResponseShape(
+        chat=False,
+        request_id=f"cmpl-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=body.model or state.served_model_name,
+        n=params.n,
+        num_top_logprobs=body.logprobs,
+        text_of=state.text_of,
+        include_usage=body.include_usage(),
+    )
+    return await respond(request, state, shape, prompts, params, lora, body.stream)

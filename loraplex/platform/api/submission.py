@@ -1,0 +1,95 @@
+"""The engine side of one HTTP request: submit its prompts, read their outputs, abort.
+
+Every path out of a request (finished, refused, failed, client gone, server
+stopping) aborts what it submitted: ``RequestStream.abort`` is synchronous, so it
+also runs in the ``finally`` of a cancelled task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from loraplex.adapters import LoRARequest
+from loraplex.platform.api.deps import ServerState
+from loraplex.platform.api.errors import SERVER_ERROR, APIError
+from loraplex.platform.api.protocol import Prompt
+from loraplex.platform.engine.async_engine import RequestStream
+from loraplex.platform.engine.outputs import RequestOutput
+from loraplex.platform.engine.sampling_params import SamplingParams
+
+
+def step_failure(out: RequestOutput) -> APIError:
+    """The error of a request the engine finished with ``error`` set (its step failed)."""
+    return APIError(
+        500, f"The request failed in the engine: {out.error}", code="internal_error", err_type=SERVER_ERROR
+    )
+
+
+async def submit(
+    state: ServerState,
+    request_id: str,
+    prompts: list[Prompt],
+    params: SamplingParams,
+    lora: LoRARequest | None,
+) -> list[RequestStream]:
+    """Add one engine request per prompt, concurrently; all or none (a refusal, or the
+    caller being cancelled, aborts the ones already accepted)."""
+    if len(prompts) == 1:
+        return [await state.engine.add_request(request_id, prompts[0], params, lora_request=lora)]
+    tasks = [
+        asyncio.ensure_future(state.engine.add_request(f"{request_id}-{i}", p, params, lora_request=lora))
+        for i, p in enumerate(prompts)
+    ]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()  # a submission still in flight aborts itself when cancelled
+            if task.done() and not task.cancelled() and task.exception() is None:
+                task.result().abort()
+        raise
+    return [task.result() for task in tasks]
+
+
+def abort_all(streams: list[RequestStream]) -> None:
+    for stream in streams:
+        stream.abort()
+
+
+async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
+    """The final output of every stream (they run concurrently in the engine)."""
+    finals: list[RequestOutput] = []
+    for stream in streams:
+        final: RequestOutput | None = None
+        async for out in stream:
+            final = out
+        if final is None:
+            raise RuntimeError(f"request {stream.request_id} ended without an output")
+        if final.error is not None:
+            raise step_failure(final)
+        finals.append(final)
+    return finals
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(stream index, output) from all streams, in the order the outputs arrive."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    out = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+                yield i, out
+    finally:
+        for task in pending:
+            task.cancel()

@@ -1,0 +1,319 @@
+"""Runs an ``LLMEngine`` in its own thread and streams outputs to asyncio callers.
+
+Only the engine thread ever touches the engine. Callers post commands (add, abort)
+to an inbox that the thread drains before every step; each request's outputs travel
+back through its own ``asyncio.Queue``, fed with ``call_soon_threadsafe``.
+
+Why an inbox rather than a lock around the engine: an abort must work from a
+``finally`` that runs inside a cancelled task (the client went away), where nothing
+can be awaited, so ``abort`` is a plain synchronous call that never blocks; and the
+event loop never waits behind a step. Commands are applied in the order posted, so
+an abort posted while its add is still in flight is applied after the add.
+
+Failures: a step that fails some requests returns them finished with
+``RequestOutput.error`` set, and the loop goes on. If ``step()`` itself raises, the
+engine's state is unknown: every request fails with ``EngineDeadError``, later
+submissions are refused, and the ``on_dead`` callbacks run (the server stops).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from loraplex.adapters import LoRARequest
+from loraplex.platform.engine.engine import LLMEngine
+from loraplex.platform.engine.errors import EngineDeadError
+from loraplex.platform.engine.outputs import RequestOutput
+from loraplex.platform.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 1.0
+"""How long the idle engine thread sleeps between checks when nothing wakes it."""
+_ABORT_SETTLE_S = 0.01
+"""After applying aborts, how long to wait for more before the next step. Disconnects
+come in bursts (a client pool closing, a proxy restarting) that the event loop turns
+into aborts over a few milliseconds; applying only the first few would let the next
+step admit queued requests of the same burst and spend a whole prefill on them."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    lora_request: LoRARequest | None
+    priority: int
+    tenant_id: str | None
+    loop: asyncio.AbstractEventLoop
+    accepted: asyncio.Future[None]
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class RequestStream:
+    """One request's outputs, in order, until it finishes; ``abort()`` drops it.
+
+    Iterating yields a ``RequestOutput`` after every step that advanced the request
+    and stops after the finished one; it raises ``EngineDeadError`` if the engine
+    dies meanwhile. ``abort()`` is synchronous, idempotent and safe in a cancelled task.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Stop the request and free what it holds (a no-op once it finished)."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Thread-backed async facade over ``LLMEngine``."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: collections.deque[_Add | _Abort] = collections.deque()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        # Registered on the event loop, read and removed on the engine thread.
+        self._streams: dict[str, RequestStream] = {}
+        self._streams_lock = threading.Lock()
+        self._dead_callbacks: list[Callable[[BaseException], None]] = []
+        self.error: BaseException | None = None
+        """What stopped the engine loop (None while it runs, and after a clean shutdown)."""
+        self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
+        self._thread.start()
+
+    # -- caller side -----------------------------------------------------------------
+    @property
+    def is_alive(self) -> bool:
+        """True while the engine loop runs and can serve requests."""
+        return self.error is None and not self._stop.is_set() and self._thread.is_alive()
+
+    def on_dead(self, callback: Callable[[BaseException], None]) -> None:
+        """Call ``callback(error)`` (on the engine thread) if the engine loop dies."""
+        self._dead_callbacks.append(callback)
+        if self.error is not None:
+            callback(self.error)
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        tenant_id: str | None = None,
+    ) -> RequestStream:
+        """Submit a request; returns once the engine accepted it.
+
+        Raises the engine's typed errors (``InvalidParameterError``, ...) if it refused
+        it, ``EngineDeadError`` if the engine is not running. A text prompt is
+        tokenized here, off the event loop and off the engine thread.
+        """
+        self._check_alive()
+        if isinstance(prompt, str):
+            prompt = await asyncio.to_thread(self.engine.tokenize, prompt)
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(self, request_id, loop)
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        accepted: asyncio.Future[None] = loop.create_future()
+        self._post(_Add(request_id, prompt, params, lora_request, priority, tenant_id, loop, accepted))
+        if self.error is not None or self._stop.is_set():
+            # Stopped between the check and the post: the inbox may never be drained.
+            self._unregister(request_id)
+            accepted.cancel()
+            raise self._dead_error()
+        try:
+            await accepted
+        except BaseException:
+            # Refused (the engine already forgot it) or cancelled (the caller left):
+            # either way, make sure nothing keeps running for it.
+            stream.abort()
+            raise
+        return stream
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
+        tenant_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its state after every step that advanced it.
+
+        If the caller stops iterating (or is cancelled), the request is aborted.
+        """
+        rid = request_id or f"req-{self.engine.next_request_id()}"
+        stream = await self.add_request(rid, prompt, params, lora_request, tenant_id=tenant_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request: never blocks, safe from any thread and in cancelled tasks."""
+        self._unregister(request_id)
+        self._post(_Abort(request_id))
+
+    def shutdown(self) -> None:
+        """Stop the engine loop; open requests fail with ``EngineDeadError``."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+        self._fail_everything(EngineDeadError("the server is shutting down"))
+        if not self._thread.is_alive():
+            self.engine.shutdown()  # persist cached KV to the disk tier for a warm restart
+
+    def _check_alive(self) -> None:
+        if self.error is not None or self._stop.is_set():
+            raise self._dead_error()
+
+    def _dead_error(self) -> EngineDeadError:
+        if self.error is None:
+            return EngineDeadError("the server is shutting down")
+        # The cause is logged; clients only learn that the server is restarting.
+        return EngineDeadError("the engine stopped after an internal error; the server is restarting")
+
+    def _post(self, command: _Add | _Abort) -> None:
+        self._inbox.append(command)
+        self._wake.set()
+
+    def _unregister(self, request_id: str) -> RequestStream | None:
+        with self._streams_lock:
+            return self._streams.pop(request_id, None)
+
+    # -- engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self._drain_inbox():
+                    time.sleep(_ABORT_SETTLE_S)
+                    self._drain_inbox()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(timeout=_IDLE_WAIT_S)
+                    self._wake.clear()
+                    continue
+                self._publish(self.engine.step())
+        except BaseException as exc:
+            logger.exception("the engine loop failed; no request can be served until a restart")
+            self.error = exc
+            self._fail_everything(self._dead_error())
+            for callback in list(self._dead_callbacks):
+                try:
+                    callback(exc)
+                except Exception:
+                    logger.exception("an on_dead callback failed")
+
+    def _drain_inbox(self) -> int:
+        """Apply every posted command in order; return how many were aborts."""
+        num_aborts = 0
+        while self._inbox:
+            command = self._inbox.popleft()
+            if isinstance(command, _Abort):
+                self.engine.abort_request(command.request_id)
+                num_aborts += 1
+                continue
+            with self._streams_lock:
+                wanted = command.request_id in self._streams
+            if not wanted:  # aborted before it was added: its _Abort follows, nothing to run
+                _call_in(command.loop, command.accepted.cancel)
+                continue
+            try:
+                self.engine.add_request(
+                    command.request_id,
+                    command.prompt,
+                    command.params,
+                    lora_request=command.lora_request,
+                    priority=command.priority,
+                    tenant_id=command.tenant_id,
+                )
+            except Exception as exc:  # refused: the caller gets the error (typed ones become 4xx)
+                self._unregister(command.request_id)
+                _resolve(command.loop, command.accepted, exc)
+            else:
+                _resolve(command.loop, command.accepted, None)
+        return num_aborts
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if out.finished:
+                stream = self._unregister(out.request_id)
+                if stream is not None:
+                    _deliver(stream, out)
+                continue
+            with self._streams_lock:
+                stream = self._streams.get(out.request_id)
+            if stream is not None:
+                _deliver(stream, out)
+
+    def _fail_everything(self, error: EngineDeadError) -> None:
+        """Fail every open request and every pending submission with ``error``."""
+        with self._streams_lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+        for stream in streams:
+            _deliver(stream, error)
+        while self._inbox:
+            command = self._inbox.popleft()
+            if isinstance(command, _Add):
+                _resolve(command.loop, command.accepted, error)
+
+
+def _call_in(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:
+    # A closed event loop (RuntimeError) means nobody is listening any more.
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(callback)
+
+
+def _deliver(stream: RequestStream, item: RequestOutput | BaseException) -> None:
+    _call_in(stream.loop, lambda: stream.queue.put_nowait(item))
+
+
+def _resolve(
+    loop: asyncio.AbstractEventLoop, future: asyncio.Future[None], error: BaseException | None
+) -> None:
+    def settle() -> None:
+        if future.done():  # the caller was cancelled meanwhile
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+    _call_in(loop, settle)

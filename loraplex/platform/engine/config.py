@@ -1,0 +1,156 @@
+"""Engine configuration: frozen, typed, validated when built.
+
+What is derived at start-up (the number of KV blocks, the model's context length)
+lives in ``RuntimeInfo``, never written back into the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from loraplex.kernels.contracts import AttentionBackendName, LinearBackendName, LoRABackendName
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """Map a dtype name to torch; ``auto`` is float32 on CPU and bfloat16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use auto, float32, bfloat16 or float16")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to start. Field names follow vLLM's engine args."""
+
+    model: str | None = None
+    """Local HF directory or .gguf file; None = the bundled SmolLM2-135M-Instruct."""
+    dtype: DType = "auto"
+    """float32 / bfloat16 / float16; auto = float32 on CPU, bfloat16 on CUDA."""
+    device: str = "auto"
+    """cpu, cuda, cuda:N or auto (cuda when available)."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    max_num_seqs: int = 128
+    """Most sequences in one step (running decodes plus prefill chunks)."""
+    max_num_batched_tokens: int = 2048
+    """Per-step token budget: decodes cost 1, prefill chunks take what is left."""
+    max_model_len: int | None = None
+    """Longest prompt + output; None = the model's max_position_embeddings."""
+    kv_cache_memory: int | None = None
+    """Bytes for the KV pool on CPU (default 2 GiB, capped at a quarter of free RAM)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of device memory the engine may use on CUDA (weights + KV)."""
+    num_kv_blocks: int | None = None
+    """Override the block count outright (tests and benchmarks)."""
+    seed: int = 0
+    """Seed of the engine's default generator (requests without their own seed)."""
+    attention_backend: AttentionBackendName = "auto"
+    """Attention kernels: triton on CUDA; on CPU the C decode kernel ("cpu") when a C
+    compiler is present, else pure torch; force one here."""
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    """fcfs, or priority (lower value first, then arrival)."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (requests may name one)."""
+    max_loras: int = 4
+    """Adapter slots in accelerator memory (distinct adapters in one step)."""
+    max_cpu_loras: int | None = None
+    """Adapters kept loaded in host memory (LRU); default max(2 * max_loras, 8)."""
+    max_lora_rank: int = 64
+    """Largest adapter rank accepted (slot buffers are sized for it)."""
+    lora_backend: LoRABackendName = "auto"
+    """LoRA kernels, chosen like ``attention_backend``."""
+    linear_backend: LinearBackendName = "auto"
+    """The base model's dense projections: on CPU the C packed-panel kernel ("cpu", float32)
+    when a C compiler is present, else torch's F.linear (always on CUDA)."""
+    num_threads: int | None = None
+    """torch intra-op threads on CPU; None leaves torch's default."""
+    enable_prefix_caching: bool = True
+    """Share the KV of full prompt blocks between requests with the same tokens, adapter version
+    and tenant (--no-enable-prefix-caching turns it off)."""
+    host_kv_cache_bytes: int = 0
+    """Host RAM for KV blocks evicted from the accelerator pool (pinned on CUDA); 0 = no host tier.
+    Cached blocks are demoted here on eviction and promoted back on a prefix hit."""
+    disk_kv_path: str | None = None
+    """Directory of the disk KV tier (block files with header and checksum; survives restarts)."""
+    disk_kv_cache_bytes: int = 0
+    """Cap of the disk KV tier in bytes (needs disk_kv_path); 0 = no disk tier."""
+    max_logprobs: int = 20
+    """Most logprobs (top alternatives per token) one request may ask for (vLLM's default)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}): every running sequence needs at least one token per step"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.host_kv_cache_bytes < 0 or self.disk_kv_cache_bytes < 0:
+            raise ValueError("host_kv_cache_bytes and disk_kv_cache_bytes must be >= 0")
+        if self.disk_kv_cache_bytes > 0 and not self.disk_kv_path:
+            raise ValueError(f"disk_kv_cache_bytes={self.disk_kv_cache_bytes} needs disk_kv_path")
+        if (self.host_kv_cache_bytes or self.disk_kv_cache_bytes) and not self.enable_prefix_caching:
+            raise ValueError(
+                "the host and disk KV tiers hold prefix-cache blocks: they need enable_prefix_caching=True"
+            )
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def cpu_lora_capacity(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else max(2 * self.max_loras, 8)
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """Values derived at start-up from the config, the model and the machine."""
+
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    num_kv_blocks: int
+    kv_bytes_per_block: int
+    eos_token_ids: tuple[int, ...]

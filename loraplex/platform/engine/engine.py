@@ -1,0 +1,572 @@
+"""The engine loop: schedule -> execute -> sample -> stop checks -> outputs.
+
+``LLMEngine`` is synchronous and single-threaded; the offline ``LLM`` API drives
+it directly and the server runs it in its own thread. One ``step()`` runs one
+forward over every scheduled sequence, whatever mix of prefill chunks and decodes
+(and, with LoRA, adapters) the scheduler picked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from loraplex.adapters.request import LoRARequest
+from loraplex.kernels.registry import select_attention_backend, select_linear_backend
+from loraplex.platform.engine.config import EngineConfig, RuntimeInfo, parse_dtype
+from loraplex.platform.engine.detokenizer import IncrementalDetokenizer
+from loraplex.platform.engine.errors import (
+    AdapterUnavailableError,
+    EngineDeadError,
+    InvalidParameterError,
+    RequestTooLargeError,
+)
+from loraplex.platform.engine.host_memory import tune_host_malloc
+from loraplex.platform.engine.lora_runtime import LoRARuntime
+from loraplex.platform.engine.outputs import CompletionOutput, RequestOutput
+from loraplex.platform.engine.runner import ModelRunner
+from loraplex.platform.engine.sampler import Sampler, non_finite_rows
+from loraplex.platform.engine.sampling_params import SamplingParams
+from loraplex.platform.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from loraplex.platform.engine.sequence import Request, SeqStatus, Sequence
+from loraplex.platform.model.loader import load_hf_config, load_model
+from loraplex.platform.model.source import resolve_model_dir
+from loraplex.storage.kv.block_manager import AllocStatus, KVBlockManager
+from loraplex.storage.kv.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_budget
+from loraplex.storage.kv.tier_manager import TierManager
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+_SEED_MODULUS = 1 << 64  # torch.Generator.manual_seed takes any 64-bit pattern
+
+
+def _kv_fingerprint(model_config_json: str, dtype: torch.dtype, block_size: int) -> bytes:
+    """What a cached KV block is only valid for: the model, the KV dtype and layout.
+
+    The root of every prefix-cache key chain binds it, so blocks computed by another
+    model or layout can never be found (the disk tier persists it with each block).
+    """
+    layout = f"kv-layout-v1|{dtype}|block_size={block_size}|[num_blocks, block_size, kv_heads, head_dim]"
+    return hashlib.sha256(model_config_json.encode() + b"\0" + layout.encode()).digest()
+
+
+def _eos_ids(model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_cfg = model_dir / "generation_config.json"
+    if gen_cfg.exists():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(e) for e in eos)
+    return tuple(sorted(ids))
+
+
+class LLMEngine:
+    """Owns tokenizer, model runner, scheduler, KV blocks and sampler."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config
+        device = config.torch_device()
+        dtype = parse_dtype(config.dtype, device)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_dir = resolve_model_dir(config.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+        hf_config = load_hf_config(self.model_dir)
+        from loraplex.platform.model.arch import ModelArch
+
+        arch = ModelArch.from_hf_config(hf_config)
+        max_model_len = config.max_model_len or arch.max_position_embeddings
+        if max_model_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's context of {arch.max_position_embeddings}"
+            )
+        if device.type == "cpu":
+            tune_host_malloc()
+        linear = select_linear_backend(config.linear_backend, device)
+        self.model, self.arch, self.hf_config = load_model(
+            self.model_dir, dtype, device, max_model_len, linear
+        )
+        per_block = kv_bytes_per_block(
+            arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype
+        )
+        num_blocks = config.num_kv_blocks or num_blocks_for_budget(
+            per_block, device, config.kv_cache_memory, config.gpu_memory_utilization
+        )
+        self.info = RuntimeInfo(
+            device=device,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            num_kv_blocks=num_blocks,
+            kv_bytes_per_block=per_block,
+            eos_token_ids=_eos_ids(self.model_dir, self.tokenizer),
+        )
+        kv_cache = KVCache(
+            arch.num_layers, num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim, dtype, device
+        )
+        fingerprint = _kv_fingerprint(hf_config.to_json_string(), dtype, config.block_size)
+        self.block_manager = KVBlockManager(
+            num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            fingerprint=fingerprint,
+        )
+        self.runner = ModelRunner(
+            self.model, kv_cache, select_attention_backend(config.attention_backend, device), device
+        )
+        limits = SchedulerLimits(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            policy=config.scheduling_policy,
+            watermark_blocks=max(1, num_blocks // 100) if num_blocks > 100 else 0,
+        )
+        self.lora_manager: LoRARuntime | None = None
+        admit_hook = release_hook = None
+        if config.enable_lora:
+            self.lora_manager = LoRARuntime(config, self.hf_config, device, dtype)
+            admit_hook, release_hook = self.lora_manager.admit, self.lora_manager.release
+        self.tiers: TierManager | None = None
+        if config.host_kv_cache_bytes or config.disk_kv_cache_bytes:
+            self.tiers = TierManager.create(
+                kv_cache,
+                kv_cache.layout,
+                fingerprint,
+                host_kv_cache_bytes=config.host_kv_cache_bytes,
+                disk_kv_path=config.disk_kv_path,
+                disk_kv_cache_bytes=config.disk_kv_cache_bytes,
+            )
+            # A cached block the pool is about to reuse is copied down a tier first.
+            self.block_manager.pool.on_evict = self.tiers.on_device_evict
+        self.scheduler = Scheduler(limits, self.block_manager, admit_hook, release_hook, self.tiers)
+        self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+        logger.info(
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, "
+            "%s attention, %s linear",
+            self.model_dir.name,
+            device,
+            dtype,
+            num_blocks,
+            config.block_size,
+            max_model_len,
+            self.runner.attn.name,
+            linear.name,
+        )
+
+    # -- requests ----------------------------------------------------------------
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def tokenize(self, prompt: str) -> list[int]:
+        """Token ids of ``prompt`` (with the model's special tokens, e.g. BOS)."""
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            # Lone surrogates ("\ud800") are valid JSON but no text: refuse them here,
+            # before the tokenizer (Rust) fails on them in a less readable way.
+            raise InvalidParameterError(
+                f"prompt is not valid Unicode text: {exc.reason} at position {exc.start}", param="prompt"
+            ) from None
+        return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        tenant_id: str | None = None,
+    ) -> Request:
+        """Validate and queue a request.
+
+        Everything the request carries is checked here, against the model and the
+        engine's limits, so no step can later fail because of it: bad values raise
+        ``InvalidParameterError`` (naming the parameter), a request that could never be
+        admitted raises ``RequestTooLargeError``, an adapter that cannot be served
+        ``AdapterUnavailableError``. Nothing is queued when it raises.
+        """
+        if not isinstance(params, SamplingParams):
+            raise InvalidParameterError(
+                f"params must be SamplingParams, got {type(params).__name__}", param="sampling_params"
+            )
+        if request_id in self.requests:
+            raise InvalidParameterError(f"request_id {request_id!r} is already in use", param="request_id")
+        text, token_ids = self._prompt_tokens(prompt)
+        self._check_limits(len(token_ids), params)
+        adapter = None
+        if lora_request is not None:
+            if self.lora_manager is None:
+                raise AdapterUnavailableError(
+                    "lora_request given but the engine was built without enable_lora=True", param="model"
+                )
+            adapter = self.lora_manager.resolve(lora_request)
+        req = Request(
+            request_id,
+            text,
+            token_ids,
+            params,
+            priority=priority,
+            lora=lora_request,
+            adapter=adapter,
+            tenant_id=tenant_id,
+        )
+        req.seqs.append(self._new_sequence(req, 0, list(token_ids)))
+        self.requests[request_id] = req
+        self.scheduler.add(req.seqs[0])
+        return req
+
+    def _prompt_tokens(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """The prompt's text (None for token input) and its token ids, validated."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidParameterError("prompt must not be empty", param="prompt")
+            token_ids = self.tokenize(prompt)
+            text: str | None = prompt
+        elif isinstance(prompt, list | tuple):
+            if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
+                raise InvalidParameterError("prompt token ids must be integers", param="prompt")
+            token_ids, text = list(prompt), None
+        else:
+            raise InvalidParameterError(
+                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", param="prompt"
+            )
+        if not token_ids:
+            raise InvalidParameterError("prompt must not be empty (it has no tokens)", param="prompt")
+        vocab = self.arch.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidParameterError(
+                f"prompt token ids out of range [0, {vocab}): {bad[:5]}", param="prompt"
+            )
+        return text, token_ids
+
+    def _check_limits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Refuse what the model, the pool or the scheduler could never serve."""
+        max_len = self.info.max_model_len
+        if num_prompt_tokens >= max_len:
+            raise RequestTooLargeError(
+                f"This model's maximum context length is {max_len} tokens. However, your prompt has "
+                f"{num_prompt_tokens} tokens, which leaves no room to generate.",
+                param="prompt",
+            )
+        if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > max_len:
+            raise RequestTooLargeError(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{num_prompt_tokens + params.max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+                f"{params.max_tokens} in the completion). Please reduce the length of the prompt or "
+                "max_tokens.",
+                param="max_tokens",
+            )
+        if params.n > self.config.max_num_seqs:
+            # All n completions run side by side; more than max_num_seqs could never be admitted.
+            raise RequestTooLargeError(
+                f"n={params.n} is more than this server runs at once (max_num_seqs="
+                f"{self.config.max_num_seqs})",
+                param="n",
+            )
+        longest = num_prompt_tokens + (params.max_tokens if params.max_tokens is not None else 1)
+        if self.block_manager.can_allocate(-1, min(longest, max_len)) is AllocStatus.NEVER:
+            raise RequestTooLargeError(
+                f"a sequence of {longest} tokens needs more KV blocks than the whole pool "
+                f"({self.block_manager.num_blocks} blocks of {self.config.block_size}); "
+                "shorten the request or raise kv_cache_memory",
+                param="max_tokens" if params.max_tokens is not None else "prompt",
+            )
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise InvalidParameterError(
+                f"logprobs={params.logprobs} is more than the limit of {self.config.max_logprobs} "
+                "(max_logprobs)",
+                param="logprobs",
+            )
+        vocab = self.arch.vocab_size
+        bad = [t for t in params.stop_token_ids or () if not 0 <= t < vocab]
+        if bad:
+            raise InvalidParameterError(
+                f"stop_token_ids out of range [0, {vocab}): {bad[:5]}", param="stop_token_ids"
+            )
+
+    def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+        gen = None
+        if req.params.seed is not None:
+            # Each completion of a seeded request gets its own stream: seed for the
+            # first, derived seeds for forked siblings (wrapped into 64 bits).
+            gen = torch.Generator().manual_seed((req.params.seed + 1_000_003 * index) % _SEED_MODULUS)
+        detok = IncrementalDetokenizer(
+            self.tokenizer,
+            req.prompt_token_ids,
+            skip_special_tokens=req.params.skip_special_tokens,
+            stop=req.params.stop_strings,
+            include_stop_str_in_output=req.params.include_stop_str_in_output,
+        )
+        return Sequence(request=req, index=index, token_ids=token_ids, generator=gen, detokenizer=detok)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free everything it holds (unknown ids are ignored)."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        self.scheduler.abort(req.seqs)
+        req.forked = True
+
+    # -- adapters -------------------------------------------------------------------
+    def _lora(self) -> LoRARuntime:
+        if self.lora_manager is None:
+            raise AdapterUnavailableError("LoRA is disabled: build the engine with enable_lora=True")
+        return self.lora_manager
+
+    def add_lora(self, lora_request: LoRARequest, owner: str | None = None) -> None:
+        """Validate and register an adapter (it loads into a slot when first used)."""
+        self._lora().add_lora(lora_request, owner=owner)
+
+    def remove_lora(self, int_id: int) -> None:
+        """Refuse new requests for the adapter; running ones finish with its old weights."""
+        self._lora().remove_lora(int_id)
+
+    def list_loras(self) -> list[int]:
+        return list(self._lora().list_loras())
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- the step ----------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one forward; return the state of every request that progressed.
+
+        A failure while running the step fails only the requests in it (their
+        outputs carry ``error``); the engine goes on. ``step`` raises only when the
+        engine itself cannot go on (``EngineDeadError``, or a scheduler bug).
+        """
+        out = self.scheduler.schedule()
+        rejected = self._rejected_outputs(out)
+        if out.is_empty:
+            return rejected
+        self.num_steps += 1
+        try:
+            lora_slots = self.lora_manager.step_slots(out) if self.lora_manager is not None else None
+            logits, sample_idx = self.runner.execute(out, lora_slots, self.lora_manager)
+            for item in out.scheduled:
+                seq = item.seq
+                seq.num_computed_tokens += item.num_new_tokens
+                # Before sampling, finishing or forking: a finished sequence's blocks
+                # must already be findable when they are freed.
+                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            outputs = self._sample_and_stop(out, logits, sample_idx)
+        except Exception as exc:
+            return rejected + self._fail_step(out, exc)
+        return rejected + outputs
+
+    def _fail_step(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """Abort the requests of a step that raised; keep serving everyone else."""
+        reqs = {item.seq.request.request_id: item.seq.request for item in out.scheduled}
+        logger.exception("engine step %d failed; failing its requests %s", self.num_steps, sorted(reqs))
+        msg = f"internal error while running this request: {exc}"
+        failed = [self._fail_request(req, msg) for req in reqs.values()]
+        try:
+            self.check_integrity()
+        except AssertionError as bad:
+            raise EngineDeadError(f"engine state is inconsistent after a failed step: {bad}") from exc
+        return failed
+
+    def _fail_request(self, req: Request, message: str) -> RequestOutput:
+        """Finish ``req`` as aborted with ``message``; free its blocks and adapter pin."""
+        req.error = message
+        req.forked = True  # no siblings will be forked now
+        self.scheduler.abort(req.seqs)
+        self.requests.pop(req.request_id, None)
+        return self._output(req)
+
+    def _rejected_outputs(self, out: SchedulerOutput) -> list[RequestOutput]:
+        """Requests the scheduler aborted at admission (e.g. their adapter was removed)."""
+        outputs = []
+        for seq in out.aborted:
+            req = seq.request
+            req.forked = True  # no siblings will ever be forked now
+            if self.requests.pop(req.request_id, None) is not None:
+                self.scheduler.abort(req.seqs)
+                outputs.append(self._output(req))
+        return outputs
+
+    def _sample_and_stop(
+        self, out: SchedulerOutput, logits: torch.Tensor, sample_idx: list[int]
+    ) -> list[RequestOutput]:
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        for row, i in enumerate(sample_idx):
+            seq = out.scheduled[i].seq
+            req = seq.request
+            if req.params.n > 1 and not req.forked:
+                req.forked = True
+                for j in range(1, req.params.n):
+                    child = self._new_sequence(req, j, list(seq.token_ids))
+                    child.detokenizer = seq.detokenizer.clone()
+                    child.num_computed_tokens = seq.num_computed_tokens
+                    self.block_manager.fork(seq.seq_id, child.seq_id)
+                    req.seqs.append(child)
+                    self.scheduler.add_running(child)
+                    if self.lora_manager is not None:
+                        self.lora_manager.on_fork(seq, child)
+                    rows.append(row)
+                    seqs.append(child)
+            rows.append(row)
+            seqs.append(seq)
+        if not seqs:
+            return []
+        row_logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+        self._ban_early_stops(row_logits, seqs)
+        failed = self._fail_non_finite(row_logits, seqs)
+        if failed:
+            keep = [r for r, s in enumerate(seqs) if not s.request.finished]
+            seqs = [seqs[r] for r in keep]
+            row_logits = row_logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+            if not seqs:
+                return failed
+        results = self.sampler.sample(
+            row_logits,
+            [s.params for s in seqs],
+            [s.request.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs],
+            [s.generator for s in seqs],
+        )
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for seq, res in zip(seqs, results, strict=True):
+            seq.token_ids.append(res.token_id)
+            if seq.params.logprobs is not None:
+                seq.cumulative_logprob += res.logprob
+                if res.top_logprobs is not None:
+                    seq.logprobs.append(res.top_logprobs)
+            stop_str = seq.detokenizer.append(res.token_id)
+            status = self._stop_status(seq, res.token_id, stop_str)
+            if status is not None:
+                self.scheduler.finish(seq, status)
+            req = seq.request
+            if req.first_token_time is None:
+                req.first_token_time = now
+            touched[req.request_id] = req
+        for req in touched.values():
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+        return failed + [self._output(req) for req in touched.values()]
+
+    def _fail_non_finite(self, row_logits: torch.Tensor, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Fail the requests whose rows cannot be sampled: NaN or +inf (an adapter that
+        overflows), or every token banned. Sampling would raise for the whole batch, so
+        only the requests those rows belong to end, with an error.
+        """
+        bad_rows = non_finite_rows(row_logits)
+        if not bad_rows:
+            return []
+        failed: dict[str, RequestOutput] = {}
+        for r in bad_rows:
+            req = seqs[r].request
+            if req.request_id not in failed:
+                logger.warning("request %s produced non-finite logits; failing it", req.request_id)
+                msg = (
+                    "the model produced non-finite logits for this request, or its stop tokens ban "
+                    "every token (check the adapter's weights and stop_token_ids)"
+                )
+                failed[req.request_id] = self._fail_request(req, msg)
+        return list(failed.values())
+
+    def _ban_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Before ``min_tokens``, EOS and stop tokens cannot be sampled (vLLM semantics)."""
+        for r, seq in enumerate(seqs):
+            p = seq.params
+            if p.min_tokens and seq.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids or [])
+                if not p.ignore_eos:
+                    banned.extend(self.info.eos_token_ids)
+                if banned:
+                    logits[r, banned] = float("-inf")
+
+    def _stop_status(self, seq: Sequence, token_id: int, stop_str: str | None) -> SeqStatus | None:
+        p = seq.params
+        seq_len_cap = self.info.max_model_len
+        if stop_str is not None:
+            seq.stop_reason = stop_str
+            return SeqStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= p.min_tokens:
+            if p.stop_token_ids and token_id in p.stop_token_ids:
+                seq.stop_reason = token_id
+                return SeqStatus.FINISHED_STOPPED
+            if not p.ignore_eos and token_id in self.info.eos_token_ids:
+                return SeqStatus.FINISHED_STOPPED
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return SeqStatus.FINISHED_LENGTH
+        if seq.num_tokens >= seq_len_cap:
+            return SeqStatus.FINISHED_LENGTH
+        return None
+
+    def _output(self, req: Request) -> RequestOutput:
+        outs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.detokenizer.text,
+                token_ids=s.output_token_ids,
+                cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
+                logprobs=s.logprobs if s.params.logprobs is not None else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in sorted(req.seqs, key=lambda s: s.index)
+        ]
+        metrics = {"arrival_time": req.arrival_time}
+        if req.first_token_time is not None:
+            metrics["first_token_time"] = req.first_token_time
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=outs,
+            finished=req.finished,
+            num_cached_tokens=req.num_cached_tokens,
+            lora_name=req.lora_name,
+            metrics=metrics,
+            error=req.error,
+        )
+
+    def shutdown(self) -> None:
+        """Persist cached KV to the disk tier and stop its workers; the engine serves no more after it.
+
+        Cached device and host blocks are written to disk (up to its cap) and every write in
+        flight completes, so a later engine on the same ``disk_kv_path`` finds them again.
+        """
+        if self.tiers is not None:
+            # What the accelerator pool still caches would be lost with the process: copy
+            # it down (host, then disk) so a restarted engine on the same path finds it.
+            for block_id, key in self.block_manager.pool.cached_blocks():
+                self.tiers.demote(block_id, key)
+            self.tiers.spill_to_disk()
+            self.tiers.close()
+            self.tiers = None
+
+    # -- invariants ----------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """KV blocks conserved and ref counts consistent (and adapter slots, with LoRA)."""
+        self.block_manager.check_integrity()
+        live = {s.seq_id for s in self.scheduler.running} | {s.seq_id for s in self.scheduler.waiting}
+        for seq_id in self.block_manager.seq_ids():
+            if seq_id not in live:
+                raise AssertionError(f"seq {seq_id} holds KV blocks but is neither running nor waiting")
+        if self.lora_manager is not None:
+            self.lora_manager.check_integrity()
+        if self.tiers is not None:
+            self.tiers.check_integrity()

@@ -1,0 +1,199 @@
+"""Glue between the scheduler, the adapter manager and the model's LoRA hook.
+
+Per step:
+- admission (``admit``): a waiting sequence with an adapter is admitted only once it
+  holds a pin on the adapter's device slot; otherwise its weights are prefetched
+  from disk in the background and the sequence waits without blocking others;
+- execution (``step_slots``): each scheduled sequence contributes its slot to the
+  per-token slot list that goes into the step's ``ForwardBatch``; the runtime is the
+  batch's ``LoRAApplier`` and adds every layer's LoRA deltas in one pass;
+- release: finishing, aborting or preempting a sequence unpins its slot.
+
+Who holds which slot is recorded once, in the adapter manager's slot table (a pin per
+sequence, keyed ``seq-<seq_id>``); the runtime asks it rather than keeping a copy.
+
+No starvation: once an adapter has been blocked (every slot pinned) for
+``drain_after_steps`` steps, one *draining* slot is chosen (fewest pins) and no new
+sequence is admitted onto it. Its running sequences finish in bounded time
+(``max_tokens``), the slot unpins, and the blocked adapter takes it: LoRAX's adapter
+cycling, driven by demand rather than a timer.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from loraplex.adapters import (
+    AdapterError,
+    AdapterIdentity,
+    AdapterManager,
+    AdapterManagerConfig,
+    BaseModelSpec,
+    LoRARequest,
+)
+from loraplex.kernels.metadata import LoRAMetadata
+from loraplex.kernels.registry import select_lora_backend
+from loraplex.platform.engine.config import EngineConfig
+from loraplex.platform.engine.errors import AdapterUnavailableError
+from loraplex.platform.engine.scheduler import AdmitDecision, SchedulerOutput
+from loraplex.platform.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+logger = logging.getLogger(__name__)
+
+
+class LoRARuntime:
+    """Owns the ``AdapterManager`` on the engine's device and serves the LoRA hook."""
+
+    drain_after_steps = 8
+    """Grace before draining a slot for a blocked adapter: short waits cost nothing,
+    while draining at once would stall requests for resident adapters."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        hf_config: PretrainedConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.backend = select_lora_backend(config.lora_backend, device)
+        self.manager = AdapterManager(
+            BaseModelSpec.from_hf_config(hf_config),
+            AdapterManagerConfig(
+                max_loras=config.max_loras,
+                max_lora_rank=config.max_lora_rank,
+                max_cpu_loras=config.cpu_lora_capacity,
+            ),
+            device=device,
+            dtype=dtype,
+            weight_layout=self.backend.weight_layout(dtype, device),
+        )
+        self._blocked: dict[int, int] = {}  # adapter id -> step it was first blocked at
+        self._draining_slot: int | None = None
+        self._removed: set[int] = set()  # ids removed at run time, for clear errors
+        self._step = 0
+
+    # -- registry -------------------------------------------------------------------
+    def add_lora(self, lora: LoRARequest, owner: str | None = None) -> None:
+        """Validate and register ``lora`` (no-op if this exact adapter is registered)."""
+        self.manager.add_adapter(lora, owner=owner)
+
+    def remove_lora(self, int_id: int) -> None:
+        """Refuse new requests for the adapter; running ones finish on its old weights."""
+        self.manager.remove_adapter(int_id)
+        self._blocked.pop(int_id, None)
+        self._removed.add(int_id)
+
+    def list_loras(self) -> list[int]:
+        return [info.adapter_id for info in self.manager.list_adapters()]
+
+    def resolve(self, lora: LoRARequest, owner: str | None = None) -> AdapterIdentity:
+        """Make sure ``lora`` is registered (first use loads it, as in vLLM); its identity.
+
+        Raises ``AdapterUnavailableError`` when its files cannot be served.
+        """
+        if not isinstance(lora, LoRARequest):
+            raise AdapterUnavailableError(
+                f"lora_request must be a LoRARequest, got {type(lora).__name__}", param="lora_request"
+            )
+        known = {info.adapter_id: info for info in self.manager.list_adapters()}
+        info = known.get(lora.int_id)
+        if info is None:
+            try:
+                info = self.manager.add_adapter(lora, owner=owner)
+            except AdapterError as exc:
+                raise AdapterUnavailableError(f"adapter {lora.name!r}: {exc}", param="model") from exc
+            self._removed.discard(lora.int_id)
+        elif info.name != lora.name:
+            raise AdapterUnavailableError(
+                f"lora_request int_id {lora.int_id} is registered as {info.name!r}, not {lora.name!r}",
+                param="lora_request",
+            )
+        return info.identity
+
+    # -- scheduler hooks --------------------------------------------------------------
+    @staticmethod
+    def _key(seq: Sequence) -> str:
+        return f"seq-{seq.seq_id}"
+
+    def admit(self, seq: Sequence) -> AdmitDecision:
+        lora = seq.request.lora
+        if lora is None:
+            return AdmitDecision.OK
+        aid = lora.int_id
+        try:
+            slot = self.manager.slot_of(aid)
+            if (
+                slot is not None
+                and slot == self._draining_slot
+                and self._blocked
+                and aid not in self._blocked
+            ):
+                return AdmitDecision.WAIT  # let the draining slot empty for a blocked adapter
+            if self.manager.can_acquire(aid):
+                self.manager.acquire(aid, self._key(seq))
+                if aid in self._blocked:
+                    # The blocked adapter got its slot; pick a new draining slot only
+                    # if another adapter is still blocked.
+                    del self._blocked[aid]
+                    self._draining_slot = None
+                return AdmitDecision.OK
+            self.manager.prefetch(aid)
+        except AdapterError as exc:
+            if aid in self._removed:
+                seq.request.error = f"adapter {lora.name!r} (id {aid}) was removed while this request waited"
+            else:
+                seq.request.error = f"adapter {lora.name!r} (id {aid}) cannot be served: {exc}"
+            logger.warning("request %s rejected: %s", seq.request.request_id, exc)
+            return AdmitDecision.REJECT
+        since = self._blocked.setdefault(aid, self._step)
+        overdue = self._step - since >= self.drain_after_steps
+        if overdue and self._draining_slot is None and self.manager.num_free_slots == 0:
+            pins = self.manager.pins_by_slot()
+            if pins:
+                # Drain the slot with the fewest running users: it empties soonest.
+                self._draining_slot = min(pins, key=lambda s: (pins[s], s))
+        return AdmitDecision.WAIT
+
+    def release(self, seq: Sequence) -> None:
+        self.manager.release(self._key(seq))
+
+    def on_fork(self, parent: Sequence, child: Sequence) -> None:
+        """A forked sibling uses its parent's (resident, pinned) adapter slot too."""
+        lora = parent.request.lora
+        if lora is not None and self.manager.pinned_slot(self._key(parent)) is not None:
+            self.manager.acquire(lora.int_id, self._key(child))
+
+    @property
+    def num_pins(self) -> int:
+        """Slot pins held by running sequences (0 when nothing runs on an adapter)."""
+        return sum(self.manager.pins_by_slot().values())
+
+    # -- execution --------------------------------------------------------------------
+    def step_slots(self, out: SchedulerOutput) -> list[int] | None:
+        """Each scheduled sequence's adapter slot (-1 = base model); None if no adapter runs."""
+        self._step += 1
+        slots = [
+            -1 if item.seq.request.lora is None else self._pinned(item.seq) for item in out.scheduled
+        ]
+        return None if all(s < 0 for s in slots) else slots
+
+    def _pinned(self, seq: Sequence) -> int:
+        slot = self.manager.pinned_slot(self._key(seq))
+        if slot is None:
+            raise AssertionError(f"seq {seq.seq_id} is scheduled on an adapter but holds no slot pin")
+        return slot
+
+    def apply(self, layer_idx: int, group: str, x: torch.Tensor, y: torch.Tensor, meta: LoRAMetadata) -> None:
+        """``LoRAApplier``: add the LoRA deltas of ``group`` in layer ``layer_idx`` to ``y``."""
+        a, b, scales, sizes = self.manager.get_buffers(layer_idx, group)  # type: ignore[arg-type]
+        self.backend.apply(y, x, a, b, scales, sizes, meta)
+
+    def check_integrity(self) -> None:
+        """Adapter slots consistent (every pin on a live slot, counts match)."""
+        self.manager.check_integrity()

@@ -1,0 +1,269 @@
+"""Continuous batching with a per-step token budget, chunked prefill and preemption.
+
+Each step fills a token budget (``max_num_batched_tokens``): running sequences
+first, in admission order (a decode costs one token, an unfinished prefill takes a
+chunk of what is left), then waiting sequences are admitted while the budget,
+``max_num_seqs`` and free KV blocks allow. Sequences are not split into prefill
+and decode phases: each just has ``num_computed_tokens`` out of ``num_tokens``,
+which makes chunked prefill, recompute after preemption and decodes one mechanism.
+
+When a running sequence cannot get a block, the lowest-priority running sequence
+(the most recently admitted under FCFS) is preempted: its blocks are freed and it
+goes back to the front of the waiting queue to be recomputed later.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from loraplex.platform.engine.sequence import SeqStatus, Sequence
+from loraplex.storage.kv.block_manager import AllocStatus, BlockCopy, KVBlockManager
+from loraplex.storage.kv.prefix_cache import NO_HIT, PrefixHit
+from loraplex.storage.kv.tier_manager import TierManager
+from loraplex.storage.kv.tiered_prefix import promote_prefix
+
+logger = logging.getLogger(__name__)
+
+
+class AdmitDecision(enum.Enum):
+    """What an admission hook (the adapter runtime) says about a waiting sequence."""
+
+    OK = "ok"  # admit (the hook has reserved what it needs, e.g. pinned an adapter slot)
+    WAIT = "wait"  # not now; later sequences may still be admitted
+    REJECT = "reject"  # never (e.g. its adapter was removed): finish it as aborted
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """A sequence, how many of its uncomputed tokens run this step, and its KV blocks.
+
+    ``block_ids`` is the sequence's block table after this step's allocation: the
+    runner reads it instead of asking the block manager, so whoever hands out blocks
+    (fresh, shared by a prefix-cache hit, promoted from a lower tier) is invisible to
+    the model side.
+    """
+
+    seq: Sequence
+    num_new_tokens: int
+    block_ids: tuple[int, ...]
+
+    @property
+    def completes(self) -> bool:
+        """True when this step computes the sequence's last known token: it samples."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work: decodes (one new token) first, then prefill chunks."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    block_copies: list[BlockCopy] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    aborted: list[Sequence] = field(default_factory=list)  # rejected at admission
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    policy: str = "fcfs"
+    # Keep a few blocks free when admitting new work, so the running set does not
+    # preempt itself on the very next step (vLLM's watermark).
+    watermark_blocks: int = 0
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the KV block manager."""
+
+    def __init__(
+        self,
+        limits: SchedulerLimits,
+        block_manager: KVBlockManager,
+        admit_hook: Callable[[Sequence], AdmitDecision] | None = None,
+        release_hook: Callable[[Sequence], None] | None = None,
+        tiers: TierManager | None = None,
+    ) -> None:
+        self.limits = limits
+        self.kv = block_manager
+        # Host/disk KV tiers below the pool: a prefix hit continues there (promotion).
+        self.tiers = tiers
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        # Hooks let the adapter manager veto admission (no free slot) and learn
+        # when a sequence stops using its adapter; None = no LoRA.
+        self._admit_hook = admit_hook
+        self._release_hook = release_hook
+        self.num_preemptions = 0
+
+    # -- queue management --------------------------------------------------------
+    def _order_key(self, seq: Sequence) -> tuple[int, float, int]:
+        req = seq.request
+        prio = req.priority if self.limits.policy == "priority" else 0
+        return (prio, req.arrival_time, seq.index)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+        if self.limits.policy == "priority":
+            self.waiting.sort(key=self._order_key)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Admit a forked sibling straight into the running set (it shares KV already)."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        self.running.sort(key=self._order_key)
+
+    def finish(self, seq: Sequence, status: SeqStatus) -> None:
+        """Mark ``seq`` finished and free its blocks; safe to call from any queue."""
+        was_running = seq in self.running
+        if was_running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if was_running and self._release_hook is not None:
+            self._release_hook(seq)
+        seq.status = status
+        self.kv.free(seq.seq_id)
+
+    def abort(self, seqs: Iterable[Sequence]) -> None:
+        for seq in list(seqs):
+            if not seq.status.finished:
+                self.finish(seq, SeqStatus.FINISHED_ABORTED)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- the step ----------------------------------------------------------------
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Drop ``seq``'s KV and put it back at the head of the waiting queue (recompute)."""
+        self.running.remove(seq)
+        if self._release_hook is not None:
+            self._release_hook(seq)
+        self.kv.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.insert(0, seq)
+        if self.limits.policy == "priority":
+            self.waiting.sort(key=self._order_key)
+        out.preempted.append(seq)
+        self.num_preemptions += 1
+        logger.debug("preempted seq %d (request %s)", seq.seq_id, seq.request.request_id)
+
+    def _victim(self, seq: Sequence, scheduled: dict[int, ScheduledSeq]) -> Sequence:
+        """Whom to preempt so ``seq`` can run: the lowest-priority, newest running
+        sequence not already in this step; ``seq`` itself if that one outranks it."""
+        candidates = [s for s in self.running if s.seq_id not in scheduled and s is not seq]
+        if not candidates:
+            return seq
+        victim = max(candidates, key=self._order_key)
+        return seq if self._order_key(victim) < self._order_key(seq) else victim
+
+    def _prefix_hit(self, seq: Sequence) -> PrefixHit:
+        """The cached head of ``seq``'s tokens: device blocks, continued from host/disk."""
+        extra = seq.request.cache_extra_keys
+        hit = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids, extra)
+        if (
+            self.tiers is not None
+            and hit.num_cached_blocks < hit.num_cacheable_blocks
+            and promote_prefix(self.kv, self.tiers, seq.seq_id, hit) > 0
+        ):
+            # Promotion allocated device blocks (which may evict others): look again.
+            hit = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids, extra)
+        return hit
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.limits.max_num_batched_tokens
+        scheduled: dict[int, ScheduledSeq] = {}
+
+        # 1. Running sequences, in admission order.
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if num_new <= 0:
+                continue
+            copies = self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
+            while copies is None:
+                victim = self._victim(seq, scheduled)
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+                copies = self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
+            if copies is None:
+                continue
+            out.block_copies.extend(copies)
+            scheduled[seq.seq_id] = ScheduledSeq(seq, num_new, tuple(self.kv.block_table(seq.seq_id)))
+            budget -= num_new
+
+        # 2. Admit waiting sequences (not in a step that had to preempt: memory is tight).
+        #    Memory is strictly FCFS (a sequence that does not fit stops admission), but
+        #    a sequence whose adapter has no slot yet is skipped so it never blocks
+        #    requests for resident adapters or the base model.
+        if not out.preempted:
+            for seq in list(self.waiting):
+                if budget <= 0:
+                    break
+                width = 1 if seq.request.forked else seq.request.params.n
+                if len(self.running) + width > self.limits.max_num_seqs:
+                    break
+                # Prefix cache: full blocks someone computed before (same tokens, same
+                # adapter version, same tenant) are shared instead of recomputed. Nothing
+                # may allocate KV between this lookup and allocate_slots below.
+                hit = self._prefix_hit(seq) if seq.num_computed_tokens == 0 else NO_HIT
+                cached = hit.num_cached_tokens
+                num_new = min(seq.num_tokens - cached, budget)
+                status = self.kv.can_allocate(seq.seq_id, cached + num_new, hit)
+                if status is AllocStatus.NEVER:
+                    # Only reachable if the pool shrank after add-time validation.
+                    self.finish(seq, SeqStatus.FINISHED_ABORTED)
+                    out.aborted.append(seq)
+                    logger.error("seq %d can never fit the KV pool; aborted", seq.seq_id)
+                    continue
+                needed = self.kv.num_new_blocks_needed(seq.seq_id, cached, num_new, hit)
+                if status is AllocStatus.LATER or (
+                    self.kv.num_free_blocks - needed < self.limits.watermark_blocks and self.running
+                ):
+                    break
+                if self._admit_hook is not None:
+                    decision = self._admit_hook(seq)
+                    if decision is AdmitDecision.WAIT:
+                        continue
+                    if decision is AdmitDecision.REJECT:
+                        self.finish(seq, SeqStatus.FINISHED_ABORTED)
+                        out.aborted.append(seq)
+                        continue
+                copies = self.kv.allocate_slots(seq.seq_id, cached, num_new, hit)
+                assert copies is not None, "can_allocate said OK"
+                seq.num_computed_tokens = cached
+                if seq.num_preemptions == 0 and seq.index == 0:
+                    seq.request.num_cached_tokens = min(cached, seq.num_prompt_tokens)
+                self.waiting.remove(seq)
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+                out.block_copies.extend(copies)
+                scheduled[seq.seq_id] = ScheduledSeq(seq, num_new, tuple(self.kv.block_table(seq.seq_id)))
+                budget -= num_new
+
+        # Decodes (one query token) first: backends batch them with one kernel.
+        items = list(scheduled.values())
+        out.scheduled = [s for s in items if s.num_new_tokens == 1] + [
+            s for s in items if s.num_new_tokens > 1
+        ]
+        return out

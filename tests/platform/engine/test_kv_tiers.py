@@ -1,0 +1,126 @@
+"""KV tiers in the engine: prefix hits served from host RAM and from disk, warm restart, faults.
+
+The accelerator pool is sized so a prompt's blocks are evicted by the traffic that
+follows it; the tiers catch them (demotion) and give them back on the next hit
+(promotion). Every test compares greedy tokens with an engine that has no cache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loraplex import LLM, SamplingParams
+from loraplex.platform.engine.engine import LLMEngine
+from loraplex.platform.engine.outputs import RequestOutput
+
+BLOCK = 8
+PROMPT = [(11 * i) % 900 + 5 for i in range(81)]  # 10 full blocks + 1 token
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+FILLERS = [[(13 * i + 7 * j) % 900 + 5 for i in range(60)] for j in range(4)]
+
+
+def _engine(tiny_dirs: dict[str, Path], **tiers: object) -> LLMEngine:
+    llm = LLM(
+        model=str(tiny_dirs["gqa_tied"]),
+        dtype="float32",
+        block_size=BLOCK,
+        num_kv_blocks=20,  # two prompts' worth: later traffic evicts earlier blocks
+        max_num_seqs=2,
+        **tiers,  # type: ignore[arg-type]
+    )
+    return llm.llm_engine
+
+
+def _run(engine: LLMEngine, rid: str, prompt: list[int]) -> RequestOutput:
+    engine.add_request(rid, prompt, GREEDY)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                final = out
+    assert final is not None and final.error is None, final
+    return final
+
+
+def _evict_everything(engine: LLMEngine) -> None:
+    for j, filler in enumerate(FILLERS):
+        _run(engine, f"filler-{j}", filler)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dirs: dict[str, Path]) -> list[int]:
+    return _run(_engine(tiny_dirs, enable_prefix_caching=False), "ref", PROMPT).outputs[0].token_ids
+
+
+def _metrics(engine: LLMEngine, tier: str) -> dict[str, int]:
+    assert engine.tiers is not None
+    for m in engine.tiers.metrics():
+        if m.tier == tier:
+            return {k: v for k, v in vars(m).items() if isinstance(v, int)}
+    raise AssertionError(f"no {tier} tier")
+
+
+def test_without_tiers_an_evicted_prefix_is_recomputed(
+    tiny_dirs: dict[str, Path], reference: list[int]
+) -> None:
+    engine = _engine(tiny_dirs)
+    _run(engine, "warm", PROMPT)
+    _evict_everything(engine)
+    out = _run(engine, "again", PROMPT)
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference
+
+
+def test_hits_come_back_from_host(tiny_dirs: dict[str, Path], reference: list[int]) -> None:
+    engine = _engine(tiny_dirs, host_kv_cache_bytes=1 << 20)
+    _run(engine, "warm", PROMPT)
+    _evict_everything(engine)
+    out = _run(engine, "again", PROMPT)
+    assert out.num_cached_tokens == 10 * BLOCK
+    assert out.outputs[0].token_ids == reference
+    host = _metrics(engine, "host")
+    assert host["promotions"] >= 10 and host["demotions"] >= 10
+    engine.check_integrity()
+
+
+def test_hits_come_back_from_disk_and_after_a_restart(
+    tiny_dirs: dict[str, Path], reference: list[int], tmp_path: Path
+) -> None:
+    tiers = dict(disk_kv_path=str(tmp_path / "kv"), disk_kv_cache_bytes=4 << 20)
+    engine = _engine(tiny_dirs, **tiers)  # no host tier: evictions go straight to disk
+    _run(engine, "warm", PROMPT)
+    _evict_everything(engine)
+    out = _run(engine, "again", PROMPT)
+    assert out.num_cached_tokens == 10 * BLOCK and out.outputs[0].token_ids == reference
+    assert _metrics(engine, "disk")["promotions"] >= 10
+    engine.check_integrity()
+    engine.shutdown()
+
+    restarted = _engine(tiny_dirs, **tiers)
+    out = _run(restarted, "after-restart", PROMPT)
+    assert out.num_cached_tokens == 10 * BLOCK and out.outputs[0].token_ids == reference
+    restarted.shutdown()
+
+
+def test_corrupt_disk_blocks_are_misses_not_wrong_tokens(
+    tiny_dirs: dict[str, Path], reference: list[int], tmp_path: Path
+) -> None:
+    tiers = dict(disk_kv_path=str(tmp_path / "kv"), disk_kv_cache_bytes=4 << 20)
+    engine = _engine(tiny_dirs, **tiers)
+    _run(engine, "warm", PROMPT)
+    engine.shutdown()
+    files = sorted(p for p in (tmp_path / "kv").rglob("*") if p.is_file() and p.stat().st_size > 4096)
+    assert files, "the disk tier wrote no block files"
+    for path in files:  # flip one byte in the middle of every block file
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+    restarted = _engine(tiny_dirs, **tiers)
+    out = _run(restarted, "after-corruption", PROMPT)
+    assert out.outputs[0].token_ids == reference
+    disk = _metrics(restarted, "disk")
+    assert disk["checksum_failures"] + disk["invalid_records"] + disk["io_errors"] >= 1
+    restarted.check_integrity()
+    restarted.shutdown()

@@ -1,0 +1,60 @@
+"""The architecture contracts in pyproject.toml ([tool.importlinter]) hold, and they bite.
+
+The layers: entry points (CLI) -> HTTP layer / offline API -> engine -> model -> kernels,
+adapters, storage; kernels and storage never import upward; no cycles among the kernel
+modules. The second test adds a forbidden import to a copy of the package and checks
+that the same command then fails, so the first cannot pass vacuously.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_RUN = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
+
+
+def _lint_imports(cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(cwd)}
+    return subprocess.run(
+        [sys.executable, "-c", _RUN, "--no-cache"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_import_contracts_are_kept() -> None:
+    result = _lint_imports(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "forbidden_import", "contract"),
+    [
+        ("loraplex/kernels/metadata.py", "import loraplex.platform.engine.engine", "Kernels import nothing"),
+        ("loraplex/storage/kv/block_pool.py", "import loraplex.adapters.request", "Storage imports nothing"),
+        ("loraplex/platform/engine/engine.py", "import loraplex.platform.api.app", "Platform layers"),
+        ("loraplex/kernels/contracts.py", "import loraplex.kernels.registry", "No import cycles"),
+    ],
+)
+def test_a_forbidden_import_breaks_a_contract(
+    tmp_path: Path, module: str, forbidden_import: str, contract: str
+) -> None:
+    shutil.copytree(ROOT / "loraplex", tmp_path / "loraplex", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    target = tmp_path / module
+    target.write_text(target.read_text() + f"\n{forbidden_import}  # added by the test\n")
+    result = _lint_imports(tmp_path)
+    assert result.returncode != 0, result.stdout
+    broken = [line for line in result.stdout.splitlines() if line.endswith("BROKEN")]
+    assert any(line.startswith(contract) for line in broken), result.stdout
