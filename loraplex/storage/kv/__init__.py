@@ -2,11 +2,18 @@
 
 | module | owns |
 |---|---|
-| ``kv_cache`` | the per-layer K/V tensors of the accelerator pool and the block count a budget buys |
-| ``block_pool`` | physical block ids, ref counts, the LRU free queue, the key -> block index of cached blocks |
+| ``kv_cache`` | the accelerator pool's per-layer K/V tensors; block reads and writes for the tiers |
+| ``block_pool`` | block ids, ref counts, the LRU free queue, the key -> block index of cached blocks |
 | ``block_hash`` | prefix-cache keys: a sha256 chain over token ids and extra keys, length-prefixed |
-| ``prefix_cache`` | lookups of a prompt's longest cached prefix (``PrefixHit``) and hit/miss counters |
+| ``prefix_cache`` | lookups of a prompt's longest cached prefix (``PrefixHit``), hit/miss counters |
 | ``block_manager`` | ``KVBlockManager``: block tables, admission, copy-on-write, prefix-cache hits |
+| ``kv_tier`` | tier contracts: ``Tier``, ``Location``, the device block I/O protocol |
+| ``host_pool`` | ``HostKVPool``: block slots in host RAM (pinned on CUDA), LRU |
+| ``disk_pool`` | ``DiskKVPool``: capped, checksummed block files, async I/O, warm restart |
+| ``disk_slots`` / ``disk_files`` / ``block_codec`` | the disk slot states, slot files, record format |
+| ``tier_manager`` | ``TierManager``: one location per cached block; demotion, promotion, swap |
+| ``tier_transfers`` / ``tier_metrics`` | promotion and swap handles; per-tier counters |
+| ``tiered_prefix`` | ``promote_prefix``: continue a device prefix hit from host/disk |
 
 This package imports nothing from ``loraplex.platform`` or ``loraplex.adapters`` (checked by
 import-linter): extra keys (adapter version, tenant salt) arrive as opaque bytes.

@@ -88,13 +88,17 @@ class SlotFiles:
 
     # -- start-up --------------------------------------------------------------
     def read_header(self, slot: int) -> bytes | None:
-        """A full-size regular slot file's header (trimmed to one record), or None (missing, short...)."""
+        """A full-size regular slot file's header (trimmed to one record), or None (missing, empty,
+        not a file); ``OSError`` for a file shorter than one record (torn or truncated)."""
         try:
             fd = os.open(self.slot_path(slot), os.O_RDONLY)
         except FileNotFoundError:
             return None
         try:
             st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and 0 < st.st_size < self.record_bytes:
+                # Torn or truncated: a fault to count (the caller's "unreadable"), not an empty slot.
+                raise OSError(errno.EIO, f"slot file {st.st_size} bytes, shorter than one record")
             if not stat.S_ISREG(st.st_mode) or st.st_size < self.record_bytes:
                 return None
             if st.st_size > self.record_bytes:

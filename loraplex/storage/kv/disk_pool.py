@@ -116,6 +116,9 @@ class DiskKVPool:
         self._slots.restore((r.key, r.slot) for r in records)
         self._seq = records[-1].seq + 1 if records else 0
         self.counters.io_errors += self.restart.unreadable
+        # Records of another model or layout, torn or truncated ones: each discarded block is
+        # a counted fault, so an operator sees a restart that found less than it left.
+        self.counters.invalid_records += self.restart.discarded
         self.restart.removed_files = self._files.remove_beyond(self._num_slots)
 
     def _preallocate(self) -> None:

@@ -103,8 +103,33 @@ def test_hits_come_back_from_disk_and_after_a_restart(
     restarted.shutdown()
 
 
-def test_corrupt_disk_blocks_are_misses_not_wrong_tokens(
-    tiny_dirs: dict[str, Path], reference: list[int], tmp_path: Path
+def _flip_middle_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _zero_second_half(path: Path) -> None:
+    size = path.stat().st_size
+    with path.open("r+b") as f:
+        f.seek(size // 2)
+        f.write(b"\0" * (size - size // 2))
+
+
+def _truncate(path: Path) -> None:
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size // 3)
+
+
+def _make_unreadable(path: Path) -> None:
+    # Root ignores file modes: a directory in the file's place cannot be read by anyone.
+    path.unlink()
+    path.mkdir()
+
+
+@pytest.mark.parametrize("damage", [_flip_middle_byte, _zero_second_half, _truncate, _make_unreadable])
+def test_damaged_disk_blocks_are_misses_not_wrong_tokens(
+    tiny_dirs: dict[str, Path], reference: list[int], tmp_path: Path, damage: object
 ) -> None:
     tiers = dict(disk_kv_path=str(tmp_path / "kv"), disk_kv_cache_bytes=4 << 20)
     engine = _engine(tiny_dirs, **tiers)
@@ -112,15 +137,46 @@ def test_corrupt_disk_blocks_are_misses_not_wrong_tokens(
     engine.shutdown()
     files = sorted(p for p in (tmp_path / "kv").rglob("*") if p.is_file() and p.stat().st_size > 4096)
     assert files, "the disk tier wrote no block files"
-    for path in files:  # flip one byte in the middle of every block file
-        data = bytearray(path.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        path.write_bytes(bytes(data))
+    for path in files:
+        damage(path)  # type: ignore[operator]
 
     restarted = _engine(tiny_dirs, **tiers)
-    out = _run(restarted, "after-corruption", PROMPT)
+    out = _run(restarted, "after-damage", PROMPT)
     assert out.outputs[0].token_ids == reference
+    assert out.num_cached_tokens < 10 * BLOCK  # what was damaged was not served
     disk = _metrics(restarted, "disk")
-    assert disk["checksum_failures"] + disk["invalid_records"] + disk["io_errors"] >= 1
+    assert disk["checksum_failures"] + disk["invalid_records"] + disk["io_errors"] + disk["misses"] >= 1
     restarted.check_integrity()
     restarted.shutdown()
+
+
+def test_a_host_pool_of_size_zero_only_drops(tiny_dirs: dict[str, Path], reference: list[int]) -> None:
+    engine = _engine(tiny_dirs, host_kv_cache_bytes=1)  # smaller than one block: no slot at all
+    _run(engine, "warm", PROMPT)
+    _evict_everything(engine)
+    out = _run(engine, "again", PROMPT)
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference
+    assert engine.tiers is not None and engine.tiers.num_dropped_blocks >= 10
+    engine.check_integrity()
+
+
+def test_preempted_sequences_come_back_from_the_host_tier(tiny_dirs: dict[str, Path]) -> None:
+    """Two long generations in a pool that holds one: the newer is preempted; its full blocks
+    stay cached, are demoted to host when the pool reuses them, and are promoted back when it
+    resumes, so only its partial last block is recomputed. Tokens equal the run without cache."""
+    long = SamplingParams(temperature=0, max_tokens=70, ignore_eos=True)
+    prompts = [PROMPT[:40], PROMPT[40:80]]
+
+    def run(**kw: object) -> tuple[list[list[int]], LLMEngine]:
+        llm = LLM(
+            model=str(tiny_dirs["gqa_tied"]), dtype="float32", block_size=BLOCK, num_kv_blocks=16, **kw  # type: ignore[arg-type]
+        )
+        outs = llm.generate(prompts, long, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], llm.llm_engine
+
+    expected, _ = run(enable_prefix_caching=False)
+    got, engine = run(host_kv_cache_bytes=1 << 20)
+    assert got == expected
+    assert engine.scheduler.num_preemptions > 0
+    assert _metrics(engine, "host")["promotions"] > 0
+    engine.check_integrity()
