@@ -26,7 +26,6 @@ from loraplex.platform.engine.errors import (
     AdapterUnavailableError,
     EngineDeadError,
     InvalidParameterError,
-    RequestTooLargeError,
 )
 from loraplex.platform.engine.host_memory import tune_host_malloc
 from loraplex.platform.engine.lora_runtime import LoRARuntime
@@ -36,9 +35,10 @@ from loraplex.platform.engine.sampler import Sampler, non_finite_rows
 from loraplex.platform.engine.sampling_params import SamplingParams
 from loraplex.platform.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from loraplex.platform.engine.sequence import Request, SeqStatus, Sequence
+from loraplex.platform.engine.validation import RequestLimits, check_request_limits, prompt_token_ids
 from loraplex.platform.model.loader import load_hf_config, load_model
 from loraplex.platform.model.source import resolve_model_dir
-from loraplex.storage.kv.block_manager import AllocStatus, KVBlockManager
+from loraplex.storage.kv.block_manager import KVBlockManager
 from loraplex.storage.kv.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_budget
 from loraplex.storage.kv.tier_manager import TierManager
 
@@ -209,8 +209,18 @@ class LLMEngine:
             )
         if request_id in self.requests:
             raise InvalidParameterError(f"request_id {request_id!r} is already in use", param="request_id")
-        text, token_ids = self._prompt_tokens(prompt)
-        self._check_limits(len(token_ids), params)
+        text, token_ids = prompt_token_ids(prompt, self.tokenize, self.arch.vocab_size)
+        check_request_limits(
+            len(token_ids),
+            params,
+            RequestLimits(
+                max_model_len=self.info.max_model_len,
+                max_num_seqs=self.config.max_num_seqs,
+                max_logprobs=self.config.max_logprobs,
+                vocab_size=self.arch.vocab_size,
+            ),
+            self.block_manager,
+        )
         adapter = None
         if lora_request is not None:
             if self.lora_manager is None:
@@ -232,76 +242,6 @@ class LLMEngine:
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
         return req
-
-    def _prompt_tokens(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        """The prompt's text (None for token input) and its token ids, validated."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidParameterError("prompt must not be empty", param="prompt")
-            token_ids = self.tokenize(prompt)
-            text: str | None = prompt
-        elif isinstance(prompt, list | tuple):
-            if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
-                raise InvalidParameterError("prompt token ids must be integers", param="prompt")
-            token_ids, text = list(prompt), None
-        else:
-            raise InvalidParameterError(
-                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", param="prompt"
-            )
-        if not token_ids:
-            raise InvalidParameterError("prompt must not be empty (it has no tokens)", param="prompt")
-        vocab = self.arch.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidParameterError(
-                f"prompt token ids out of range [0, {vocab}): {bad[:5]}", param="prompt"
-            )
-        return text, token_ids
-
-    def _check_limits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """Refuse what the model, the pool or the scheduler could never serve."""
-        max_len = self.info.max_model_len
-        if num_prompt_tokens >= max_len:
-            raise RequestTooLargeError(
-                f"This model's maximum context length is {max_len} tokens. However, your prompt has "
-                f"{num_prompt_tokens} tokens, which leaves no room to generate.",
-                param="prompt",
-            )
-        if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > max_len:
-            raise RequestTooLargeError(
-                f"This model's maximum context length is {max_len} tokens. However, you requested "
-                f"{num_prompt_tokens + params.max_tokens} tokens ({num_prompt_tokens} in the prompt, "
-                f"{params.max_tokens} in the completion). Please reduce the length of the prompt or "
-                "max_tokens.",
-                param="max_tokens",
-            )
-        if params.n > self.config.max_num_seqs:
-            # All n completions run side by side; more than max_num_seqs could never be admitted.
-            raise RequestTooLargeError(
-                f"n={params.n} is more than this server runs at once (max_num_seqs="
-                f"{self.config.max_num_seqs})",
-                param="n",
-            )
-        longest = num_prompt_tokens + (params.max_tokens if params.max_tokens is not None else 1)
-        if self.block_manager.can_allocate(-1, min(longest, max_len)) is AllocStatus.NEVER:
-            raise RequestTooLargeError(
-                f"a sequence of {longest} tokens needs more KV blocks than the whole pool "
-                f"({self.block_manager.num_blocks} blocks of {self.config.block_size}); "
-                "shorten the request or raise kv_cache_memory",
-                param="max_tokens" if params.max_tokens is not None else "prompt",
-            )
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise InvalidParameterError(
-                f"logprobs={params.logprobs} is more than the limit of {self.config.max_logprobs} "
-                "(max_logprobs)",
-                param="logprobs",
-            )
-        vocab = self.arch.vocab_size
-        bad = [t for t in params.stop_token_ids or () if not 0 <= t < vocab]
-        if bad:
-            raise InvalidParameterError(
-                f"stop_token_ids out of range [0, {vocab}): {bad[:5]}", param="stop_token_ids"
-            )
 
     def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
         gen = None
