@@ -9,6 +9,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # for tests/helpers.py
+# Fixtures of real services: databases (services_fixtures), Redis (redis_starter).
+pytest_plugins = ["services_fixtures", "redis_starter"]
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 

@@ -1,0 +1,162 @@
+"""Tenants: create, read, change quotas, disable, delete.
+
+A tenant is addressed by its name everywhere outside the database (admin API paths, the CLI,
+``owner/name`` adapter references). Quotas are NULL for unlimited; ``TenantQuotas`` is the
+validated value the routes and the limiter pass around.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from loraplex.platform.api.services.adapters import AdapterRef
+from loraplex.platform.api.services.errors import Conflict, InvalidInput, NotFound
+from loraplex.platform.api.services.names import check_tenant_name
+from loraplex.storage.db.models import Adapter, Tenant
+
+QuotaField = Literal["rpm", "tpm", "max_concurrency", "max_adapters", "max_adapter_bytes"]
+QUOTA_FIELDS: tuple[QuotaField, ...] = ("rpm", "tpm", "max_concurrency", "max_adapters", "max_adapter_bytes")
+
+_INT32_MAX = 2**31 - 1
+_INT64_MAX = 2**63 - 1
+# (smallest, largest) accepted. A rate limit of 0 would be "disabled" under another name (the
+# tenant has a flag for that); 0 adapters or bytes means "may not upload", a real setting.
+# The largest values are the columns' (INTEGER / BIGINT) so PostgreSQL never refuses one.
+_RANGE: dict[QuotaField, tuple[int, int]] = {
+    "rpm": (1, _INT32_MAX),
+    "tpm": (1, _INT64_MAX),
+    "max_concurrency": (1, _INT32_MAX),
+    "max_adapters": (0, _INT32_MAX),
+    "max_adapter_bytes": (0, _INT64_MAX),
+}
+
+
+@dataclass(frozen=True)
+class TenantQuotas:
+    """A tenant's limits; None means unlimited."""
+
+    rpm: int | None = None
+    """Requests per minute."""
+    tpm: int | None = None
+    """Tokens (prompt + completion) per minute."""
+    max_concurrency: int | None = None
+    """Requests in flight at once."""
+    max_adapters: int | None = None
+    """Adapter names the tenant may own."""
+    max_adapter_bytes: int | None = None
+    """Bytes of all stored versions of all the tenant's adapters."""
+
+    def __post_init__(self) -> None:
+        for field in QUOTA_FIELDS:
+            _check_quota(field, getattr(self, field))
+
+    @classmethod
+    def of(cls, tenant: Tenant) -> TenantQuotas:
+        """The quotas stored on ``tenant``."""
+        return cls(**{field: getattr(tenant, field) for field in QUOTA_FIELDS})
+
+    def updated(self, changes: Mapping[QuotaField, int | None]) -> TenantQuotas:
+        """These quotas with ``changes`` applied (a key present with None: now unlimited)."""
+        unknown = set(changes) - set(QUOTA_FIELDS)
+        if unknown:
+            raise InvalidInput(sorted(unknown)[0], f"not a quota; quotas are {', '.join(QUOTA_FIELDS)}")
+        return dataclasses.replace(self, **{str(field): value for field, value in changes.items()})
+
+
+def _check_quota(field: QuotaField, value: int | None) -> None:
+    if value is None:
+        return
+    low, high = _RANGE[field]
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidInput(field, f"must be an integer from {low} to {high}, or null for unlimited")
+
+
+async def create_tenant(
+    session: AsyncSession, name: str, quotas: TenantQuotas | None = None, *, disabled: bool = False
+) -> Tenant:
+    """A new tenant; ``Conflict`` if the name is taken, ``InvalidInput`` for a bad name."""
+    check_tenant_name(name)
+    if await _find(session, name) is not None:
+        raise Conflict("tenant", name)
+    tenant = Tenant(name=name, disabled=disabled)
+    _store_quotas(tenant, quotas or TenantQuotas())
+    session.add(tenant)
+    try:
+        await session.flush()
+    except IntegrityError:  # created by someone else since _find: the unique name index says so
+        raise Conflict("tenant", name) from None
+    return tenant
+
+
+async def ensure_tenant(session: AsyncSession, name: str) -> Tenant:
+    """The tenant called ``name``, created (no quotas) if missing; safe when replicas race."""
+    tenant = await _find(session, name)
+    if tenant is not None:
+        return tenant
+    check_tenant_name(name)
+    try:
+        async with session.begin_nested():
+            tenant = Tenant(name=name, disabled=False)
+            session.add(tenant)
+        return tenant
+    except IntegrityError:  # another replica created it first; the savepoint kept our transaction
+        return await get_tenant(session, name)
+
+
+async def get_tenant(session: AsyncSession, name: str) -> Tenant:
+    """The tenant called ``name``; ``NotFound`` otherwise."""
+    tenant = await _find(session, name)
+    if tenant is None:
+        raise NotFound("tenant", name)
+    return tenant
+
+
+async def list_tenants(session: AsyncSession) -> list[Tenant]:
+    """Every tenant, by name."""
+    return list(await session.scalars(select(Tenant).order_by(Tenant.name)))
+
+
+async def update_quotas(session: AsyncSession, name: str, changes: Mapping[QuotaField, int | None]) -> Tenant:
+    """Apply ``changes`` (PATCH semantics: absent = unchanged, None = unlimited)."""
+    tenant = await get_tenant(session, name)
+    _store_quotas(tenant, TenantQuotas.of(tenant).updated(changes))
+    await session.flush()
+    return tenant
+
+
+async def set_disabled(session: AsyncSession, name: str, disabled: bool) -> Tenant:
+    """Disable (every key stops authenticating, public adapters disappear) or re-enable."""
+    tenant = await get_tenant(session, name)
+    tenant.disabled = disabled
+    await session.flush()
+    return tenant
+
+
+async def delete_tenant(session: AsyncSession, name: str) -> list[AdapterRef]:
+    """Delete the tenant with its keys, adapters and usage records (ON DELETE CASCADE).
+
+    Returns the adapters that went with it: the caller unloads them from the engine and
+    removes from the store the files no other adapter row still references.
+    """
+    tenant = await get_tenant(session, name)
+    adapters = await session.scalars(select(Adapter).where(Adapter.owner_id == tenant.id))
+    removed = [AdapterRef.of(adapter) for adapter in adapters]
+    await session.delete(tenant)
+    await session.flush()
+    return removed
+
+
+async def _find(session: AsyncSession, name: str) -> Tenant | None:
+    return await session.scalar(select(Tenant).where(Tenant.name == name))
+
+
+def _store_quotas(tenant: Tenant, quotas: TenantQuotas) -> None:
+    for field in QUOTA_FIELDS:
+        setattr(tenant, field, getattr(quotas, field))
