@@ -15,9 +15,9 @@ __all__ = ["LLM", "EngineConfig", "LoRARequest", "RequestOutput", "SamplingParam
 if TYPE_CHECKING:
     from loraplex.adapters.request import LoRARequest
     from loraplex.platform.engine.config import EngineConfig
-    from loraplex.platform.llm import LLM
     from loraplex.platform.engine.outputs import RequestOutput
     from loraplex.platform.engine.sampling_params import SamplingParams
+    from loraplex.platform.llm import LLM
 
 _LAZY = {
     "LLM": "loraplex.platform.llm",

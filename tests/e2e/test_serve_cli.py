@@ -32,6 +32,7 @@ def test_serve_default_model_answers_chat() -> None:
         str(port),
         "--kv-cache-memory",
         "256MiB",
+        "--single-tenant",
     ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

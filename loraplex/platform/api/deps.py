@@ -1,4 +1,4 @@
-"""What every route shares: the server's state, as a FastAPI dependency (``StateDep``)."""
+"""What every route shares: the server's state (``StateDep``) and the gate's caller (``CallDep``)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Request
 
 from loraplex.adapters import LoRARequest
+from loraplex.platform.api.gating import GatedCall, RequestGate
 from loraplex.platform.api.limits import ServerLimits
 from loraplex.platform.api.logprobs import TokenText
 from loraplex.platform.engine.async_engine import AsyncEngine
-from loraplex.platform.engine.errors import UnknownAdapterError
 
 
 @dataclass(frozen=True)
 class ServerState:
-    """The engine, what it serves under which names, and the request limits."""
+    """The engine, what it serves under which names, the request limits, and who may call."""
 
     engine: AsyncEngine
     served_model_name: str
@@ -27,6 +27,8 @@ class ServerState:
     """Unix time the server started (``created`` of the /v1/models entries)."""
     text_of: TokenText
     """Single-token texts for logprobs, cached across requests."""
+    gate: RequestGate
+    """Authenticates callers, resolves ``model`` per caller, admits requests (``gating``)."""
 
     @property
     def tokenizer(self) -> Any:
@@ -35,15 +37,6 @@ class ServerState:
     @property
     def max_model_len(self) -> int:
         return self.engine.engine.info.max_model_len
-
-    def resolve_model(self, model: str | None) -> LoRARequest | None:
-        """The adapter ``model`` names, None for the base model; ``UnknownAdapterError`` otherwise."""
-        if model is None or model == self.served_model_name:
-            return None
-        lora = self.loras.get(model)
-        if lora is None:
-            raise UnknownAdapterError(model)
-        return lora
 
 
 def app_state(app: FastAPI) -> ServerState:
@@ -57,3 +50,11 @@ def get_state(request: Request) -> ServerState:
 
 
 StateDep = Annotated[ServerState, Depends(get_state)]
+
+
+async def open_call(request: Request) -> GatedCall:
+    """The caller of ``request``, authenticated by the server's gate (401 from the gateway)."""
+    return await get_state(request).gate.open(request)
+
+
+CallDep = Annotated[GatedCall, Depends(open_call)]

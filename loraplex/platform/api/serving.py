@@ -14,12 +14,12 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from loraplex.adapters import LoRARequest
 from loraplex.platform.api.deps import ServerState
+from loraplex.platform.api.gating import GatedCall, ModelTarget, RequestEnd
 from loraplex.platform.api.protocol import Prompt
 from loraplex.platform.api.responses import ResponseShape
 from loraplex.platform.api.streaming import SSEResponse, sse_events
-from loraplex.platform.api.submission import abort_all, collect, submit
+from loraplex.platform.api.submission import MeteredStream, abort_all, collect, submit
 from loraplex.platform.engine.async_engine import RequestStream
 from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.engine.sampling_params import SamplingParams
@@ -57,33 +57,68 @@ async def until_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> 
         watcher.cancel()
 
 
+def _end_of(streams: list[MeteredStream]) -> RequestEnd:
+    """How a set of streams ended, from the last output read from each."""
+    lasts = [s.last for s in streams]
+    if any(out is not None and out.error is not None for out in lasts):
+        return "error"
+    if lasts and all(out is not None and out.finished for out in lasts):
+        return "ok"
+    return "aborted"
+
+
 async def respond(
     request: Request,
     state: ServerState,
+    call: GatedCall,
     shape: ResponseShape,
     prompts: list[Prompt],
     params: SamplingParams,
-    lora: LoRARequest | None,
+    target: ModelTarget,
     stream: bool,
 ) -> Response:
-    """Run ``prompts`` and answer with the whole response or an SSE stream."""
-    if stream:
-        streams = await until_disconnected(request, submit(state, shape.request_id, prompts, params, lora))
-        if streams is None:
-            return Response(status_code=CLIENT_CLOSED)
-        return SSEResponse(
-            sse_events(shape, streams, params.stop_strings), on_close=lambda: abort_all(streams)
+    """Admit ``prompts`` through the caller's gate, run them, answer whole or as an SSE stream.
+
+    From admission on, every way out closes the admission once, with what the streams read.
+    """
+    admission = await call.admit(shape.request_id, target, prompts, params)
+    streams: list[MeteredStream] = []
+
+    async def run_submit() -> list[MeteredStream]:
+        streams.extend(
+            await submit(state, shape.request_id, admission.prompts, params, target.lora, admission.tenant_id)
         )
+        return streams
+
+    if stream:
+        try:
+            submitted = await until_disconnected(request, run_submit())
+        except BaseException:
+            admission.close([], "error")
+            raise
+        if submitted is None:
+            admission.close([], "aborted")
+            return Response(status_code=CLIENT_CLOSED)
+
+        def on_close() -> None:
+            abort_all(submitted)
+            admission.close([s.last for s in submitted], _end_of(submitted))
+
+        readers: list[RequestStream] = [*submitted]
+        return SSEResponse(sse_events(shape, readers, params.stop_strings), on_close=on_close)
 
     async def run() -> list[RequestOutput]:
-        streams: list[RequestStream] = []
         try:
-            streams = await submit(state, shape.request_id, prompts, params, lora)
-            return await collect(streams)
+            return await collect(await run_submit())
         finally:
             abort_all(streams)
 
-    finals = await until_disconnected(request, run())
+    end: RequestEnd = "error"
+    try:
+        finals = await until_disconnected(request, run())
+        end = "ok" if finals is not None else "aborted"
+    finally:
+        admission.close([s.last for s in streams], end)
     if finals is None:
         return Response(status_code=CLIENT_CLOSED)
     return JSONResponse(shape.response(finals))

@@ -2,13 +2,15 @@
 
 Every path out of a request (finished, refused, failed, client gone, server
 stopping) aborts what it submitted: ``RequestStream.abort`` is synchronous, so it
-also runs in the ``finally`` of a cancelled task.
+also runs in the ``finally`` of a cancelled task. ``submit`` hands back ``MeteredStream``s,
+which remember the last output read, so the gate can account for what a request used
+however it ended.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from loraplex.adapters import LoRARequest
 from loraplex.platform.api.deps import ServerState
@@ -26,19 +28,57 @@ def step_failure(out: RequestOutput) -> APIError:
     )
 
 
+class MeteredStream(RequestStream):
+    """A ``RequestStream`` that remembers the last output read from it (what its request used).
+
+    It reads through ``inner``, the stream the engine feeds and aborts; everything else
+    delegates to it, so this is a ``RequestStream`` wherever one is expected.
+    """
+
+    def __init__(self, inner: RequestStream) -> None:
+        # No super().__init__(): the queue and the engine stay the inner stream's own.
+        self.inner = inner
+        self.request_id = inner.request_id
+        self.loop = inner.loop
+        self.last: RequestOutput | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.inner.finished
+
+    @finished.setter
+    def finished(self, value: bool) -> None:
+        self.inner.finished = value
+
+    async def __anext__(self) -> RequestOutput:
+        out = await self.inner.__anext__()
+        self.last = out
+        return out
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+
 async def submit(
     state: ServerState,
     request_id: str,
     prompts: list[Prompt],
     params: SamplingParams,
     lora: LoRARequest | None,
-) -> list[RequestStream]:
-    """Add one engine request per prompt, concurrently; all or none (a refusal, or the
-    caller being cancelled, aborts the ones already accepted)."""
+    tenant_id: str | None = None,
+) -> list[MeteredStream]:
+    """Add one engine request per prompt, concurrently, as ``tenant_id``; all or none (a refusal,
+    or the caller being cancelled, aborts the ones already accepted)."""
+    engine = state.engine
     if len(prompts) == 1:
-        return [await state.engine.add_request(request_id, prompts[0], params, lora_request=lora)]
+        stream = await engine.add_request(
+            request_id, prompts[0], params, lora_request=lora, tenant_id=tenant_id
+        )
+        return [MeteredStream(stream)]
     tasks = [
-        asyncio.ensure_future(state.engine.add_request(f"{request_id}-{i}", p, params, lora_request=lora))
+        asyncio.ensure_future(
+            engine.add_request(f"{request_id}-{i}", p, params, lora_request=lora, tenant_id=tenant_id)
+        )
         for i, p in enumerate(prompts)
     ]
     try:
@@ -49,15 +89,15 @@ async def submit(
             if task.done() and not task.cancelled() and task.exception() is None:
                 task.result().abort()
         raise
-    return [task.result() for task in tasks]
+    return [MeteredStream(task.result()) for task in tasks]
 
 
-def abort_all(streams: list[RequestStream]) -> None:
+def abort_all(streams: Sequence[RequestStream]) -> None:
     for stream in streams:
         stream.abort()
 
 
-async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
+async def collect(streams: Sequence[RequestStream]) -> list[RequestOutput]:
     """The final output of every stream (they run concurrently in the engine)."""
     finals: list[RequestOutput] = []
     for stream in streams:

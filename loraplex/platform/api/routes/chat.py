@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from loraplex.platform.api.body import read_json
-from loraplex.platform.api.deps import ServerState, StateDep
+from loraplex.platform.api.deps import CallDep, ServerState, StateDep
 from loraplex.platform.api.errors import bad_request
 from loraplex.platform.api.params import chat_params, check_prompt_chars
 from loraplex.platform.api.protocol import ChatCompletionRequest
@@ -32,10 +32,10 @@ def _render(state: ServerState, messages: list[dict[str, str]]) -> list[int]:
 
 
 @router.post("/v1/chat/completions", response_model=None)
-async def create_chat_completion(request: Request, state: StateDep) -> Response:
+async def create_chat_completion(request: Request, state: StateDep, call: CallDep) -> Response:
     """OpenAI chat completions over the model's own chat template."""
     body = await read_json(request, ChatCompletionRequest)
-    lora = state.resolve_model(body.model)
+    target = await call.resolve(body.model)
     if not getattr(state.tokenizer, "chat_template", None):
         raise bad_request("This model has no chat template; use /v1/completions.", "messages")
     messages = body.text_messages()
@@ -46,10 +46,10 @@ async def create_chat_completion(request: Request, state: StateDep) -> Response:
         chat=True,
         request_id=f"chatcmpl-{uuid.uuid4().hex}",
         created=int(time.time()),
-        model=body.model or state.served_model_name,
+        model=target.model,
         n=params.n,
         num_top_logprobs=params.logprobs,
         text_of=state.text_of,
         include_usage=body.include_usage(),
     )
-    return await respond(request, state, shape, [prompt], params, lora, body.stream)
+    return await respond(request, state, call, shape, [prompt], params, target, body.stream)

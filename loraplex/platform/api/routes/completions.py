@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from loraplex.platform.api.body import read_json
-from loraplex.platform.api.deps import StateDep
+from loraplex.platform.api.deps import CallDep, StateDep
 from loraplex.platform.api.params import check_prompt_chars, completion_params
 from loraplex.platform.api.protocol import CompletionRequest
 from loraplex.platform.api.responses import ResponseShape
@@ -19,10 +19,10 @@ router = APIRouter(tags=["completions"])
 
 
 @router.post("/v1/completions", response_model=None)
-async def create_completion(request: Request, state: StateDep) -> Response:
+async def create_completion(request: Request, state: StateDep, call: CallDep) -> Response:
     """OpenAI completions; a list of ``k`` prompts gives ``k * n`` choices (``index = i * n + j``)."""
     body = await read_json(request, CompletionRequest)
-    lora = state.resolve_model(body.model)
+    target = await call.resolve(body.model)
     prompts = body.prompts()
     check_prompt_chars(sum(len(p) for p in prompts if isinstance(p, str)), state.limits, "prompt")
     params = completion_params(body, state.limits, len(prompts))
@@ -30,10 +30,10 @@ async def create_completion(request: Request, state: StateDep) -> Response:
         chat=False,
         request_id=f"cmpl-{uuid.uuid4().hex}",
         created=int(time.time()),
-        model=body.model or state.served_model_name,
+        model=target.model,
         n=params.n,
         num_top_logprobs=body.logprobs,
         text_of=state.text_of,
         include_usage=body.include_usage(),
     )
-    return await respond(request, state, shape, prompts, params, lora, body.stream)
+    return await respond(request, state, call, shape, prompts, params, target, body.stream)

@@ -7,49 +7,37 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from loraplex.platform.api.deps import ServerState, StateDep
+from loraplex.platform.api.deps import CallDep, ServerState, StateDep
 from loraplex.platform.api.errors import to_api_error
+from loraplex.platform.api.gating import ModelCard
 from loraplex.platform.engine.errors import EngineDeadError, UnknownAdapterError
 
 router = APIRouter(tags=["models"])
 
 
-def _entries(state: ServerState) -> list[dict[str, Any]]:
-    base = {
-        "id": state.served_model_name,
+def _entry(state: ServerState, card: ModelCard) -> dict[str, Any]:
+    return {
+        "id": card.id,
         "object": "model",
         "created": state.created,
-        "owned_by": "loraplex",
-        "root": state.served_model_name,
-        "parent": None,
+        "owned_by": card.owned_by,
+        "root": card.id,
+        "parent": card.parent,
         "max_model_len": state.max_model_len,
     }
-    adapters = [
-        {
-            "id": name,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "loraplex",
-            "root": name,
-            "parent": state.served_model_name,
-            "max_model_len": state.max_model_len,
-        }
-        for name in sorted(state.loras)
-    ]
-    return [base, *adapters]
 
 
 @router.get("/v1/models")
-async def list_models(state: StateDep) -> dict[str, Any]:
-    """The base model, then every adapter clients can name in ``model``."""
-    return {"object": "list", "data": _entries(state)}
+async def list_models(state: StateDep, call: CallDep) -> dict[str, Any]:
+    """The base model, then every adapter this caller can name in ``model``."""
+    return {"object": "list", "data": [_entry(state, card) for card in await call.models()]}
 
 
 @router.get("/v1/models/{model_id:path}")
-async def retrieve_model(model_id: str, state: StateDep) -> dict[str, Any]:
-    for entry in _entries(state):
-        if entry["id"] == model_id:
-            return entry
+async def retrieve_model(model_id: str, state: StateDep, call: CallDep) -> dict[str, Any]:
+    for card in await call.models():
+        if card.id == model_id:
+            return _entry(state, card)
     raise UnknownAdapterError(model_id)
 
 

@@ -1,0 +1,120 @@
+"""Adapter uploads and deletions: the store's files, the database rows and the engine kept in step.
+
+    upload(tenant, files, staging, name, visibility)   validate -> publish -> register + commit
+    delete(owner, name[, version])                     delete rows -> unload -> remove unreferenced files
+    forget(refs)                                       the same cleanup for rows already deleted
+                                                       (a deleted tenant's adapters)
+
+A failed upload leaves nothing: validation happens in a staging folder inside the store (the
+caller removes it), and a version published for a commit that then fails is removed again
+unless another row references it. Publishing, committing and removing run under the store's
+``publishing`` lock, so a folder is never removed while another upload is about to commit it.
+The HTTP routes and the operators' CLI both use this (the CLI without an engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from loraplex.platform.api.adapter_files import AdapterFileStore, AdapterValidator, UploadedFile
+from loraplex.platform.api.engine_adapters import EngineAdapters
+from loraplex.platform.api.services import adapters
+from loraplex.platform.api.services.adapters import AdapterRef, NewAdapter
+from loraplex.platform.api.services.errors import InvalidInput
+from loraplex.platform.api.services.names import check_adapter_name
+from loraplex.storage.db import VISIBILITIES, Adapter, Database, Tenant, Visibility
+
+logger = logging.getLogger(__name__)
+
+
+def parse_visibility(value: str) -> Visibility:
+    for visibility in VISIBILITIES:
+        if value == visibility:
+            return visibility
+    raise InvalidInput("visibility", f"must be one of {', '.join(VISIBILITIES)}")
+
+
+class AdapterCatalog:
+    """What tenants and operators do to adapters, over one database and one store."""
+
+    def __init__(
+        self,
+        db: Database,
+        files: AdapterFileStore,
+        validator: AdapterValidator | None = None,
+        base_model: str = "",
+        engine_adapters: EngineAdapters | None = None,
+    ) -> None:
+        """``validator`` and ``base_model`` are needed to upload; deleting works without them."""
+        self.db = db
+        self.files = files
+        self.validator = validator
+        self.base_model = base_model
+        self.engine_adapters = engine_adapters
+
+    async def upload(
+        self,
+        tenant: Tenant,
+        uploaded: dict[str, UploadedFile],
+        staging: Path,
+        name: str,
+        visibility: Visibility,
+    ) -> Adapter:
+        """Validate the uploaded files and register them as the newest version of ``name``.
+
+        Raises ``AdapterValidationError`` (the rule the files break), ``InvalidInput``,
+        ``QuotaExceeded`` or ``Conflict`` (from the services); the caller removes ``staging``.
+        """
+        if self.validator is None:
+            raise RuntimeError("this AdapterCatalog has no validator; it can only delete")
+        check_adapter_name(name)
+        facts = await asyncio.to_thread(self.validator.validate, uploaded, staging)
+        new = NewAdapter(
+            name=name,
+            version=facts.version,
+            base_model=self.base_model,
+            rank=facts.rank,
+            target_modules=tuple(facts.target_modules),
+            nbytes=facts.nbytes,
+            path=facts.version,
+            visibility=visibility,
+        )
+        async with self.files.publishing:
+            created = self.files.publish(facts)
+            try:
+                async with self.db.transaction(write=True) as session:
+                    adapter = await adapters.register_adapter(session, tenant, new)
+            except BaseException:
+                if created:
+                    await self._remove_unreferenced(new.path)
+                raise
+        logger.info("tenant %s uploaded adapter %s version %s", tenant.name, name, facts.version[:12])
+        return adapter
+
+    async def delete(self, owner: Tenant, name: str, version: str | None = None) -> list[AdapterRef]:
+        """Delete one version of ``owner``'s adapter, or all of them; ``NotFound`` if none matches."""
+        async with self.files.publishing:
+            async with self.db.transaction(write=True) as session:
+                refs = await adapters.delete_adapter(session, owner, name, version)
+            await self._forget_locked(refs)
+        return refs
+
+    async def forget(self, refs: list[AdapterRef]) -> None:
+        """Unload and remove the files of adapter versions whose rows are gone already."""
+        async with self.files.publishing:
+            await self._forget_locked(refs)
+
+    async def _forget_locked(self, refs: list[AdapterRef]) -> None:
+        for ref in refs:
+            if self.engine_adapters is not None:
+                self.engine_adapters.unload_version(ref.owner, ref.name, ref.version)
+        for path in sorted({ref.path for ref in refs}):
+            await self._remove_unreferenced(path)
+
+    async def _remove_unreferenced(self, path: str) -> None:
+        async with self.db.transaction() as session:
+            referenced = await adapters.is_path_referenced(session, path)
+        if not referenced:
+            self.files.remove(path)

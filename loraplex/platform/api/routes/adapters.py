@@ -1,0 +1,73 @@
+"""``/v1/adapters``: a tenant uploads, lists, reads and deletes its own adapters.
+
+``POST /v1/adapters`` is multipart: ``name``, ``visibility`` (private by default), and either
+``file`` (a .zip / .tar.gz of the PEFT folder) or ``adapter_config`` + ``adapter_model``. The
+body streams to a staging folder inside the adapter store (``upload_form``), is validated
+against the base model, and becomes the newest version of ``name`` (``adapter_catalog``). Only
+the caller's own adapters are visible here: another tenant's is a 404 like a missing one.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from loraplex.adapters import AdapterValidationError
+from loraplex.platform.api.adapter_catalog import parse_visibility
+from loraplex.platform.api.gateway_errors import bad_request_field, rejected_adapter
+from loraplex.platform.api.schemas import AdapterDeleted, AdapterPublic, ListOf
+from loraplex.platform.api.services import adapters
+from loraplex.platform.api.tenancy import CurrentTenant, GatewayDep, SessionDep
+from loraplex.platform.api.upload_form import read_upload_form
+
+router = APIRouter(prefix="/v1/adapters", tags=["adapters"])
+
+
+@router.post("", status_code=201)
+async def upload_adapter(request: Request, tenant: CurrentTenant, gateway: GatewayDep) -> AdapterPublic:
+    """Store a new version of one of the caller's adapters."""
+    staging = gateway.files.new_staging()
+    try:
+        form = await read_upload_form(request, staging, gateway.settings.max_upload_bytes)
+        name = form.fields.get("name")
+        if not name:
+            raise bad_request_field("name", "Missing required field 'name' (the adapter's name).")
+        visibility = parse_visibility(form.fields.get("visibility") or "private")
+        try:
+            adapter = await gateway.catalog.upload(tenant, form.files, staging, name, visibility)
+        except AdapterValidationError as exc:
+            raise rejected_adapter(exc, hide=(str(staging),)) from None
+    finally:
+        gateway.files.discard(staging)
+    return AdapterPublic.of(adapter)
+
+
+@router.get("")
+async def list_adapters(tenant: CurrentTenant, session: SessionDep) -> ListOf[AdapterPublic]:
+    """The newest version of each of the caller's adapters, by name."""
+    newest: dict[str, AdapterPublic] = {}
+    for adapter in await adapters.list_adapters(session, tenant):  # oldest first: newer ones win
+        newest[adapter.name] = AdapterPublic.of(adapter)
+    return ListOf[AdapterPublic](data=[newest[name] for name in sorted(newest)])
+
+
+@router.get("/{name}")
+async def get_adapter(name: str, tenant: CurrentTenant, session: SessionDep) -> AdapterPublic:
+    """The newest version of the caller's adapter ``name``."""
+    return AdapterPublic.of(await adapters.get_adapter(session, tenant, name))
+
+
+@router.get("/{name}/versions")
+async def list_versions(name: str, tenant: CurrentTenant, session: SessionDep) -> ListOf[AdapterPublic]:
+    """Every stored version of the caller's adapter ``name``, newest first."""
+    return ListOf[AdapterPublic](
+        data=[AdapterPublic.of(a) for a in await adapters.list_versions(session, tenant, name)]
+    )
+
+
+@router.delete("/{name}")
+async def delete_adapter(
+    name: str, tenant: CurrentTenant, gateway: GatewayDep, version: str | None = None
+) -> AdapterDeleted:
+    """Delete the caller's adapter ``name`` (every version, or only ``?version=<sha256>``)."""
+    refs = await gateway.catalog.delete(tenant, name, version)
+    return AdapterDeleted(owner=tenant.name, name=name, versions=[ref.version for ref in refs])

@@ -1,0 +1,188 @@
+"""The admin API (tenants, keys, adapters, usage) and the open mode of a loopback gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from e2e.live_server import make_small_adapter
+from gateway_testlib import (
+    ADMIN,
+    BASE,
+    Admin,
+    bearer,
+    completion_body,
+    make_gateway,
+    serving,
+    settings_for,
+    upload,
+    zip_bytes,
+)
+
+from loraplex.platform.engine.async_engine import AsyncEngine
+
+
+def sqlite(tmp_path: Path) -> str:
+    return f"sqlite+aiosqlite:///{tmp_path / 'g.db'}"
+
+
+async def wait_for_usage(client: httpx.AsyncClient, query: str, count: int) -> dict[str, Any]:
+    deadline = time.monotonic() + 10
+    while True:
+        report = (await client.get(f"/admin/api/usage?{query}", headers=ADMIN)).json()
+        if report["num_requests"] >= count or time.monotonic() > deadline:
+            assert report["num_requests"] == count, report
+            return dict(report)
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.asyncio
+async def test_admin_token(gateway_engine: AsyncEngine, tmp_path: Path) -> None:
+    no_token = make_gateway(
+        gateway_engine, settings_for(tmp_path / "a", sqlite(tmp_path / "a"), admin_token=None)
+    )
+    async with serving(no_token) as client:
+        disabled = await client.get("/admin/api/tenants", headers=ADMIN)
+        assert disabled.status_code == 403 and disabled.json()["error"]["code"] == "admin_disabled"
+    async with serving(make_gateway(gateway_engine, settings_for(tmp_path, sqlite(tmp_path)))) as client:
+        key = await Admin(client).tenant_with_key("acme")
+        not_admin: list[dict[str, str]] = [{}, bearer("wrong-admin-token-0123456789"), bearer(key)]
+        for headers in not_admin:
+            refused = await client.get("/admin/api/tenants", headers=headers)
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_admin_token"
+
+
+@pytest.mark.asyncio
+async def test_tenants_keys_adapters_and_usage(
+    gateway_engine: AsyncEngine, tmp_path: Path, peft_adapter_dir: Path
+) -> None:
+    settings = settings_for(tmp_path, sqlite(tmp_path))
+    async with serving(make_gateway(gateway_engine, settings)) as client:
+        created = await client.post(
+            "/admin/api/tenants", json={"name": "acme", "rpm": 2, "max_adapters": 3}, headers=ADMIN
+        )
+        assert created.status_code == 201
+        assert (created.json()["rpm"], created.json()["tpm"], created.json()["max_adapters"]) == (2, None, 3)
+        again = await client.post("/admin/api/tenants", json={"name": "acme"}, headers=ADMIN)
+        assert again.status_code == 409
+        bad_name = await client.post("/admin/api/tenants", json={"name": "Not/Valid"}, headers=ADMIN)
+        assert bad_name.status_code == 400 and bad_name.json()["error"]["param"] == "name"
+        typo = await client.post("/admin/api/tenants", json={"name": "x", "rmp": 3}, headers=ADMIN)
+        assert typo.status_code == 400
+        assert (await client.get("/admin/api/tenants/nobody", headers=ADMIN)).status_code == 404
+
+        patched = await client.patch(
+            "/admin/api/tenants/acme", json={"tpm": 1000, "rpm": None}, headers=ADMIN
+        )
+        assert (patched.json()["rpm"], patched.json()["tpm"], patched.json()["max_adapters"]) == (
+            None,
+            1000,
+            3,
+        )
+        listed = (await client.get("/admin/api/tenants", headers=ADMIN)).json()["data"]
+        assert [t["name"] for t in listed] == ["acme"]
+
+        key = await Admin(client).key("acme")
+        up = await upload(client, key, "fr", zip_bytes(peft_adapter_dir))
+        assert up.status_code == 201
+        version = up.json()["version"]
+        assert (
+            await client.post("/v1/completions", json=completion_body("fr"), headers=bearer(key))
+        ).is_success
+        assert (
+            await client.post("/v1/completions", json=completion_body(BASE), headers=bearer(key))
+        ).is_success
+        over = await client.post(
+            "/v1/completions", json=completion_body(BASE, max_tokens=2000), headers=bearer(key)
+        )
+        assert over.status_code == 429
+
+        report = await wait_for_usage(client, "tenant=acme", 3)
+        assert report["completion_tokens"] == 8 and report["prompt_tokens"] == 6
+        assert [r["status"] for r in report["data"]] == ["rejected", "ok", "ok"]
+        on_adapter = await wait_for_usage(client, "tenant=acme&adapter=fr", 1)
+        assert on_adapter["data"][0]["adapter_version"] == version
+
+        adapters = (await client.get("/admin/api/adapters?tenant=acme", headers=ADMIN)).json()["data"]
+        assert [(a["owner"], a["name"], a["version"]) for a in adapters] == [("acme", "fr", version)]
+
+        # Deleting the tenant takes its keys, adapters (files too) and usage with it.
+        assert (settings.adapter_store_dir / version).is_dir()
+        deleted = await client.delete("/admin/api/tenants/acme", headers=ADMIN)
+        assert deleted.status_code == 200 and deleted.json()["adapters_removed"] == 1
+        assert not (settings.adapter_store_dir / version).exists()
+        assert (await client.get("/v1/models", headers=bearer(key))).status_code == 401
+        assert (await client.get("/admin/api/usage", headers=ADMIN)).json()["num_requests"] == 0
+
+
+@pytest.mark.asyncio
+async def test_admin_deletes_a_tenants_adapter(
+    gateway_engine: AsyncEngine, tmp_path: Path, peft_adapter_dir: Path
+) -> None:
+    settings = settings_for(tmp_path, sqlite(tmp_path))
+    async with serving(make_gateway(gateway_engine, settings)) as client:
+        key = await Admin(client).tenant_with_key("acme")
+        version = (await upload(client, key, "fr", zip_bytes(peft_adapter_dir))).json()["version"]
+        assert (
+            await client.post("/v1/completions", json=completion_body("fr"), headers=bearer(key))
+        ).is_success
+        deleted = await client.delete("/admin/api/adapters/acme/fr", headers=ADMIN)
+        assert deleted.status_code == 200 and deleted.json()["versions"] == [version]
+        assert not (settings.adapter_store_dir / version).exists()
+        gone = await client.post("/v1/completions", json=completion_body("fr"), headers=bearer(key))
+        assert gone.status_code == 404
+        assert (await client.delete("/admin/api/adapters/acme/fr", headers=ADMIN)).status_code == 404
+
+
+@pytest.mark.asyncio
+async def test_open_mode_runs_every_call_as_the_local_tenant(
+    gateway_engine: AsyncEngine, tmp_path: Path, peft_adapter_dir: Path
+) -> None:
+    settings = settings_for(tmp_path, sqlite(tmp_path), auth="open", host="127.0.0.1")
+    async with serving(make_gateway(gateway_engine, settings)) as client:
+        # The README's first curl: no key at all.
+        first = await client.post("/v1/completions", json=completion_body(BASE))
+        assert first.status_code == 200, first.text
+        up = await client.post(
+            "/v1/adapters", data={"name": "mine"}, files={"file": ("a.zip", zip_bytes(peft_adapter_dir))}
+        )
+        assert up.status_code == 201 and up.json()["owner"] == "local"
+        assert [m["id"] for m in (await client.get("/v1/models")).json()["data"]] == [BASE, "mine"]
+        assert (await client.post("/v1/completions", json=completion_body("mine"))).status_code == 200
+        await wait_for_usage(client, "tenant=local", 2)
+
+
+@pytest.mark.asyncio
+async def test_reupload_makes_a_new_version_that_new_requests_run_on(
+    gateway_engine: AsyncEngine, tmp_path: Path, peft_adapter_dir: Path, tiny_dirs: dict[str, Path]
+) -> None:
+    settings = settings_for(tmp_path, sqlite(tmp_path))
+    other = make_small_adapter(tiny_dirs["gqa_tied"], tmp_path / "v2", rank=4, seed=3)
+    engine = gateway_engine.engine
+    async with serving(make_gateway(gateway_engine, settings)) as client:
+        key = await Admin(client).tenant_with_key("acme")
+        v1 = (await upload(client, key, "fr", zip_bytes(peft_adapter_dir))).json()
+        on_fr = completion_body("fr")
+        assert (await client.post("/v1/completions", json=on_fr, headers=bearer(key))).is_success
+        v2 = (await upload(client, key, "fr", zip_bytes(other))).json()
+        assert v2["version"] != v1["version"]
+        assert (await client.get("/v1/adapters/fr", headers=bearer(key))).json()["version"] == v2["version"]
+        versions = (await client.get("/v1/adapters/fr/versions", headers=bearer(key))).json()["data"]
+        assert [v["version"] for v in versions] == [v2["version"], v1["version"]]
+        assert (await client.post("/v1/completions", json=on_fr, headers=bearer(key))).is_success
+        report = await wait_for_usage(client, "tenant=acme", 2)
+        assert [r["adapter_version"] for r in report["data"]] == [v2["version"], v1["version"]]
+        # The engine now holds the new version only; the old one was unloaded when it was replaced.
+        names = {info.name for info in engine.lora_manager.manager.list_adapters()}  # type: ignore[union-attr]
+        assert any(n.startswith(f"acme/fr@{v2['version'][:12]}") for n in names)
+        assert not any(n.startswith(f"acme/fr@{v1['version'][:12]}") for n in names)
+        # The older content again is a conflict; deleting the newest serves the older one again.
+        assert (await upload(client, key, "fr", zip_bytes(peft_adapter_dir))).status_code == 409
+        dropped = await client.delete(f"/v1/adapters/fr?version={v2['version']}", headers=bearer(key))
+        assert dropped.json()["versions"] == [v2["version"]]
+        assert (await client.get("/v1/adapters/fr", headers=bearer(key))).json()["version"] == v1["version"]
+        assert not (settings.adapter_store_dir / v2["version"]).exists()

@@ -1,0 +1,106 @@
+"""The operators' CLI (``loraplex tenants|keys|adapters``) on the gateway's database and store."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+import pytest
+from e2e.live_server import make_small_adapter
+from pydantic import ValidationError
+
+from loraplex.platform.api.services import keys
+from loraplex.platform.gateway_cli import add_gateway_flags, gateway_settings, main
+from loraplex.storage.db import Database, Tenant
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def authenticate(database_url: str, key: str) -> Tenant | None:
+    async def check() -> Tenant | None:
+        db = Database(database_url)
+        try:
+            async with db.transaction() as session:
+                return await keys.authenticate(session, key)
+        finally:
+            await db.dispose()
+
+    return asyncio.run(check())
+
+
+def test_tenants_keys_and_adapters(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    tiny_dirs: dict[str, Path],
+) -> None:
+    database_url = f"sqlite+aiosqlite:///{tmp_path / 'g.db'}"
+    store = tmp_path / "store"
+    monkeypatch.setenv("LORAPLEX_ADAPTER_STORE", str(store))
+
+    # Settings as options of the group, or from the environment: the same names.
+    assert run(capsys, "tenants", "--database-url", database_url, "create", "acme", "--rpm", "5")[0] == 0
+    monkeypatch.setenv("LORAPLEX_DATABASE_URL", database_url)
+    code, _, err = run(capsys, "tenants", "create", "acme")
+    assert code == 1 and "already exists" in err
+    assert run(capsys, "tenants", "list")[1].split() == ["acme", "enabled", "5", "-", "-", "-", "-"]
+
+    code, out, _ = run(capsys, "keys", "create", "acme", "--name", "ops")
+    key = out.strip()
+    assert code == 0 and key.startswith("lpx-")
+    tenant = authenticate(database_url, key)
+    assert tenant is not None and tenant.name == "acme"
+    listed = run(capsys, "keys", "list", "acme")[1]
+    assert key[:12] in listed and key not in listed
+    key_id = listed.split()[0]
+    assert run(capsys, "keys", "revoke", key_id)[0] == 0
+    assert authenticate(database_url, key) is None
+
+    base = tiny_dirs["gqa_tied"]
+    good = make_small_adapter(base, tmp_path / "good", rank=4)
+    model = ["--model", str(base), "--max-lora-rank", "8"]
+    code, out, err = run(
+        capsys, "adapters", "upload", "acme", "fr", str(good), *model, "--visibility", "public"
+    )
+    assert code == 0, err
+    version = out.split()[-1]
+    assert (store / version / "adapter_model.safetensors").is_file()
+    too_big = make_small_adapter(base, tmp_path / "big", rank=16)
+    code, _, err = run(capsys, "adapters", "upload", "acme", "big", str(too_big), *model)
+    assert code == 1 and "rank_too_large" in err
+    assert sorted(p.name for p in store.iterdir()) == [version]
+    row = run(capsys, "adapters", "list")[1].split()
+    assert row[:5] == ["acme", "fr", version, "public", "4"] and int(row[5]) > 0
+    assert run(capsys, "adapters", "delete", "acme", "fr")[0] == 0
+    assert not (store / version).exists()
+    assert run(capsys, "adapters", "list")[1] == ""
+
+    assert run(capsys, "tenants", "disable", "acme")[0] == 0
+    assert run(capsys, "tenants", "list")[1].split()[:2] == ["acme", "disabled"]
+
+
+def test_serve_flags_are_the_settings_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host", default=None)
+    parser.add_argument("--port", type=int, default=None)
+    add_gateway_flags(parser, skip=("host", "port"))
+    monkeypatch.setenv("LORAPLEX_QUOTA_WINDOW_S", "7")
+    args = parser.parse_args(
+        ["--redis-url", "redis://r:6379/0", "--auth", "open", "--max-upload-bytes", "4096"]
+    )
+    settings = gateway_settings(args)
+    assert (settings.redis_url, settings.auth, settings.max_upload_bytes) == (
+        "redis://r:6379/0",
+        "open",
+        4096,
+    )
+    assert settings.quota_window_s == 7.0  # a flag left out falls back to the environment
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--auth", "everyone"])
+    with pytest.raises(ValidationError, match="admin_token"):
+        gateway_settings(parser.parse_args(["--host", "0.0.0.0"]))
