@@ -1,11 +1,13 @@
 """Contracts of the engine's compute backends, and the one definition of their names.
 
-Three subsystems have more than one implementation, so each has a contract here:
+Four subsystems have more than one implementation, so each has a contract here:
 
 * ``AttentionBackend``: paged attention over a flat batch, plus the KV cache writes
   and block copies that go with it;
 * ``LoRABackend``: batched multi-adapter LoRA (shrink, expand, apply);
-* ``LinearBackend``: the base model's dense projections.
+* ``LinearBackend``: the base model's dense projections;
+* ``PointwiseBackend``: the per-token elementwise ops between them (RMSNorm with the
+  residual add, rotary embedding, the gated activation).
 
 Implementations live in ``portable/`` (pure PyTorch, runs anywhere), ``cpu/`` (C
 kernels compiled for the host) and ``triton/`` (CUDA); ``registry.py`` picks one by
@@ -170,3 +172,38 @@ class LinearBackend(abc.ABC):
         out_features: int,
     ) -> torch.Tensor:  # [num_tokens, out_features]
         """``x @ W^T + bias`` from the prepared weight."""
+
+
+class PointwiseBackend(abc.ABC):
+    """Per-token elementwise ops of a decoder layer, each one call (fused where it pays).
+
+    Float32 arithmetic as HF transformers does it (RMSNorm in float32, RoPE as
+    ``x * cos + rotate_half(x) * sin``, SiLU as ``x / (1 + exp(-x))``); an
+    implementation may sum in another order. Inputs may be row-strided views.
+    """
+
+    name: str
+
+    @abc.abstractmethod
+    def add_rms_norm(
+        self,
+        delta: torch.Tensor | None,  # [num_tokens, hidden] added into residual first, or None
+        residual: torch.Tensor,  # [num_tokens, hidden], may be updated in place
+        weight: torch.Tensor,  # [hidden]
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (normalised, residual + delta)
+        """``r = residual + delta``; return ``(weight * r / sqrt(mean(r^2) + eps), r)``."""
+
+    @abc.abstractmethod
+    def rotary(
+        self,
+        qk: torch.Tensor,  # [num_tokens, num_rot_heads * head_dim] (q heads then k heads), rotated in place
+        cos: torch.Tensor,  # [num_tokens, head_dim]
+        sin: torch.Tensor,  # [num_tokens, head_dim]
+        head_dim: int,
+    ) -> None:
+        """Rotate-half RoPE of every head in ``qk``, in place."""
+
+    @abc.abstractmethod
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * inter] -> [.., inter]
+        """``silu(gate) * up`` from a fused gate|up row."""

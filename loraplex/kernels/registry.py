@@ -7,6 +7,9 @@
     cpu      cpu when its C kernels build, else torch   cpu when its C kernels build, else torch
     other    torch                                      torch
 
+and ``select_pointwise_backend(device)`` the fused C elementwise kernels on the CPU
+(torch elsewhere: on CUDA those ops are a small share of a step).
+
 A name other than "auto" forces that backend ("torch" is the portable one; Triton
 runs on the CPU under ``TRITON_INTERPRET=1``, slowly, for tests). Implementations
 are imported here, lazily, so that choosing one never imports Triton or builds C
@@ -29,6 +32,7 @@ from loraplex.kernels.contracts import (
     LinearBackendName,
     LoRABackend,
     LoRABackendName,
+    PointwiseBackend,
 )
 
 
@@ -123,3 +127,15 @@ def select_linear_backend(name: LinearBackendName, device: torch.device) -> Line
     from loraplex.kernels.portable.linear import PortableLinearBackend
 
     return PortableLinearBackend()  # torch, and 'auto' off the CPU (cuBLAS on CUDA)
+
+
+def select_pointwise_backend(device: torch.device, *, portable: bool = False) -> PointwiseBackend:
+    """The elementwise ops (norms, rotary, activation): fused C kernels on the CPU when they
+    build, torch elsewhere (and with ``portable``, or ``LORAPLEX_CPU_KERNELS=0``)."""
+    if not portable and _cpu_kernels_available(device):
+        from loraplex.kernels.cpu.pointwise import CpuPointwiseBackend
+
+        return CpuPointwiseBackend()
+    from loraplex.kernels.portable.pointwise import PortablePointwiseBackend
+
+    return PortablePointwiseBackend()

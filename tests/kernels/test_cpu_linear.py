@@ -36,6 +36,24 @@ def test_linear_matches_float64(m: int, n: int, k: int, with_bias: bool) -> None
     torch.testing.assert_close(y.double(), _reference(x, w, b), atol=1e-4 * k**0.5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [2, 3, 4])
+@pytest.mark.parametrize("m", [12, 13, 32, 50, 96])
+def test_few_panels_split_rows_between_threads(m: int, threads: int) -> None:
+    """9 panels (SmolLM2's o / down width) on 2-4 threads: each panel's rows are split into two
+    items; every row and column must still be written once, with the next panel prefetched."""
+    gen = torch.Generator().manual_seed(m * 10 + threads)
+    x = torch.randn(m, 1536, generator=gen)
+    w = torch.randn(576, 1536, generator=gen)
+    b = torch.randn(576, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = linear_packed(x, pack_weight(w), b, 576)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(y.double(), _reference(x, w, b), atol=1e-4 * 1536**0.5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_strided_rows_and_thread_counts(threads: int) -> None:
     gen = torch.Generator().manual_seed(5)

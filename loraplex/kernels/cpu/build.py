@@ -37,8 +37,11 @@ logger = logging.getLogger(__name__)
 
 SOURCES = (
     "paged_decode.c",
+    "paged_extend.c",
     "lora_grouped.c",
     "linear_panels.c",
+    "pointwise.c",
+    "kv_write.c",
 )  # compiled; every *.c and *.h here goes into the cache key
 CFLAGS = (
     "-O3",

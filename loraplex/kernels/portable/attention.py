@@ -45,14 +45,27 @@ class PortableAttentionBackend(AttentionBackend):
         nd = meta.num_decodes
         if nd > 0:
             self._decode(query[:nd], k_cache, v_cache, meta, scale, out[:nd])
+        if meta.num_seqs > nd:
+            self._extend(query, k_cache, v_cache, meta, scale, out)
+        return out
+
+    def _extend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]: the whole flat batch
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,  # like query; the prefill sequences' rows are written
+    ) -> None:
+        """The prefill / chunked-prefill sequences (after the first ``num_decodes``), one at a time."""
         starts = meta.query_start_loc_cpu or tuple(meta.query_start_loc.tolist())
         lens = meta.seq_lens_cpu or tuple(meta.seq_lens.tolist())
-        for i in range(nd, meta.num_seqs):
+        for i in range(meta.num_decodes, meta.num_seqs):
             lo, hi, ctx = starts[i], starts[i + 1], lens[i]
             k = gather_context(k_cache, meta.block_tables[i], ctx)
             v = gather_context(v_cache, meta.block_tables[i], ctx)
             out[lo:hi] = extend_attention(query[lo:hi], k, v, scale)
-        return out
 
     def _decode(
         self,

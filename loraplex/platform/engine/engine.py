@@ -19,7 +19,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from loraplex.adapters.request import LoRARequest
-from loraplex.kernels.registry import select_attention_backend, select_linear_backend
+from loraplex.kernels.registry import (
+    select_attention_backend,
+    select_linear_backend,
+    select_pointwise_backend,
+)
 from loraplex.platform.engine.config import EngineConfig, RuntimeInfo, parse_dtype
 from loraplex.platform.engine.detokenizer import IncrementalDetokenizer
 from loraplex.platform.engine.errors import (
@@ -99,8 +103,9 @@ class LLMEngine:
         if device.type == "cpu":
             tune_host_malloc()
         linear = select_linear_backend(config.linear_backend, device)
+        pointwise = select_pointwise_backend(device)
         self.model, self.arch, self.hf_config = load_model(
-            self.model_dir, dtype, device, max_model_len, linear
+            self.model_dir, dtype, device, max_model_len, linear, pointwise
         )
         per_block = kv_bytes_per_block(
             arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype
@@ -159,7 +164,7 @@ class LLMEngine:
         self.num_steps = 0
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, "
-            "%s attention, %s linear",
+            "%s attention, %s linear, %s pointwise",
             self.model_dir.name,
             device,
             dtype,
@@ -168,6 +173,7 @@ class LLMEngine:
             max_model_len,
             self.runner.attn.name,
             linear.name,
+            pointwise.name,
         )
 
     # -- requests ----------------------------------------------------------------

@@ -5,6 +5,10 @@ four matmuls; the LoRA hook adds every adapter's delta to those fused outputs in
 the same pass, each token with its own adapter slot. The arithmetic mirrors HF
 transformers (RMSNorm in float32, RoPE tables in float32 cast to the model dtype)
 so greedy tokens match token for token in float32.
+
+The residual stream travels next to the hidden state (vLLM's layout): each layer
+returns its MLP output and the residual, and the next norm adds the two in the same
+call (``PointwiseBackend.add_rms_norm``), so a layer's elementwise work is four calls.
 """
 
 from __future__ import annotations
@@ -13,28 +17,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplex.kernels.contracts import AttentionBackend, LinearBackend
+from loraplex.kernels.contracts import AttentionBackend, LinearBackend, PointwiseBackend
 from loraplex.kernels.metadata import AttentionMetadata
 from loraplex.kernels.portable.linear import PortableLinearBackend
+from loraplex.kernels.portable.pointwise import PortablePointwiseBackend
 from loraplex.platform.model.arch import ModelArch, rope_inv_freq
 from loraplex.platform.model.forward_batch import ForwardBatch, LoRABatch
 from loraplex.storage.kv.kv_cache import KVCache
 
 LORA_GROUPS = ("qkv", "o", "gate_up", "down")
 PROJECTIONS = LORA_GROUPS  # each layer's fused projections: <name>_weight, <name>_bias
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF LlamaRMSNorm: normalise in float32, scale in the input dtype."""
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class DecoderLayer(nn.Module):
@@ -62,6 +54,7 @@ class DecoderLayer(nn.Module):
         self.scale = arch.head_dim**-0.5
         self.out_features = {"qkv": q + 2 * kv, "o": h, "gate_up": 2 * i, "down": h}
         self.linear: LinearBackend = PortableLinearBackend()
+        self.pointwise: PointwiseBackend = PortablePointwiseBackend()
 
     def use_linear(self, linear: LinearBackend) -> None:
         """Compute the projections with ``linear``, its own weight layout replacing ours."""
@@ -76,7 +69,8 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [T, hidden]
+        hidden: torch.Tensor,  # [T, hidden]: the previous layer's MLP output (the embedding for layer 0)
+        residual: torch.Tensor | None,  # [T, hidden]: the residual stream before ``hidden`` (None at layer 0)
         cos: torch.Tensor,  # [T, head_dim]
         sin: torch.Tensor,  # [T, head_dim]
         k_cache: torch.Tensor,
@@ -84,37 +78,38 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         attn: AttentionBackend,
         lora: LoRABatch | None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's MLP output, the residual stream before it)
         arch = self.arch
+        pw = self.pointwise
         num_tokens = hidden.shape[0]
-        x = rms_norm(hidden, self.input_norm, arch.rms_norm_eps)
+        if residual is None:
+            x, residual = pw.add_rms_norm(None, hidden, self.input_norm, arch.rms_norm_eps)
+        else:
+            x, residual = pw.add_rms_norm(hidden, residual, self.input_norm, arch.rms_norm_eps)
         qkv = self._project("qkv", x)
         if lora is not None:
             lora(self.layer_idx, "qkv", x, qkv)
+        # q and k heads are adjacent in each fused row: one rotary call turns both in place.
+        pw.rotary(qkv[:, : arch.q_size + arch.kv_size], cos, sin, arch.head_dim)
         q, k, v = qkv.split([arch.q_size, arch.kv_size, arch.kv_size], dim=-1)
         q = q.view(num_tokens, arch.num_heads, arch.head_dim)
         k = k.view(num_tokens, arch.num_kv_heads, arch.head_dim)
         v = v.view(num_tokens, arch.num_kv_heads, arch.head_dim)
-        cos_h, sin_h = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = q * cos_h + rotate_half(q) * sin_h
-        k = k * cos_h + rotate_half(k) * sin_h
         attn.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = attn.forward(q, k_cache, v_cache, meta, self.scale).reshape(num_tokens, arch.q_size)
         o = self._project("o", out)
         if lora is not None:
             lora(self.layer_idx, "o", out, o)
-        hidden = hidden + o
 
-        x = rms_norm(hidden, self.post_norm, arch.rms_norm_eps)
+        x, residual = pw.add_rms_norm(o, residual, self.post_norm, arch.rms_norm_eps)
         gate_up = self._project("gate_up", x)
         if lora is not None:
             lora(self.layer_idx, "gate_up", x, gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) * up
+        act = pw.silu_and_mul(gate_up)
         down = self._project("down", act)
         if lora is not None:
             lora(self.layer_idx, "down", act, down)
-        return hidden + down
+        return down, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -144,7 +139,15 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", emb.cos(), persistent=False)
         self.register_buffer("rope_sin", emb.sin(), persistent=False)
         self.linear: LinearBackend = PortableLinearBackend()
+        self.pointwise: PointwiseBackend = PortablePointwiseBackend()
         self._logits_weight: torch.Tensor | None = None  # the LM head in the linear backend's layout
+
+    def use_pointwise(self, pointwise: PointwiseBackend) -> None:
+        """Run the norms, rotary embedding and activation with ``pointwise``."""
+        self.pointwise = pointwise
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.pointwise = pointwise
 
     def use_linear(self, linear: LinearBackend) -> None:
         """Compute every projection and the LM head with ``linear`` (call once, after loading)."""
@@ -168,9 +171,14 @@ class LlamaForCausalLM(nn.Module):
         hidden = F.embedding(batch.input_ids, self.embed)
         cos = self.rope_cos[batch.positions].to(self.dtype)
         sin = self.rope_sin[batch.positions].to(self.dtype)
+        residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, kv_cache.k[i], kv_cache.v[i], batch.attn, attn, batch.lora)
-        return rms_norm(hidden, self.norm, self.arch.rms_norm_eps)
+            hidden, residual = layer(
+                hidden, residual, cos, sin, kv_cache.k[i], kv_cache.v[i], batch.attn, attn, batch.lora
+            )
+        assert residual is not None, "a model has at least one layer"
+        normed, _ = self.pointwise.add_rms_norm(hidden, residual, self.norm, self.arch.rms_norm_eps)
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         weight = self._logits_weight

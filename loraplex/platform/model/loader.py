@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from loraplex.kernels.contracts import LinearBackend
+from loraplex.kernels.contracts import LinearBackend, PointwiseBackend
 from loraplex.platform.model.arch import ModelArch
 from loraplex.platform.model.llama import LlamaForCausalLM
 
@@ -60,9 +60,11 @@ def load_model(
     device: torch.device,
     max_positions: int,
     linear: LinearBackend | None = None,
+    pointwise: PointwiseBackend | None = None,
 ) -> tuple[LlamaForCausalLM, ModelArch, Any]:
     """Build our model for ``model_dir`` and fill it with its weights (cast to ``dtype``);
-    ``linear`` computes its projections (torch's ``F.linear`` when None)."""
+    ``linear`` computes its projections (torch's ``F.linear`` when None), ``pointwise``
+    its norms, rotary embedding and activation (torch ops when None)."""
     hf_config = load_hf_config(model_dir)
     arch = ModelArch.from_hf_config(hf_config)
     state = _read_state_dict(model_dir)
@@ -114,4 +116,6 @@ def load_model(
     model.eval()
     if linear is not None:
         model.use_linear(linear)
+    if pointwise is not None:
+        model.use_pointwise(pointwise)
     return model, arch, hf_config

@@ -1,0 +1,114 @@
+"""Launcher of the C paged extend kernel (``paged_extend.c``): prefill chunks over paged KV.
+
+For prefill sequence s with query tokens ``query_start[s] .. query_start[s + 1] - 1``
+and context ``seq_lens[s]`` (prefix = context - query length, already cached)::
+
+    out[t, h] = softmax(scale * q[t, h] . K[s, :pos(t) + 1]^T) @ V[s, :pos(t) + 1]
+    pos(t) = prefix + (t - query_start[s])                (causal, offset by the prefix)
+    K[s] = cache[block_tables[s]] read in place (no gather); kv head of h = h // group
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from loraplex.kernels.cpu.build import bind, limit
+from loraplex.kernels.metadata import PAD_BLOCK_ID
+
+_SYMBOLS = {torch.float32: "loraplex_paged_extend_f32", torch.bfloat16: "loraplex_paged_extend_bf16"}
+_ARGTYPES = (*[ctypes.c_void_p] * 7, *[ctypes.c_int64] * 8, ctypes.c_float, ctypes.c_int64, ctypes.c_int)
+
+
+def _kernel(dtype: torch.dtype) -> Any | None:
+    symbol = _SYMBOLS.get(dtype)
+    return None if symbol is None else bind(symbol, _ARGTYPES)
+
+
+def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """True when the C kernel can serve this dtype, device and head shape."""
+    if query.device.type != "cpu" or query.dtype != k_cache.dtype or _kernel(query.dtype) is None:
+        return False
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    # One KV head's query group must fit one work item's rows.
+    return (
+        num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= limit("loraplex_paged_extend_max_rows")
+        and head_dim <= limit("loraplex_paged_extend_max_head_dim")
+        and head_dim % limit("loraplex_paged_extend_head_dim_multiple") == 0
+    )
+
+
+def paged_extend_cpu(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context after this step
+    query_start: torch.Tensor,  # [num_seqs + 1] int32, offsets into query (query_start[0] may be > 0)
+    scale: float,
+    out: torch.Tensor | None = None,  # like query
+    *,
+    max_row_vectors: int = 0,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its paged context (call ``supports`` first).
+
+    The new tokens' K/V must already be in the cache (``write_kv`` runs first). The
+    kernel reads the first ``ceil(seq_lens[s] / block_size)`` entries of each table
+    row and reports a block id outside ``[0, num_blocks)`` (``PAD_BLOCK_ID``
+    included) instead of reading it, as it does a query length < 1 or longer than the
+    context: this raises ``ValueError`` then. ``max_row_vectors`` caps the query rows of
+    one work item at 16 times it (0: the kernel's own choice; tests use it to reach
+    every tile shape).
+    """
+    # Cheap checks only (this runs per layer per step); the kernel validates the
+    # index arrays it reads (query_start, seq_lens, block ids) and reports them.
+    num_tokens, num_heads, head_dim = query.shape
+    num_cache_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    assert k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape, "cache shapes"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
+    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1, "block_tables: int32 rows"
+    assert block_tables.shape[0] >= num_seqs, "block_tables rows"
+    assert seq_lens.dtype == torch.int32 and query_start.dtype == torch.int32, "seq_lens, query_start: int32"
+    assert query_start.shape[0] == num_seqs + 1, "query_start: [num_seqs + 1]"
+    assert seq_lens.stride(0) == 1 and query_start.stride(0) == 1, "seq_lens, query_start: contiguous"
+    if not query.is_contiguous():
+        query = query.contiguous()
+    if out is None:
+        out = torch.empty_like(query)
+    assert out.shape == query.shape and out.dtype == query.dtype and out.is_contiguous(), "out"
+    if num_seqs == 0 or num_tokens == 0:
+        return out
+    kernel = _kernel(query.dtype)
+    assert kernel is not None
+    bad_items = kernel(
+        query.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        seq_lens.data_ptr(),
+        query_start.data_ptr(),
+        out.data_ptr(),
+        num_tokens,
+        num_seqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        block_tables.stride(0),
+        num_cache_blocks,
+        scale,
+        max_row_vectors,
+        torch.get_num_threads(),
+    )
+    if bad_items:
+        raise ValueError(
+            f"paged extend: {bad_items} sequences or work items had query rows outside the batch's "
+            f"{num_tokens} tokens, a query length < 1 or above the context, or a block id outside "
+            f"[0, {num_cache_blocks}), such as PAD_BLOCK_ID ({PAD_BLOCK_ID}) within seq_len"
+        )
+    return out

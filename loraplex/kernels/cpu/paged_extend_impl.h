@@ -1,0 +1,246 @@
+/*
+ * Body of one paged extend entry point; paged_extend.c includes this file once per
+ * element type with EXT_T (storage type), EXT_LOAD / EXT_STORE (to and from float),
+ * EXT_ITEM (a private name for the per-item function) and EXT_NAME (the exported
+ * symbol) defined. No include guard on purpose.
+ */
+
+/* One work item: tokens j0 .. j0 + ntok - 1 of one sequence (at flat rows q_tok0 + j)
+ * against KV head h. Its GQA group of query heads makes rows = ntok * group <= 16 * nv:
+ * row r is token j0 + r / group, query head h * group + r % group; the lanes past
+ * ``rows`` are padding (zero queries, never stored). ``nv`` (row vectors) and
+ * ``head_dim`` are constants at each call site, so the tiles below stay in registers.
+ * Returns 1 if a block id was outside the cache, else 0. */
+static inline __attribute__((always_inline)) int EXT_ITEM(
+    const EXT_T *query, const EXT_T *k_cache, const EXT_T *v_cache, const int32_t *table, int64_t prefix,
+    int64_t q_tok0, int64_t j0, int64_t ntok, int64_t h, int64_t group, int64_t num_heads, int64_t head_dim,
+    int64_t block_size, int64_t token_stride, int64_t num_cache_blocks, float scale, EXT_T *out, const int nv) {
+    const int64_t rows = ntok * group;
+    const int64_t width = (int64_t)nv * VL; /* row lanes, padding included */
+    /* K.Q^T tile: 8 keys x nv row vectors; P.V tile: 8 dims x nv row vectors (<= 24
+     * accumulators, so with the operands they fit 32 vector registers). */
+    const int qk_keys = 8, pv_dims = 8;
+    float qt[EXT_MAX_HEAD_DIM * EXT_MAX_ROWS]; /* scaled Q^T: qt[d * width + r] */
+    float ot[EXT_MAX_HEAD_DIM * EXT_MAX_ROWS]; /* unnormalised O^T: ot[d * width + r] */
+    float p[EXT_KEYS * EXT_MAX_ROWS];          /* a chunk's scores, then probabilities: p[t * width + r] */
+    float m[EXT_MAX_ROWS], l[EXT_MAX_ROWS], corr[EXT_MAX_ROWS], lim[EXT_MAX_ROWS], cmax[EXT_MAX_ROWS];
+
+    for (int64_t r = 0; r < width; ++r) {
+        if (r < rows) {
+            const int64_t jl = r / group, g = r % group;
+            const EXT_T *qr = query + ((q_tok0 + j0 + jl) * num_heads + h * group + g) * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) qt[d * width + r] = EXT_LOAD(qr + d) * scale;
+            lim[r] = (float)(prefix + j0 + jl); /* the last key this row sees */
+        } else {
+            for (int64_t d = 0; d < head_dim; ++d) qt[d * width + r] = 0.0f;
+            lim[r] = (float)(prefix + j0 + ntok - 1); /* never masked: no all -inf rows */
+        }
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    memset(ot, 0, sizeof(float) * (size_t)(head_dim * width));
+
+    const int64_t all_see = prefix + j0;        /* every row sees keys 0 .. all_see */
+    const int64_t key_end = prefix + j0 + ntok; /* keys read: 0 .. key_end - 1 */
+    /* The first chunks' rows now; later ones EXT_PREFETCH_CHUNKS ahead, in the loop. */
+    for (int64_t c = 0; c < EXT_PREFETCH_CHUNKS; ++c)
+        ext_prefetch_chunk((const char *)k_cache, (const char *)v_cache, table, c * EXT_KEYS, key_end,
+                           block_size, token_stride, h * head_dim, head_dim, (int64_t)sizeof(EXT_T),
+                           num_cache_blocks);
+    int64_t c0 = 0;
+    while (c0 < key_end) {
+        const int64_t b = c0 / block_size, off = c0 % block_size;
+        int64_t n = block_size - off;
+        if (n > EXT_KEYS) n = EXT_KEYS;
+        if (n > key_end - c0) n = key_end - c0;
+        const int32_t block = table[b];
+        if (block < 0 || block >= num_cache_blocks) return 1; /* never read out of bounds */
+        const int64_t base = ((int64_t)block * block_size + off) * token_stride + h * head_dim;
+        const EXT_T *kc = k_cache + base;
+        const EXT_T *vc = v_cache + base;
+        ext_prefetch_chunk((const char *)k_cache, (const char *)v_cache, table, c0 + EXT_PREFETCH_CHUNKS * EXT_KEYS,
+                           key_end, block_size, token_stride, h * head_dim, head_dim, (int64_t)sizeof(EXT_T),
+                           num_cache_blocks);
+
+        /* S[t][rows] = K[t] . Q^T: each K element is one broadcast feeding nv FMAs. */
+        int64_t t = 0;
+        for (; t + qk_keys <= n; t += qk_keys) {
+            v16 a[8][EXT_MAX_NV];
+            for (int u = 0; u < qk_keys; ++u)
+                for (int v = 0; v < nv; ++v) a[u][v] = vsplat(0.0f);
+            const EXT_T *k0 = kc + t * token_stride;
+            for (int64_t d = 0; d < head_dim; ++d) {
+                v16 q[EXT_MAX_NV];
+                for (int v = 0; v < nv; ++v) q[v] = vload(qt + d * width + v * VL);
+                for (int u = 0; u < qk_keys; ++u) {
+                    const v16 kb = vsplat(EXT_LOAD(k0 + u * token_stride + d));
+                    for (int v = 0; v < nv; ++v) a[u][v] += q[v] * kb;
+                }
+            }
+            for (int u = 0; u < qk_keys; ++u)
+                for (int v = 0; v < nv; ++v) vstore(p + (t + u) * width + v * VL, a[u][v]);
+        }
+        for (; t < n; ++t) {
+            v16 a[EXT_MAX_NV];
+            for (int v = 0; v < nv; ++v) a[v] = vsplat(0.0f);
+            const EXT_T *kt = kc + t * token_stride;
+            for (int64_t d = 0; d < head_dim; ++d) {
+                const v16 kb = vsplat(EXT_LOAD(kt + d));
+                for (int v = 0; v < nv; ++v) a[v] += vload(qt + d * width + v * VL) * kb;
+            }
+            for (int v = 0; v < nv; ++v) vstore(p + t * width + v * VL, a[v]);
+        }
+
+        /* Causal mask, only where some key lies past some row's position. */
+        if (c0 + n - 1 > all_see) {
+            for (int64_t tt = 0; tt < n; ++tt) {
+                const float key = (float)(c0 + tt);
+                float *pt = p + tt * width;
+#pragma omp simd
+                for (int64_t r = 0; r < width; ++r) pt[r] = key > lim[r] ? -INFINITY : pt[r];
+            }
+        }
+
+        /* Online softmax, rows in lanes: a vertical max, exp and sum over the chunk's keys.
+         * Key 0 is in the first chunk and every row sees it, so the max is finite from
+         * there on; masked keys get probability 0 exactly. */
+        memcpy(cmax, m, sizeof(float) * (size_t)width);
+        for (int64_t tt = 0; tt < n; ++tt) {
+            const float *pt = p + tt * width;
+#pragma omp simd
+            for (int64_t r = 0; r < width; ++r) cmax[r] = pt[r] > cmax[r] ? pt[r] : cmax[r];
+        }
+#pragma omp simd
+        for (int64_t r = 0; r < width; ++r) {
+            corr[r] = ext_exp_nonpositive(m[r] - cmax[r]); /* ~0 on the first chunk (m = -inf) */
+            m[r] = cmax[r];
+            l[r] *= corr[r];
+        }
+        for (int64_t tt = 0; tt < n; ++tt) {
+            float *pt = p + tt * width;
+#pragma omp simd
+            for (int64_t r = 0; r < width; ++r) {
+                const float e = pt[r] == -INFINITY ? 0.0f : ext_exp_nonpositive(pt[r] - cmax[r]);
+                pt[r] = e;
+                l[r] += e;
+            }
+        }
+
+        /* O^T[d][rows] = O^T * corr + sum_t V[t][d] * P[t][rows]: each V element is one
+         * broadcast feeding nv FMAs. */
+        v16 c[EXT_MAX_NV];
+        for (int v = 0; v < nv; ++v) c[v] = vload(corr + v * VL);
+        for (int64_t d0 = 0; d0 < head_dim; d0 += pv_dims) {
+            v16 acc[8][EXT_MAX_NV];
+            for (int i = 0; i < pv_dims; ++i)
+                for (int v = 0; v < nv; ++v) acc[i][v] = vload(ot + (d0 + i) * width + v * VL) * c[v];
+            for (int64_t tt = 0; tt < n; ++tt) {
+                v16 pv[EXT_MAX_NV];
+                for (int v = 0; v < nv; ++v) pv[v] = vload(p + tt * width + v * VL);
+                const EXT_T *vr = vc + tt * token_stride + d0;
+                for (int i = 0; i < pv_dims; ++i) {
+                    const v16 vb = vsplat(EXT_LOAD(vr + i));
+                    for (int v = 0; v < nv; ++v) acc[i][v] += vb * pv[v];
+                }
+            }
+            for (int i = 0; i < pv_dims; ++i)
+                for (int v = 0; v < nv; ++v) vstore(ot + (d0 + i) * width + v * VL, acc[i][v]);
+        }
+        c0 += n;
+    }
+
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t jl = r / group, g = r % group;
+        EXT_T *orow = out + ((q_tok0 + j0 + jl) * num_heads + h * group + g) * head_dim;
+        const float inv = 1.0f / l[r];
+        for (int64_t d = 0; d < head_dim; ++d) EXT_STORE(orow + d, ot[d * width + r] * inv);
+    }
+    return 0;
+}
+
+int64_t EXT_NAME(const EXT_T *query, const EXT_T *k_cache, const EXT_T *v_cache, const int32_t *block_tables,
+                 const int32_t *seq_lens, const int32_t *query_start, EXT_T *out, int64_t num_tokens, int64_t num_seqs,
+                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                 int64_t table_stride, int64_t num_cache_blocks, float scale, int64_t max_nv,
+                 int num_threads) {
+    if (num_seqs <= 0) return 0;
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t token_stride = num_kv_heads * head_dim;
+    if (group > EXT_MAX_ROWS || head_dim > EXT_MAX_HEAD_DIM || head_dim % EXT_DIM_MULTIPLE != 0) return num_seqs;
+    int64_t bad_items = 0;
+    int64_t total_tokens = 0;
+    for (int64_t s = 0; s < num_seqs; ++s)
+        if (ext_seq_ok(query_start, seq_lens, s, num_tokens)) total_tokens += (int64_t)query_start[s + 1] - query_start[s];
+    /* Row vectors per item: as many as hold, fewer when that leaves threads idle (more
+     * rows per item read each K/V element for more FMAs; fewer make more items). */
+    int nv = max_nv >= 1 && max_nv < EXT_MAX_NV ? (int)max_nv : EXT_MAX_NV;
+    while (nv > 1) {
+        const int64_t tokens_per_tile = (int64_t)nv * VL / group;
+        const int64_t items = num_kv_heads * ((total_tokens + tokens_per_tile - 1) / (tokens_per_tile > 0 ? tokens_per_tile : 1));
+        if (tokens_per_tile >= 1 && items >= 2 * (int64_t)num_threads) break;
+        --nv;
+    }
+    while (nv * VL < group) ++nv; /* one token's group must fit (group <= EXT_MAX_ROWS) */
+    const int64_t tokens_per_tile = (int64_t)nv * VL / group;
+
+    /* first[s]: the first work item of sequence s (bad sequences get none and are counted). */
+    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
+    if (first == NULL) return num_seqs;
+    first[0] = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        const int64_t query_len = (int64_t)query_start[s + 1] - query_start[s];
+        const int ok = ext_seq_ok(query_start, seq_lens, s, num_tokens);
+        bad_items += !ok;
+        first[s + 1] = first[s] + (ok ? ext_items_of(query_len, num_kv_heads, tokens_per_tile) : 0);
+    }
+    const int64_t num_items = first[num_seqs];
+
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(+ : bad_items)
+    for (int64_t item = 0; item < num_items; ++item) {
+        int64_t lo = 0, hi = num_seqs - 1; /* the sequence s with first[s] <= item < first[s + 1] */
+        while (lo < hi) {
+            const int64_t mid = (lo + hi + 1) / 2;
+            if (first[mid] <= item) lo = mid;
+            else hi = mid - 1;
+        }
+        const int64_t s = lo;
+        const int64_t query_len = (int64_t)query_start[s + 1] - query_start[s];
+        const int64_t num_tiles = (query_len + tokens_per_tile - 1) / tokens_per_tile;
+        const int64_t local = item - first[s];
+        /* Tiles of one KV head are consecutive items (its K/V stays in cache), the
+         * longest (last) tile first so the causal tail does not finish alone. */
+        const int64_t h = local / num_tiles;
+        const int64_t tile = num_tiles - 1 - local % num_tiles;
+        const int64_t j0 = tile * tokens_per_tile;
+        const int64_t ntok = j0 + tokens_per_tile <= query_len ? tokens_per_tile : query_len - j0;
+        const int64_t prefix = (int64_t)seq_lens[s] - query_len;
+        const int32_t *table = block_tables + s * table_stride;
+        const int64_t q_tok0 = query_start[s];
+#define EXT_CALL(NV, D)                                                                                     \
+    EXT_ITEM(query, k_cache, v_cache, table, prefix, q_tok0, j0, ntok, h, group, num_heads, D, block_size, \
+             token_stride, num_cache_blocks, scale, out, NV)
+#define EXT_CASES(D)                                   \
+    switch (nv) {                                      \
+        case 1: bad_items += EXT_CALL(1, D); break;    \
+        case 2: bad_items += EXT_CALL(2, D); break;    \
+        default: bad_items += EXT_CALL(3, D); break;   \
+    }
+        if (head_dim == 64) {
+            EXT_CASES(64)
+        } else if (head_dim == 128) {
+            EXT_CASES(128)
+        } else {
+            EXT_CASES(head_dim)
+        }
+#undef EXT_CASES
+#undef EXT_CALL
+    }
+    free(first);
+    return bad_items;
+}
+
+#undef EXT_T
+#undef EXT_LOAD
+#undef EXT_STORE
+#undef EXT_ITEM
+#undef EXT_NAME
