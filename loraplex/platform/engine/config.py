@@ -12,6 +12,7 @@ from typing import Literal
 import torch
 
 from loraplex.kernels.contracts import AttentionBackendName, LinearBackendName, LoRABackendName
+from loraplex.platform.engine.preemption import PREEMPTION_MODES, PreemptionMode
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 _DTYPES: dict[str, torch.dtype] = {
@@ -90,6 +91,10 @@ class EngineConfig:
     """Directory of the disk KV tier (block files with header and checksum; survives restarts)."""
     disk_kv_cache_bytes: int = 0
     """Cap of the disk KV tier in bytes (needs disk_kv_path); 0 = no disk tier."""
+    preemption_mode: PreemptionMode = "auto"
+    """What a preempted sequence's partial last block becomes (its full blocks stay in the prefix
+    cache): "swap" to the host/disk tier and back, "recompute", or "auto" (swap when copying costs
+    less than recomputing, by measured rates; recompute without a tier)."""
     max_logprobs: int = 20
     """Most logprobs (top alternatives per token) one request may ask for (vLLM's default)."""
 
@@ -128,6 +133,15 @@ class EngineConfig:
         if (self.host_kv_cache_bytes or self.disk_kv_cache_bytes) and not self.enable_prefix_caching:
             raise ValueError(
                 "the host and disk KV tiers hold prefix-cache blocks: they need enable_prefix_caching=True"
+            )
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
+        if self.preemption_mode == "swap" and not (self.host_kv_cache_bytes or self.disk_kv_cache_bytes):
+            raise ValueError(
+                "preemption_mode='swap' needs a KV tier to swap to: "
+                "set host_kv_cache_bytes or disk_kv_cache_bytes"
             )
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")

@@ -34,6 +34,7 @@ from loraplex.platform.engine.errors import (
 from loraplex.platform.engine.host_memory import tune_host_malloc
 from loraplex.platform.engine.lora_runtime import LoRARuntime
 from loraplex.platform.engine.outputs import CompletionOutput, RequestOutput
+from loraplex.platform.engine.preemption import PreemptionPolicy
 from loraplex.platform.engine.runner import ModelRunner
 from loraplex.platform.engine.sampler import Sampler, non_finite_rows
 from loraplex.platform.engine.sampling_params import SamplingParams
@@ -157,11 +158,17 @@ class LLMEngine:
             )
             # A cached block the pool is about to reuse is copied down a tier first.
             self.block_manager.pool.on_evict = self.tiers.on_device_evict
-        self.scheduler = Scheduler(limits, self.block_manager, admit_hook, release_hook, self.tiers)
+        self.preemption = PreemptionPolicy(
+            config.preemption_mode, per_block, can_swap=self.tiers is not None and self.tiers.can_hold_blocks
+        )
+        self.scheduler = Scheduler(
+            limits, self.block_manager, admit_hook, release_hook, self.tiers, self.preemption
+        )
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        self.num_batched_tokens = 0  # tokens run through the model (prefill, recompute and decode)
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, "
             "%s attention, %s linear, %s pointwise",
@@ -305,9 +312,12 @@ class LLMEngine:
         if out.is_empty:
             return rejected
         self.num_steps += 1
+        self.num_batched_tokens += out.num_batched_tokens
         try:
             lora_slots = self.lora_manager.step_slots(out) if self.lora_manager is not None else None
+            started = time.perf_counter()
             logits, sample_idx = self.runner.execute(out, lora_slots, self.lora_manager)
+            self.preemption.observe_step(out.num_batched_tokens, time.perf_counter() - started)
             for item in out.scheduled:
                 seq = item.seq
                 seq.num_computed_tokens += item.num_new_tokens
@@ -496,6 +506,8 @@ class LLMEngine:
         flight completes, so a later engine on the same ``disk_kv_path`` finds them again.
         """
         if self.tiers is not None:
+            # Reads in flight land first (their blocks are cached like the rest).
+            self.scheduler.drain()
             # What the accelerator pool still caches would be lost with the process: copy
             # it down (host, then disk) so a restarted engine on the same path finds it.
             for block_id, key in self.block_manager.pool.cached_blocks():

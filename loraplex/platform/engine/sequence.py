@@ -21,6 +21,7 @@ import torch
 from loraplex.adapters.identity import AdapterIdentity
 from loraplex.adapters.request import LoRARequest
 from loraplex.platform.engine.outputs import Logprob
+from loraplex.platform.engine.preemption import SwappedTail
 from loraplex.platform.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ _seq_ids = itertools.count()
 
 
 class SeqStatus(enum.Enum):
-    WAITING = "waiting"  # never run, or preempted (KV dropped, will recompute)
+    WAITING = "waiting"  # never run, or preempted (KV freed; cached blocks and a swapped tail come back)
     RUNNING = "running"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
@@ -57,6 +58,7 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    swapped: SwappedTail | None = None  # its partial last block, held by the tiers while preempted
 
     @property
     def num_tokens(self) -> int:

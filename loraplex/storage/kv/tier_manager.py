@@ -169,6 +169,16 @@ class TierManager:
                 found.append((key, location))
             return found
 
+    @property
+    def can_hold_blocks(self) -> bool:
+        """True if some tier has room for blocks at all (a host pool of 0 slots and no disk has none)."""
+        return self.host.num_slots > 0 or self.disk is not None
+
+    def is_moving(self, key: bytes) -> bool:
+        """True while a promotion or swap-in holds ``key`` (hidden from ``lookup`` until it ends)."""
+        with self._lock:
+            return key in self._moving
+
     def location(self, key: bytes) -> Location | None:
         """Where ``key`` lives below the device (host or disk), or None."""
         with self._lock:

@@ -24,6 +24,7 @@ import logging
 import struct
 from collections.abc import Sequence
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -118,6 +119,15 @@ class Promotion:
     def done(self) -> bool:
         """True if ``wait`` would not block on disk reads."""
         return all(s.read is None or s.read.done() for s in self.sources)
+
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Block until the disk reads are done (or ``timeout_s`` passed); True if they are.
+
+        Finishes nothing: ``wait`` (or ``cancel``) must still follow.
+        """
+        reads = [s.read for s in self.sources if s.read is not None]
+        _, not_done = wait_futures(reads, timeout=timeout_s)
+        return not not_done
 
     def wait(self, timeout_s: float | None = None) -> PromotionResult:
         """Finish the transfers (before the forward that reads the blocks).

@@ -2,48 +2,91 @@
 
 The device lookup (``KVBlockManager.get_computed_blocks``) stops at the first block the
 accelerator pool does not hold. The blocks after it may have been demoted to host RAM
-or disk; ``promote_prefix`` brings that run back, in order, into fresh device blocks,
-and publishes each one in the device prefix cache only after its data landed, so the
-caller's next lookup finds a longer hit::
+or disk; a promotion brings that run back, in order, into fresh device blocks, and
+publishes each one in the device prefix cache only after its data landed, so the
+caller's next lookup finds a longer hit. In two steps, so that disk reads run on the
+tier's I/O workers while the engine keeps stepping other sequences::
 
-    hit = kv.get_computed_blocks(seq_id, tokens, extra)
-    if promote_prefix(kv, tiers, seq_id, hit):
-        hit = kv.get_computed_blocks(seq_id, tokens, extra)   # now includes the promoted run
+    pending = start_promotion(kv, tiers, seq_id, hit)   # device blocks reserved, copies started
+    ... later steps, while pending.ready() is False ...
+    finish_promotion(kv, pending)                       # data in place: blocks become findable
+    hit = kv.get_computed_blocks(seq_id, tokens, extra) # now includes the promoted run
 
-A transfer that fails ends the run (a counted miss in the tier's metrics, never a
-hit); the rest of the prompt is computed as usual.
+``promote_prefix`` does both at once (waiting for the reads). A transfer that fails ends
+the run (a counted miss in the tier's metrics, never a hit); the rest of the prompt is
+computed as usual.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from loraplex.storage.kv.block_hash import BlockKey
 from loraplex.storage.kv.block_manager import KVBlockManager
 from loraplex.storage.kv.prefix_cache import PrefixHit
 from loraplex.storage.kv.tier_manager import TierManager
+from loraplex.storage.kv.tier_transfers import Promotion
 
 
-def promote_prefix(kv: KVBlockManager, tiers: TierManager, seq_id: int, hit: PrefixHit) -> int:
-    """Promote the blocks that continue ``hit`` from host/disk; return how many landed.
+@dataclass
+class PendingPromotion:
+    """Blocks on their way up for a waiting sequence: its device blocks are reserved (held by
+    the pool's promotion state, not findable) until ``finish_promotion``."""
 
-    Waits for disk reads before returning (the engine thread plans the step while
-    the host copies and disk reads run on the tier's workers; it needs the data before
-    the forward that reads it).
+    promotion: Promotion
+    block_ids: list[int]
+
+    def ready(self) -> bool:
+        """True when ``finish_promotion`` would not wait for disk reads."""
+        return self.promotion.done()
+
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Block until the disk reads are done (or ``timeout_s``); True if they are."""
+        return self.promotion.wait_ready(timeout_s)
+
+
+def start_promotion(
+    kv: KVBlockManager, tiers: TierManager, seq_id: int, hit: PrefixHit
+) -> PendingPromotion | None:
+    """Start bringing up the blocks that continue ``hit`` from host/disk; None if the tiers hold none.
+
+    Host blocks are copied now (DMA on CUDA); disk reads start on the I/O workers.
+    Device blocks are allocated for as many as fit; the rest stay where they are.
     """
     keys = kv.block_keys(seq_id)[hit.num_cached_blocks : hit.num_cacheable_blocks]
     run = [key for key, _location in tiers.lookup(keys)] if keys else []
     if not run:
-        return 0
+        return None
     promotion = tiers.prefetch(run)
+    # Hold the device blocks of the hit while allocating: free and least recently used,
+    # they would be the first evicted to make room for the blocks that continue them.
+    for held in hit.block_ids:
+        kv.pool.take(held)
     block_ids: list[int] = []
     for key in promotion.keys:
         block_id = kv.pool.allocate_for_key(BlockKey(key))
         if block_id is None:  # no free device block left: promote what fits
             break
         block_ids.append(block_id)
+    # Back to the free queue (if nobody else holds them) as its most recent entries,
+    # the head of the prefix last, so the hit stays valid and is evicted last.
+    for held in reversed(hit.block_ids):
+        kv.pool.decref(held)
     promotion.assign(block_ids)
-    result = promotion.wait()
+    return PendingPromotion(promotion, block_ids)
+
+
+def finish_promotion(kv: KVBlockManager, pending: PendingPromotion) -> int:
+    """Wait for what is still in flight, publish the blocks that landed; return how many."""
+    result = pending.promotion.wait()
     for block_id in result.block_ids:
         kv.pool.publish_promoted(block_id)
-    for block_id in block_ids[result.num_loaded :]:
+    for block_id in pending.block_ids[result.num_loaded :]:
         kv.pool.cancel_promoted(block_id)
     return result.num_loaded
+
+
+def promote_prefix(kv: KVBlockManager, tiers: TierManager, seq_id: int, hit: PrefixHit) -> int:
+    """Promote the blocks that continue ``hit`` from host/disk and wait for them; how many landed."""
+    pending = start_promotion(kv, tiers, seq_id, hit)
+    return 0 if pending is None else finish_promotion(kv, pending)
