@@ -49,10 +49,13 @@
  * prefills): 3 ran 1.1-2.1x faster than 1, 2 or 4-6 (smaller tiles of 6 or 4 keys). */
 #define EXT_MAX_NV 3
 #define EXT_MAX_ROWS (EXT_MAX_NV * VL) /* query rows (tokens x GQA group) per work item */
-#define EXT_KEYS 16 /* keys per softmax step (a cache block, or 16 of a longer one) */
+/* Keys per softmax step, across cache blocks: each step rescales the O^T accumulators
+ * (a load, multiply and store per tile), which at 16 keys was ~19% of the P.V work. */
+#define EXT_KEYS 64
+#define EXT_MAX_SEGMENTS (EXT_KEYS / 8) /* runs of one cache block per step (block_size >= 8) */
 #define EXT_MAX_HEAD_DIM 256
 #define EXT_DIM_MULTIPLE 8 /* head dims per register tile of the P.V product */
-#define EXT_PREFETCH_CHUNKS 6 /* how far ahead K/V rows are prefetched (4-8 measured alike) */
+#define EXT_PREFETCH_KEYS 96 /* how far ahead K/V rows are prefetched (64-128 measured alike) */
 
 static inline float ext_load_f32(const float *p) { return *p; }
 static inline void ext_store_f32(float *p, float v) { *p = v; }
@@ -89,17 +92,16 @@ static inline float ext_exp_nonpositive(float x) {
     return p * scale;
 }
 
-/* Ask for one head's K and V rows of the EXT_KEYS keys from ``start`` on, into L2.
- * Blocks lie anywhere in the pool and one head's row is a few cache lines at the
- * stride of a whole token, which the hardware prefetcher does not follow: cold from
- * DRAM (the layer's weights have just streamed through the caches) the kernel took
- * about twice its in-cache time without this. Offsets are in elements. */
-static inline void ext_prefetch_chunk(const char *k_cache, const char *v_cache, const int32_t *table,
-                                      int64_t start, int64_t key_end, int64_t block_size,
-                                      int64_t token_stride, int64_t head_off, int64_t head_dim,
-                                      int64_t elem_size, int64_t num_cache_blocks) {
+/* Ask for one head's K and V rows of keys start .. start + count - 1, into L2. Blocks
+ * lie anywhere in the pool and one head's row is a few cache lines at the stride of a
+ * whole token, which the hardware prefetcher does not follow: cold from DRAM (the
+ * layer's weights have just streamed through the caches) the kernel took about twice
+ * its in-cache time without this. Offsets are in elements. */
+static inline void ext_prefetch_keys(const char *k_cache, const char *v_cache, const int32_t *table, int64_t start,
+                                     int64_t count, int64_t key_end, int64_t block_size, int64_t token_stride,
+                                     int64_t head_off, int64_t head_dim, int64_t elem_size, int64_t num_cache_blocks) {
     const int64_t row_bytes = head_dim * elem_size;
-    for (int64_t key = start; key < start + EXT_KEYS && key < key_end; ++key) {
+    for (int64_t key = start; key < start + count && key < key_end; ++key) {
         const int32_t block = table[key / block_size];
         if (block < 0 || block >= num_cache_blocks) return; /* reported when reached */
         const int64_t off = (((int64_t)block * block_size + key % block_size) * token_stride + head_off) * elem_size;

@@ -42,53 +42,69 @@ static inline __attribute__((always_inline)) int EXT_ITEM(
 
     const int64_t all_see = prefix + j0;        /* every row sees keys 0 .. all_see */
     const int64_t key_end = prefix + j0 + ntok; /* keys read: 0 .. key_end - 1 */
-    /* The first chunks' rows now; later ones EXT_PREFETCH_CHUNKS ahead, in the loop. */
-    for (int64_t c = 0; c < EXT_PREFETCH_CHUNKS; ++c)
-        ext_prefetch_chunk((const char *)k_cache, (const char *)v_cache, table, c * EXT_KEYS, key_end,
-                           block_size, token_stride, h * head_dim, head_dim, (int64_t)sizeof(EXT_T),
-                           num_cache_blocks);
+    /* The first keys' rows now; later ones EXT_PREFETCH_KEYS ahead, in the loop. */
+    ext_prefetch_keys((const char *)k_cache, (const char *)v_cache, table, 0, EXT_PREFETCH_KEYS, key_end, block_size,
+                      token_stride, h * head_dim, head_dim, (int64_t)sizeof(EXT_T), num_cache_blocks);
     int64_t c0 = 0;
     while (c0 < key_end) {
-        const int64_t b = c0 / block_size, off = c0 % block_size;
-        int64_t n = block_size - off;
-        if (n > EXT_KEYS) n = EXT_KEYS;
-        if (n > key_end - c0) n = key_end - c0;
-        const int32_t block = table[b];
-        if (block < 0 || block >= num_cache_blocks) return 1; /* never read out of bounds */
-        const int64_t base = ((int64_t)block * block_size + off) * token_stride + h * head_dim;
-        const EXT_T *kc = k_cache + base;
-        const EXT_T *vc = v_cache + base;
-        ext_prefetch_chunk((const char *)k_cache, (const char *)v_cache, table, c0 + EXT_PREFETCH_CHUNKS * EXT_KEYS,
-                           key_end, block_size, token_stride, h * head_dim, head_dim, (int64_t)sizeof(EXT_T),
-                           num_cache_blocks);
+        /* A chunk: up to EXT_KEYS keys, in runs of consecutive keys within one cache block. */
+        const EXT_T *kseg[EXT_MAX_SEGMENTS];
+        const EXT_T *vseg[EXT_MAX_SEGMENTS];
+        int64_t seg_len[EXT_MAX_SEGMENTS];
+        int nseg = 0;
+        int64_t n = 0;
+        while (n < EXT_KEYS && c0 + n < key_end && nseg < EXT_MAX_SEGMENTS) {
+            const int64_t key = c0 + n;
+            const int64_t off = key % block_size;
+            int64_t len = block_size - off;
+            if (len > EXT_KEYS - n) len = EXT_KEYS - n;
+            if (len > key_end - key) len = key_end - key;
+            const int32_t block = table[key / block_size];
+            if (block < 0 || block >= num_cache_blocks) return 1; /* never read out of bounds */
+            const int64_t base = ((int64_t)block * block_size + off) * token_stride + h * head_dim;
+            kseg[nseg] = k_cache + base;
+            vseg[nseg] = v_cache + base;
+            seg_len[nseg++] = len;
+            n += len;
+        }
 
         /* S[t][rows] = K[t] . Q^T: each K element is one broadcast feeding nv FMAs. */
-        int64_t t = 0;
-        for (; t + qk_keys <= n; t += qk_keys) {
-            v16 a[8][EXT_MAX_NV];
-            for (int u = 0; u < qk_keys; ++u)
-                for (int v = 0; v < nv; ++v) a[u][v] = vsplat(0.0f);
-            const EXT_T *k0 = kc + t * token_stride;
-            for (int64_t d = 0; d < head_dim; ++d) {
-                v16 q[EXT_MAX_NV];
-                for (int v = 0; v < nv; ++v) q[v] = vload(qt + d * width + v * VL);
-                for (int u = 0; u < qk_keys; ++u) {
-                    const v16 kb = vsplat(EXT_LOAD(k0 + u * token_stride + d));
-                    for (int v = 0; v < nv; ++v) a[u][v] += q[v] * kb;
+        int64_t row = 0; /* the chunk's key index of the segment's first key */
+        for (int sg = 0; sg < nseg; row += seg_len[sg], ++sg) {
+            const EXT_T *kc = kseg[sg];
+            const int64_t len = seg_len[sg];
+            /* A segment's worth at a time: hundreds of prefetches at once overflow the
+             * miss queues (cold chunks of 64 keys ran 1.3x slower issued together). */
+            ext_prefetch_keys((const char *)k_cache, (const char *)v_cache, table, c0 + row + EXT_PREFETCH_KEYS, len,
+                              key_end, block_size, token_stride, h * head_dim, head_dim, (int64_t)sizeof(EXT_T),
+                              num_cache_blocks);
+            int64_t t = 0;
+            for (; t + qk_keys <= len; t += qk_keys) {
+                v16 a[8][EXT_MAX_NV];
+                for (int u = 0; u < qk_keys; ++u)
+                    for (int v = 0; v < nv; ++v) a[u][v] = vsplat(0.0f);
+                const EXT_T *k0 = kc + t * token_stride;
+                for (int64_t d = 0; d < head_dim; ++d) {
+                    v16 q[EXT_MAX_NV];
+                    for (int v = 0; v < nv; ++v) q[v] = vload(qt + d * width + v * VL);
+                    for (int u = 0; u < qk_keys; ++u) {
+                        const v16 kb = vsplat(EXT_LOAD(k0 + u * token_stride + d));
+                        for (int v = 0; v < nv; ++v) a[u][v] += q[v] * kb;
+                    }
                 }
+                for (int u = 0; u < qk_keys; ++u)
+                    for (int v = 0; v < nv; ++v) vstore(p + (row + t + u) * width + v * VL, a[u][v]);
             }
-            for (int u = 0; u < qk_keys; ++u)
-                for (int v = 0; v < nv; ++v) vstore(p + (t + u) * width + v * VL, a[u][v]);
-        }
-        for (; t < n; ++t) {
-            v16 a[EXT_MAX_NV];
-            for (int v = 0; v < nv; ++v) a[v] = vsplat(0.0f);
-            const EXT_T *kt = kc + t * token_stride;
-            for (int64_t d = 0; d < head_dim; ++d) {
-                const v16 kb = vsplat(EXT_LOAD(kt + d));
-                for (int v = 0; v < nv; ++v) a[v] += vload(qt + d * width + v * VL) * kb;
+            for (; t < len; ++t) {
+                v16 a[EXT_MAX_NV];
+                for (int v = 0; v < nv; ++v) a[v] = vsplat(0.0f);
+                const EXT_T *kt = kc + t * token_stride;
+                for (int64_t d = 0; d < head_dim; ++d) {
+                    const v16 kb = vsplat(EXT_LOAD(kt + d));
+                    for (int v = 0; v < nv; ++v) a[v] += vload(qt + d * width + v * VL) * kb;
+                }
+                for (int v = 0; v < nv; ++v) vstore(p + (row + t) * width + v * VL, a[v]);
             }
-            for (int v = 0; v < nv; ++v) vstore(p + t * width + v * VL, a[v]);
         }
 
         /* Causal mask, only where some key lies past some row's position. */
@@ -127,20 +143,23 @@ static inline __attribute__((always_inline)) int EXT_ITEM(
         }
 
         /* O^T[d][rows] = O^T * corr + sum_t V[t][d] * P[t][rows]: each V element is one
-         * broadcast feeding nv FMAs. */
+         * broadcast feeding nv FMAs; the tile stays in registers across the chunk's segments. */
         v16 c[EXT_MAX_NV];
         for (int v = 0; v < nv; ++v) c[v] = vload(corr + v * VL);
         for (int64_t d0 = 0; d0 < head_dim; d0 += pv_dims) {
             v16 acc[8][EXT_MAX_NV];
             for (int i = 0; i < pv_dims; ++i)
                 for (int v = 0; v < nv; ++v) acc[i][v] = vload(ot + (d0 + i) * width + v * VL) * c[v];
-            for (int64_t tt = 0; tt < n; ++tt) {
-                v16 pv[EXT_MAX_NV];
-                for (int v = 0; v < nv; ++v) pv[v] = vload(p + tt * width + v * VL);
-                const EXT_T *vr = vc + tt * token_stride + d0;
-                for (int i = 0; i < pv_dims; ++i) {
-                    const v16 vb = vsplat(EXT_LOAD(vr + i));
-                    for (int v = 0; v < nv; ++v) acc[i][v] += vb * pv[v];
+            int64_t tt = 0;
+            for (int sg = 0; sg < nseg; ++sg) {
+                const EXT_T *vr = vseg[sg] + d0;
+                for (int64_t t = 0; t < seg_len[sg]; ++t, ++tt, vr += token_stride) {
+                    v16 pv[EXT_MAX_NV];
+                    for (int v = 0; v < nv; ++v) pv[v] = vload(p + tt * width + v * VL);
+                    for (int i = 0; i < pv_dims; ++i) {
+                        const v16 vb = vsplat(EXT_LOAD(vr + i));
+                        for (int v = 0; v < nv; ++v) acc[i][v] += vb * pv[v];
+                    }
                 }
             }
             for (int i = 0; i < pv_dims; ++i)
