@@ -33,52 +33,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "scalar_ops.h"
+
 /* Per-work-item stack buffers: query rows (heads * group) and rows * head_dim. */
 #define MAX_ROWS 32
 #define MAX_ROWS_DIM 8192
 #define MAX_BLOCK_SIZE 256
 #define MAX_HEAD_DIM 512
-
-static inline float load_f32(const float *p) { return *p; }
-static inline void store_f32(float *p, float v) { *p = v; }
-
-static inline float load_bf16(const uint16_t *p) {
-    uint32_t bits = (uint32_t)(*p) << 16;
-    float v;
-    memcpy(&v, &bits, sizeof v);
-    return v;
-}
-
-static inline void store_bf16(uint16_t *p, float v) {
-    uint32_t bits;
-    memcpy(&bits, &v, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) { /* NaN: keep it a quiet NaN */
-        *p = (uint16_t)((bits >> 16) | 0x40u);
-        return;
-    }
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
-    *p = (uint16_t)(bits >> 16);
-}
-
-/*
- * exp(x) for the softmax probabilities, x = score - running max <= 0. libm's expf is
- * a scalar call per score, which made the exponentials about half of the kernel's
- * time; this inlines into a vector loop. Cody-Waite reduction x = n ln2 + r with
- * |r| <= ln2 / 2, then a degree-6 Taylor polynomial: relative error ~2e-7, about one
- * float32 ulp. x below -87 is clamped (e^-87 ~ 1e-38 next to the max term's 1).
- */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    /* rintf, not the add-and-subtract 1.5 * 2^23 trick, which -fassociative-math folds away */
-    const float n = rintf(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-    const float p =
-        1.0f + r * (1.0f + r * (0.5f + r * (0.166666672f + r * (0.0416666679f + r * (0.00833333377f + r * 0.00138888892f)))));
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
 
 /* Ask for a run of bytes ahead of use, into L2 (one prefetch per 64-byte line). */
 static inline void prefetch_row(const void *start, int64_t bytes) {

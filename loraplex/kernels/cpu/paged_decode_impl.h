@@ -66,7 +66,7 @@ static inline __attribute__((always_inline)) int KV_ITEM(
             float block_sum = 0.0f;
 #pragma omp simd reduction(+ : block_sum)
             for (int64_t t = 0; t < n; ++t) {
-                const float p = exp_nonpositive(sr[t] - new_max);
+                const float p = fast_expf(sr[t] - new_max);
                 sr[t] = p;
                 block_sum += p;
             }

@@ -42,6 +42,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "scalar_ops.h"
 #include "vec_tiles.h"
 
 /* Row vectors per work item, at most: 3 x 8 keys (or dims) = 24 accumulators. Measured
@@ -56,41 +57,6 @@
 #define EXT_MAX_HEAD_DIM 256
 #define EXT_DIM_MULTIPLE 8 /* head dims per register tile of the P.V product */
 #define EXT_PREFETCH_KEYS 96 /* how far ahead K/V rows are prefetched (64-128 measured alike) */
-
-static inline float ext_load_f32(const float *p) { return *p; }
-static inline void ext_store_f32(float *p, float v) { *p = v; }
-
-static inline float ext_load_bf16(const uint16_t *p) {
-    uint32_t bits = (uint32_t)(*p) << 16;
-    float v;
-    memcpy(&v, &bits, sizeof v);
-    return v;
-}
-
-static inline void ext_store_bf16(uint16_t *p, float v) {
-    uint32_t bits;
-    memcpy(&bits, &v, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) { /* NaN stays a quiet NaN */
-        *p = (uint16_t)((bits >> 16) | 0x40u);
-        return;
-    }
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
-    *p = (uint16_t)(bits >> 16);
-}
-
-/* exp(x) for x <= 0 (score - running max), vectorised by the compiler in the row
- * loops: the same reduction and polynomial as the decode kernel (~1 ulp). */
-static inline float ext_exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = rintf(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-    const float p =
-        1.0f + r * (1.0f + r * (0.5f + r * (0.166666672f + r * (0.0416666679f + r * (0.00833333377f + r * 0.00138888892f)))));
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
 
 /* Ask for one head's K and V rows of keys start .. start + count - 1, into L2. Blocks
  * lie anywhere in the pool and one head's row is a few cache lines at the stride of a
@@ -128,15 +94,15 @@ static int64_t ext_items_of(int64_t query_len, int64_t num_kv_heads, int64_t tok
 }
 
 #define EXT_T float
-#define EXT_LOAD ext_load_f32
-#define EXT_STORE ext_store_f32
+#define EXT_LOAD load_f32
+#define EXT_STORE store_f32
 #define EXT_ITEM paged_extend_item_f32
 #define EXT_NAME loraplex_paged_extend_f32
 #include "paged_extend_impl.h"
 
 #define EXT_T uint16_t
-#define EXT_LOAD ext_load_bf16
-#define EXT_STORE ext_store_bf16
+#define EXT_LOAD load_bf16
+#define EXT_STORE store_bf16
 #define EXT_ITEM paged_extend_item_bf16
 #define EXT_NAME loraplex_paged_extend_bf16
 #include "paged_extend_impl.h"

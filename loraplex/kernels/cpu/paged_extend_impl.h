@@ -128,7 +128,7 @@ static inline __attribute__((always_inline)) int EXT_ITEM(
         }
 #pragma omp simd
         for (int64_t r = 0; r < width; ++r) {
-            corr[r] = ext_exp_nonpositive(m[r] - cmax[r]); /* ~0 on the first chunk (m = -inf) */
+            corr[r] = fast_expf(m[r] - cmax[r]); /* ~0 on the first chunk (m = -inf) */
             m[r] = cmax[r];
             l[r] *= corr[r];
         }
@@ -136,7 +136,7 @@ static inline __attribute__((always_inline)) int EXT_ITEM(
             float *pt = p + tt * width;
 #pragma omp simd
             for (int64_t r = 0; r < width; ++r) {
-                const float e = pt[r] == -INFINITY ? 0.0f : ext_exp_nonpositive(pt[r] - cmax[r]);
+                const float e = pt[r] == -INFINITY ? 0.0f : fast_expf(pt[r] - cmax[r]);
                 pt[r] = e;
                 l[r] += e;
             }

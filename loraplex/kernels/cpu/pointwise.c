@@ -20,22 +20,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#define PW_PARALLEL_MIN 65536 /* elements below which one thread does the whole op */
+#include "scalar_ops.h"
 
-/* exp(x) over float32's range, vectorisable: Cody-Waite reduction x = n ln2 + r, a
- * degree-6 polynomial for e^r (~2e-7 relative), 2^n built in the exponent bits.
- * Clamped to [-87, 88] (e^-87 ~ 1.6e-38, e^88 ~ 1.6e38). */
-static inline float pw_exp(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = rintf(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-    const float p =
-        1.0f + r * (1.0f + r * (0.5f + r * (0.166666672f + r * (0.0416666679f + r * (0.00833333377f + r * 0.00138888892f)))));
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
+#define PW_PARALLEL_MIN 65536 /* elements below which one thread does the whole op */
 
 int64_t loraplex_add_rms_norm_f32(const float *delta, int64_t delta_stride, float *residual, int64_t res_stride,
                                   const float *weight, float *y, int64_t y_stride, int64_t rows, int64_t dim,
@@ -95,7 +82,7 @@ int64_t loraplex_silu_mul_f32(const float *gate_up, int64_t in_stride, float *ou
         const float *u = g + inter;
         float *o = out + t * out_stride;
 #pragma omp simd
-        for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.0f + pw_exp(-g[i])) * u[i];
+        for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.0f + fast_expf(-g[i])) * u[i];
     }
     return 0;
 }
