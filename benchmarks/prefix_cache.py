@@ -652,6 +652,8 @@ def part_concurrency(args: argparse.Namespace, maker: PromptMaker, progress: boo
             run_alone(engine, f"conc-warm-{name}", warm_prompt, params)
             running: list[int] = []
             steps0, pre0 = engine.num_steps, engine.scheduler.num_preemptions
+            swaps0 = (engine.scheduler.num_swapped_out, engine.scheduler.num_swapped_in)
+            batched0 = engine.num_batched_tokens
             tiers0 = tier_counters(engine)
             print(f"  cache {name}: {n} requests at once, load {load_now()}", flush=True)
             with stopwatch() as t:
@@ -672,6 +674,11 @@ def part_concurrency(args: argparse.Namespace, maker: PromptMaker, progress: boo
                 "mean_running": statistics.fmean(running) if running else 0.0,
                 "engine_steps": engine.num_steps - steps0,
                 "preemptions": engine.scheduler.num_preemptions - pre0,
+                # preempted sequences whose partial tail was swapped out / came back (preemption_mode auto)
+                "swapped_out": engine.scheduler.num_swapped_out - swaps0[0],
+                "swapped_in": engine.scheduler.num_swapped_in - swaps0[1],
+                # tokens run through the model: prompt tokens not served from cache, recomputation, decodes
+                "batched_tokens": engine.num_batched_tokens - batched0,
                 "output_tokens": out_tokens,
                 "prompt_tokens": prompt_tokens,
                 "output_tok_s": out_tokens / t["seconds"],
