@@ -24,16 +24,15 @@ from __future__ import annotations
 
 import enum
 import logging
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from loraplex.platform.engine.preemption import PreemptionPolicy, SwappedTail
+from loraplex.platform.engine.preemption import PreemptionPolicy
 from loraplex.platform.engine.sequence import SeqStatus, Sequence
+from loraplex.platform.engine.tier_admission import TierAdmission, Wait
 from loraplex.storage.kv.block_manager import AllocStatus, BlockCopy, KVBlockManager
-from loraplex.storage.kv.prefix_cache import NO_HIT, PrefixHit
+from loraplex.storage.kv.prefix_cache import NO_HIT
 from loraplex.storage.kv.tier_manager import TierManager
-from loraplex.storage.kv.tiered_prefix import PendingPromotion, finish_promotion, start_promotion
 
 logger = logging.getLogger(__name__)
 
@@ -108,13 +107,10 @@ class Scheduler:
     ) -> None:
         self.limits = limits
         self.kv = block_manager
-        # Host/disk KV tiers below the pool: a prefix hit continues there (promotion).
+        # Host/disk KV tiers below the pool: prefix hits continue there (promotion), and
+        # preempted sequences' partial tails may be swapped there.
         self.tiers = tiers
-        self.preemption = preemption
-        # Promotions in flight for waiting sequences (by seq_id), and those whose
-        # sequence ended meanwhile (finished once their reads land: the blocks stay cached).
-        self._promotions: dict[int, PendingPromotion] = {}
-        self._orphan_promotions: list[PendingPromotion] = []
+        self.tier_io = TierAdmission(block_manager, tiers, preemption, limits.max_num_batched_tokens)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         # Hooks let the adapter manager veto admission (no free slot) and learn
@@ -122,9 +118,6 @@ class Scheduler:
         self._admit_hook = admit_hook
         self._release_hook = release_hook
         self.num_preemptions = 0
-        self.num_swapped_out = 0  # preemptions whose partial tail went to the tiers
-        self.num_swapped_in = 0  # ... and came back without recomputation
-        self.num_swaps_lost = 0  # ... and were discarded (a block lost, a failed read)
 
     # -- queue management --------------------------------------------------------
     def _order_key(self, seq: Sequence) -> tuple[int, float, int]:
@@ -155,10 +148,7 @@ class Scheduler:
             self._release_hook(seq)
         seq.status = status
         self.kv.free(seq.seq_id)
-        self._drop_swap(seq)
-        pending = self._promotions.pop(seq.seq_id, None)
-        if pending is not None:
-            self._orphan_promotions.append(pending)
+        self.tier_io.forget(seq)
 
     def abort(self, seqs: Iterable[Sequence]) -> None:
         for seq in list(seqs):
@@ -169,17 +159,26 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    # Counters of the tiers' part in admission and preemption (see ``tier_admission``).
     @property
     def num_promotions_in_flight(self) -> int:
-        return len(self._promotions) + len(self._orphan_promotions)
+        return self.tier_io.num_promotions_in_flight
+
+    @property
+    def num_swapped_out(self) -> int:
+        return self.tier_io.num_swapped_out
+
+    @property
+    def num_swapped_in(self) -> int:
+        return self.tier_io.num_swapped_in
+
+    @property
+    def num_swaps_lost(self) -> int:
+        return self.tier_io.num_swaps_lost
 
     def drain(self) -> None:
         """Finish every transfer in flight (waiting for disk reads): before a shutdown."""
-        for seq_id in list(self._promotions):
-            finish_promotion(self.kv, self._promotions.pop(seq_id))
-        self._finish_orphans(block=True)
-        for seq in self.waiting:
-            self._drop_swap(seq)
+        self.tier_io.drain(self.waiting)
 
     # -- the step ----------------------------------------------------------------
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -188,7 +187,7 @@ class Scheduler:
         self.running.remove(seq)
         if self._release_hook is not None:
             self._release_hook(seq)
-        self._swap_out_tail(seq)
+        self.tier_io.swap_out_tail(seq)
         self.kv.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -209,139 +208,13 @@ class Scheduler:
         victim = max(candidates, key=self._order_key)
         return seq if self._order_key(victim) < self._order_key(seq) else victim
 
-    # -- swap preemption ---------------------------------------------------------
-    def _swap_out_tail(self, seq: Sequence) -> None:
-        """Copy the computed blocks of ``seq`` that carry no prefix-cache key (its partial
-        last block) to the tiers, if the policy prefers that to recomputing them."""
-        if self.tiers is None or self.preemption is None or not self.kv.enable_prefix_caching:
-            return
-        bs = self.kv.block_size
-        computed = seq.num_computed_tokens
-        first = computed // bs  # full blocks before it are keyed: the prefix cache keeps them
-        table = self.kv.block_table(seq.seq_id)
-        tail = table[first : -(-computed // bs)]
-        if not tail or not self.preemption.should_swap(computed - first * bs, len(tail)):
-            return
-        start = time.perf_counter()
-        handle = self.tiers.swap_out(tail)
-        self.preemption.observe_copy(
-            len(tail) * self.tiers.layout.bytes_per_block, time.perf_counter() - start
-        )
-        if handle is not None:  # None: the tiers are full, recompute instead
-            seq.swapped = SwappedTail(handle, first, computed)
-            self.num_swapped_out += 1
-
-    def _drop_swap(self, seq: Sequence) -> None:
-        """Free what ``seq`` has swapped out (it ended, or its swap can no longer be used)."""
-        swapped, seq.swapped = seq.swapped, None
-        if swapped is None or self.tiers is None:
-            return
-        if swapped.swap_in is not None:
-            swapped.swap_in.cancel()
-        else:
-            self.tiers.discard_swap(swapped.handle)
-
-    def _swap_in_ready(self, seq: Sequence) -> bool:
-        """Start bringing ``seq``'s swapped tail up (disk reads run meanwhile); True when it can be placed."""
-        swapped = seq.swapped
-        if swapped is None or self.tiers is None:
-            return True
-        if swapped.swap_in is None:
-            swapped.swap_in = self.tiers.swap_in(swapped.handle)
-        return swapped.swap_in.done()
-
-    def _place_swapped_tail(self, seq: Sequence, swapped: SwappedTail) -> bool:
-        """Write the swapped tail into the blocks just allocated for it; True if every block landed."""
-        assert swapped.swap_in is not None and self.preemption is not None and self.tiers is not None
-        table = self.kv.block_table(seq.seq_id)
-        start = time.perf_counter()
-        # Only the blocks still held by a tier started: a shorter run is incomplete (recompute).
-        swapped.swap_in.assign(table[swapped.first_block : swapped.first_block + swapped.swap_in.num_started])
-        result = swapped.swap_in.wait()
-        moved = result.num_loaded * self.tiers.layout.bytes_per_block
-        self.preemption.observe_copy(moved, time.perf_counter() - start)
-        return result.complete
-
-    def _prefix_still_held(self, seq: Sequence, hit: PrefixHit, swapped: SwappedTail) -> bool:
-        """True if the blocks between ``hit`` and the swapped tail all wait in the tiers."""
-        if self.tiers is None or hit.num_cached_blocks > swapped.first_block:
-            return False
-        keys = self.kv.block_keys(seq.seq_id)[hit.num_cached_blocks : swapped.first_block]
-        tiers, pool = self.tiers, self.kv.pool
-        return all(
-            pool.lookup(k) is not None or tiers.is_moving(k) or tiers.location(k) is not None for k in keys
-        )
-
-    # -- prefix hits and promotions ---------------------------------------------
-    def _finish_orphans(self, block: bool = False) -> None:
-        keep = []
-        for pending in self._orphan_promotions:
-            if block or pending.ready():
-                finish_promotion(self.kv, pending)
-            else:
-                keep.append(pending)
-        self._orphan_promotions = keep
-
-    def _prefix_hit(self, seq: Sequence) -> PrefixHit | None:
-        """The cached head of ``seq``'s tokens: device blocks, continued from host/disk.
-
-        None while blocks of it are on their way up (the sequence waits; nothing was taken).
-        """
-        extra = seq.request.cache_extra_keys
-        pending = self._promotions.get(seq.seq_id)
-        if pending is not None:
-            if not pending.ready():
-                return None
-            finish_promotion(self.kv, self._promotions.pop(seq.seq_id))
-        hit = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids, extra)
-        if self.tiers is None or hit.num_cached_blocks >= hit.num_cacheable_blocks:
-            return hit
-        keys = self.kv.block_keys(seq.seq_id)[hit.num_cached_blocks : hit.num_cacheable_blocks]
-        if self.tiers.is_moving(keys[0]):
-            return None  # another sequence's promotion is bringing this prefix up: share it
-        held = len(self.tiers.lookup(keys))
-        if held == 0:
-            return hit
-        # Promote only what could be admitted right after: blocks promoted for a sequence
-        # that then waits for memory would be evicted (and demoted) again by the running
-        # ones, step after step. Until then it waits; idle, the whole pool is free.
-        reach = min(
-            seq.num_tokens,
-            (hit.num_cached_blocks + held) * self.kv.block_size + self.limits.max_num_batched_tokens,
-        )
-        if self.kv.can_allocate(seq.seq_id, reach, hit) is not AllocStatus.OK:
-            return None
-        pending = start_promotion(self.kv, self.tiers, seq.seq_id, hit)
-        if pending is None:
-            return hit
-        if not pending.ready():
-            self._promotions[seq.seq_id] = pending
-            return None
-        if finish_promotion(self.kv, pending) > 0:
-            # Promotion allocated device blocks (which may evict others): look again.
-            hit = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids, extra)
-        return hit
-
     def schedule(self) -> SchedulerOutput:
         """Plan one step. Blocks on lower-tier reads only when nothing else could run."""
-        self._finish_orphans()
+        self.tier_io.finish_orphans()
         out = self._schedule_once()
-        while out.is_empty and not out.aborted and self._wait_for_a_transfer():
+        while out.is_empty and not out.aborted and self.tier_io.wait_for_a_transfer(self.waiting):
             out = self._schedule_once()  # everyone left was waiting for blocks from host/disk
         return out
-
-    def _wait_for_a_transfer(self) -> bool:
-        """Block on the first waiting sequence's unfinished read; False if none is in flight."""
-        for seq in self.waiting:
-            pending = self._promotions.get(seq.seq_id)
-            if pending is not None and not pending.ready():
-                pending.wait_ready()
-                return True
-            swap_in = seq.swapped.swap_in if seq.swapped is not None else None
-            if swap_in is not None and not swap_in.done():
-                swap_in.wait_ready()
-                return True
-        return False
 
     def _schedule_once(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -384,19 +257,15 @@ class Scheduler:
                 # Prefix cache: full blocks someone computed before (same tokens, same
                 # adapter version, same tenant) are shared instead of recomputed. Nothing
                 # may allocate KV between this lookup and allocate_slots below.
-                if not self._swap_in_ready(seq):
+                if not self.tier_io.swap_in_ready(seq):
                     continue  # its swapped tail is being read back; later sequences may run
-                hit = self._prefix_hit(seq) if seq.num_computed_tokens == 0 else NO_HIT
+                hit = self.tier_io.prefix_hit(seq) if seq.num_computed_tokens == 0 else NO_HIT
                 if hit is None:
                     continue  # its prefix is on its way up from host/disk
                 cached = hit.num_cached_tokens
-                swapped = seq.swapped
-                if swapped is not None and hit.num_cached_blocks != swapped.first_block:
-                    if self._prefix_still_held(seq, hit, swapped):
-                        continue  # the rest of its prefix is still coming back: the tail stays useful
-                    self._drop_swap(seq)  # a block before the tail was lost: recompute from the hit
-                    self.num_swaps_lost += 1
-                    swapped = None
+                swapped = self.tier_io.usable_swap(seq, hit)
+                if swapped is Wait.PREFIX:
+                    continue  # the rest of its prefix is still coming back: the tail stays useful
                 resume = swapped.num_computed_tokens if swapped is not None else cached
                 num_new = min(seq.num_tokens - resume, budget)
                 # Blocks for everything from the hit on: the swapped tail lands in the first.
@@ -424,13 +293,10 @@ class Scheduler:
                 assert copies is not None, "can_allocate said OK"
                 seq.num_computed_tokens = cached
                 if swapped is not None:
-                    seq.swapped = None
-                    if self._place_swapped_tail(seq, swapped):
+                    if self.tier_io.place_swapped_tail(seq, swapped):
                         seq.num_computed_tokens = resume
-                        self.num_swapped_in += 1
                     else:  # a read failed (a counted miss): compute from the hit, within budget
                         num_new = min(seq.num_tokens - cached, num_new)
-                        self.num_swaps_lost += 1
                 if seq.num_preemptions == 0 and seq.index == 0:
                     seq.request.num_cached_tokens = min(cached, seq.num_prompt_tokens)
                 self.waiting.remove(seq)
