@@ -18,8 +18,6 @@ kernels it does not need; no implementation imports this module.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from loraplex.kernels.contracts import (
@@ -46,19 +44,6 @@ def _cpu_kernels_available(device: torch.device) -> bool:
     from loraplex.kernels.cpu.build import load_library
 
     return device.type == "cpu" and load_library() is not None
-
-
-@functools.cache
-def cpu_has_avx512() -> bool:
-    """Whether this CPU has AVX-512F (read from /proc/cpuinfo; False where it is absent)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "avx512f" in line.split()
-    except OSError:
-        pass
-    return False
 
 
 def _resolve_auto(device: torch.device) -> str:
@@ -118,6 +103,8 @@ def select_linear_backend(name: LinearBackendName, device: torch.device) -> Line
     # The panel kernel's 6 x 64 register tile needs AVX-512's 32 vector registers: with AVX2's
     # 16 it spills, and measured 8-10x slower than F.linear on an AVX2-only EPYC VM, so
     # "auto" takes it only where AVX-512 is present ("cpu" forces it anywhere).
+    from loraplex.kernels.cpu.build import cpu_has_avx512
+
     use_cpu = name == "cpu" or (name == "auto" and _cpu_kernels_available(device) and cpu_has_avx512())
     if use_cpu:
         _require_cpu_kernels("linear", device)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.kernels import registry
 from loraplex.kernels.cpu import build
 from loraplex.kernels.cpu.linear import CpuLinearBackend, linear_packed, pack_weight, panel_width
 from loraplex.kernels.portable.linear import PortableLinearBackend
@@ -92,7 +91,7 @@ def test_backend_packs_float32_and_leaves_other_dtypes_to_torch() -> None:
 def test_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     # "auto" takes the C kernel where it builds and the CPU has AVX-512 (its register tile needs it).
     auto_is_c = isinstance(select_linear_backend("auto", CPU), CpuLinearBackend)
-    assert auto_is_c == registry.cpu_has_avx512()
+    assert auto_is_c == build.cpu_has_avx512()
     assert isinstance(select_linear_backend("cpu", CPU), CpuLinearBackend)  # forced: anywhere it builds
     assert type(select_linear_backend("torch", CPU)) is PortableLinearBackend
     assert type(select_linear_backend("auto", torch.device("cuda"))) is PortableLinearBackend

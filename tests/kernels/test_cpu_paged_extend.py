@@ -167,3 +167,37 @@ def test_backend_serves_decodes_and_prefills_in_one_batch() -> None:
     fast = CpuAttentionBackend().forward(query, ctx.k_cache, ctx.v_cache, meta, 0.125)
     reference = PortableAttentionBackend().forward(query, ctx.k_cache, ctx.v_cache, meta, 0.125)
     assert_close(fast, reference.double(), torch.float32, "cpu backend vs portable")
+
+
+def test_the_backend_takes_the_kernel_only_with_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On AVX2 the kernel's register tiles spill (several times slower than torch): the CPU
+    backend then serves prefill attention on the portable path, with the same result."""
+    from loraplex.kernels.cpu import paged_extend
+
+    calls: list[int] = []
+    real = paged_extend.paged_extend_cpu
+
+    def counting(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(paged_extend, "paged_extend_cpu", counting)
+    query, ctx, seq_lens, starts, query_lens, contexts = _inputs(16, 64, 3, 3, torch.float32, 9)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(query.shape[0], dtype=torch.int64),
+        query_start_loc=starts,
+        seq_lens=seq_lens,
+        block_tables=ctx.block_tables,
+        num_decodes=0,
+        max_query_len=max(query_lens),
+        max_seq_len=max(contexts),
+        query_start_loc_cpu=tuple(starts.tolist()),
+        seq_lens_cpu=tuple(contexts),
+    )
+    expected = _naive(query, ctx, query_lens, contexts, 0.125)
+    for avx512 in (True, False):
+        monkeypatch.setattr(paged_extend, "worth_it", lambda avx512=avx512: avx512)
+        calls.clear()
+        out = CpuAttentionBackend().forward(query, ctx.k_cache, ctx.v_cache, meta, 0.125)
+        assert_close(out, expected, torch.float32, f"backend, avx512={avx512}")
+        assert bool(calls) == avx512

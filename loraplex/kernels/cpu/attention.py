@@ -35,6 +35,10 @@ class CpuAttentionBackend(PortableAttentionBackend):
 
     name = "cpu"
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._extend_in_c = paged_extend.worth_it()
+
     def write_kv(
         self,
         key: torch.Tensor,
@@ -108,7 +112,7 @@ class CpuAttentionBackend(PortableAttentionBackend):
         scale: float,
         out: torch.Tensor,
     ) -> None:
-        if not paged_extend.supports(query, k_cache):
+        if not (self._extend_in_c and paged_extend.supports(query, k_cache)):
             super()._extend(query, k_cache, v_cache, meta, scale, out)
             return
         nd = meta.num_decodes

@@ -70,6 +70,24 @@ def _cpu_signature() -> str:
     return "\n".join(wanted[:2])
 
 
+@functools.cache
+def cpu_has_avx512() -> bool:
+    """Whether this CPU has AVX-512F (read from /proc/cpuinfo; False where it is absent).
+
+    The register-tiled kernels (linear panels, paged extend) hold 24 vectors of 16 floats:
+    AVX-512's 32 registers. With AVX2's 16 half-width ones they spill and run several times
+    slower than torch, so their backends take them only where this is True.
+    """
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx512f" in line.split()
+    except OSError:
+        pass
+    return False
+
+
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 

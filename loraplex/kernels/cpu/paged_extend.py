@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from loraplex.kernels.cpu.build import bind, limit
+from loraplex.kernels.cpu.build import bind, cpu_has_avx512, limit
 from loraplex.kernels.metadata import PAD_BLOCK_ID
 
 _SYMBOLS = {torch.float32: "loraplex_paged_extend_f32", torch.bfloat16: "loraplex_paged_extend_bf16"}
@@ -28,7 +28,10 @@ def _kernel(dtype: torch.dtype) -> Any | None:
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """True when the C kernel can serve this dtype, device and head shape."""
+    """True when the C kernel can serve this dtype, device and head shape.
+
+    Whether it is also the fast path is ``worth_it()``: the backend asks both.
+    """
     if query.device.type != "cpu" or query.dtype != k_cache.dtype or _kernel(query.dtype) is None:
         return False
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -40,6 +43,14 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
         and head_dim <= limit("loraplex_paged_extend_max_head_dim")
         and head_dim % limit("loraplex_paged_extend_head_dim_multiple") == 0
     )
+
+
+def worth_it() -> bool:
+    """True on CPUs with AVX-512. Built for AVX2 (``-march=x86-64-v3``) the kernel's 24-vector
+    tiles spill: measured on this project's VM, 3.2 ms for 32 tokens over 1,056 (torch: 0.74)
+    and 40 ms for a 1,056-token prefill (torch: 13), so AVX2 machines keep the portable path
+    for prefill attention (the kernel stays correct there, and is tested on every machine)."""
+    return cpu_has_avx512()
 
 
 def paged_extend_cpu(
