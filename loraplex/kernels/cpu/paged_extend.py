@@ -81,6 +81,7 @@ def paged_extend_cpu(
     num_cache_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
     assert k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape, "cache shapes"
+    assert num_heads % num_kv_heads == 0, "query heads must be a multiple of the KV heads (GQA)"
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
     assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1, "block_tables: int32 rows"
     assert block_tables.shape[0] >= num_seqs, "block_tables rows"

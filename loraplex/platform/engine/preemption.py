@@ -77,11 +77,12 @@ class PreemptionPolicy:
         prev = self.seconds_per_token
         self.seconds_per_token = rate if prev is None else (1 - _EMA) * prev + _EMA * rate
 
-    def observe_copy(self, num_bytes: int, seconds: float) -> None:
-        """A swap copy moved ``num_bytes`` in ``seconds``."""
-        if num_bytes <= 0 or seconds <= 0:
+    def observe_copy(self, num_blocks: int, seconds: float) -> None:
+        """A swap copy moved ``num_blocks`` blocks in ``seconds``."""
+        if num_blocks <= 0 or seconds <= 0:
             return
-        self.copy_bytes_per_s = (1 - _EMA) * self.copy_bytes_per_s + _EMA * (num_bytes / seconds)
+        rate = num_blocks * self.bytes_per_block / seconds
+        self.copy_bytes_per_s = (1 - _EMA) * self.copy_bytes_per_s + _EMA * rate
 
     def swap_cost_s(self, num_blocks: int) -> float:
         """Estimated seconds to copy ``num_blocks`` out now and back on resume."""

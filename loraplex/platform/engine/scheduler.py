@@ -269,14 +269,15 @@ class Scheduler:
                 resume = swapped.num_computed_tokens if swapped is not None else cached
                 num_new = min(seq.num_tokens - resume, budget)
                 # Blocks for everything from the hit on: the swapped tail lands in the first.
-                status = self.kv.can_allocate(seq.seq_id, resume + num_new, hit)
+                to_allocate = resume + num_new - cached
+                status = self.kv.can_allocate(seq.seq_id, cached + to_allocate, hit)
                 if status is AllocStatus.NEVER:
                     # Only reachable if the pool shrank after add-time validation.
                     self.finish(seq, SeqStatus.FINISHED_ABORTED)
                     out.aborted.append(seq)
                     logger.error("seq %d can never fit the KV pool; aborted", seq.seq_id)
                     continue
-                needed = self.kv.num_new_blocks_needed(seq.seq_id, cached, resume + num_new - cached, hit)
+                needed = self.kv.num_new_blocks_needed(seq.seq_id, cached, to_allocate, hit)
                 if status is AllocStatus.LATER or (
                     self.kv.num_free_blocks - needed < self.limits.watermark_blocks and self.running
                 ):
@@ -289,7 +290,7 @@ class Scheduler:
                         self.finish(seq, SeqStatus.FINISHED_ABORTED)
                         out.aborted.append(seq)
                         continue
-                copies = self.kv.allocate_slots(seq.seq_id, cached, resume + num_new - cached, hit)
+                copies = self.kv.allocate_slots(seq.seq_id, cached, to_allocate, hit)
                 assert copies is not None, "can_allocate said OK"
                 seq.num_computed_tokens = cached
                 if swapped is not None:

@@ -29,7 +29,12 @@ from loraplex.platform.engine.sequence import Sequence
 from loraplex.storage.kv.block_manager import AllocStatus, KVBlockManager
 from loraplex.storage.kv.prefix_cache import PrefixHit
 from loraplex.storage.kv.tier_manager import TierManager
-from loraplex.storage.kv.tiered_prefix import PendingPromotion, finish_promotion, start_promotion
+from loraplex.storage.kv.tiered_prefix import (
+    PendingPromotion,
+    finish_promotion,
+    start_promotion,
+    tiered_continuation,
+)
 
 
 class Wait(enum.Enum):
@@ -79,24 +84,22 @@ class TierAdmission:
         hit = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids, extra)
         if self.tiers is None or hit.num_cached_blocks >= hit.num_cacheable_blocks:
             return hit
-        keys = self.kv.block_keys(seq.seq_id)[hit.num_cached_blocks : hit.num_cacheable_blocks]
-        if self.tiers.is_moving(keys[0]):
+        if self.tiers.is_moving(self.kv.block_keys(seq.seq_id)[hit.num_cached_blocks]):
             return None  # another sequence's promotion is bringing this prefix up: share it
-        held = len(self.tiers.lookup(keys))
-        if held == 0:
+        run = tiered_continuation(self.kv, self.tiers, seq.seq_id, hit)
+        if not run:
             return hit
         # Promote only what could be admitted right after: blocks promoted for a sequence
         # that then waits for memory would be evicted (and demoted) again by the running
         # ones, step after step. Until then it waits; idle, the whole pool is free.
         reach = min(
             seq.num_tokens,
-            (hit.num_cached_blocks + held) * self.kv.block_size + self.max_num_batched_tokens,
+            (hit.num_cached_blocks + len(run)) * self.kv.block_size + self.max_num_batched_tokens,
         )
         if self.kv.can_allocate(seq.seq_id, reach, hit) is not AllocStatus.OK:
             return None
-        pending = start_promotion(self.kv, self.tiers, seq.seq_id, hit)
-        if pending is None:
-            return hit
+        pending = start_promotion(self.kv, self.tiers, hit, run)
+        assert pending is not None, "a non-empty run starts a promotion"
         if not pending.ready():
             self._promotions[seq.seq_id] = pending
             return None
@@ -148,8 +151,7 @@ class TierAdmission:
             return
         start = time.perf_counter()
         handle = self.tiers.swap_out(tail)
-        moved = len(tail) * self.tiers.layout.bytes_per_block
-        self.preemption.observe_copy(moved, time.perf_counter() - start)
+        self.preemption.observe_copy(len(tail), time.perf_counter() - start)
         if handle is not None:  # None: the tiers are full, recompute instead
             seq.swapped = SwappedTail(handle, first, computed)
             self.num_swapped_out += 1
@@ -194,9 +196,7 @@ class TierAdmission:
         # Only the blocks still held by a tier started: a shorter run is incomplete (recompute).
         swapped.swap_in.assign(table[swapped.first_block : swapped.first_block + swapped.swap_in.num_started])
         result = swapped.swap_in.wait()
-        self.preemption.observe_copy(
-            result.num_loaded * self.tiers.layout.bytes_per_block, time.perf_counter() - start
-        )
+        self.preemption.observe_copy(result.num_loaded, time.perf_counter() - start)
         if result.complete:
             self.num_swapped_in += 1
         else:

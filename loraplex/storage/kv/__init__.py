@@ -13,7 +13,7 @@
 | ``disk_slots`` / ``disk_files`` / ``block_codec`` | the disk slot states, slot files, record format |
 | ``tier_manager`` | ``TierManager``: one location per cached block; demotion, promotion, swap |
 | ``tier_transfers`` / ``tier_metrics`` | promotion and swap handles; per-tier counters |
-| ``tiered_prefix`` | ``promote_prefix``: continue a device prefix hit from host/disk |
+| ``tiered_prefix`` | ``start_promotion`` / ``finish_promotion``: a prefix hit continued from host/disk |
 
 This package imports nothing from ``loraplex.platform`` or ``loraplex.adapters`` (checked by
 import-linter): extra keys (adapter version, tenant salt) arrive as opaque bytes.

@@ -7,18 +7,19 @@ publishes each one in the device prefix cache only after its data landed, so the
 caller's next lookup finds a longer hit. In two steps, so that disk reads run on the
 tier's I/O workers while the engine keeps stepping other sequences::
 
-    pending = start_promotion(kv, tiers, seq_id, hit)   # device blocks reserved, copies started
+    run = tiered_continuation(kv, tiers, seq_id, hit)   # the next keys host/disk hold
+    pending = start_promotion(kv, tiers, hit, run)      # device blocks reserved, copies started
     ... later steps, while pending.ready() is False ...
     finish_promotion(kv, pending)                       # data in place: blocks become findable
     hit = kv.get_computed_blocks(seq_id, tokens, extra) # now includes the promoted run
 
-``promote_prefix`` does both at once (waiting for the reads). A transfer that fails ends
-the run (a counted miss in the tier's metrics, never a hit); the rest of the prompt is
-computed as usual.
+A transfer that fails ends the run (a counted miss in the tier's metrics, never a hit);
+the rest of the prompt is computed as usual.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loraplex.storage.kv.block_hash import BlockKey
@@ -45,16 +46,21 @@ class PendingPromotion:
         return self.promotion.wait_ready(timeout_s)
 
 
+def tiered_continuation(kv: KVBlockManager, tiers: TierManager, seq_id: int, hit: PrefixHit) -> list[bytes]:
+    """The keys after ``hit`` that host/disk hold, in order up to the first they do not."""
+    keys = kv.block_keys(seq_id)[hit.num_cached_blocks : hit.num_cacheable_blocks]
+    return [key for key, _location in tiers.lookup(keys)] if keys else []
+
+
 def start_promotion(
-    kv: KVBlockManager, tiers: TierManager, seq_id: int, hit: PrefixHit
+    kv: KVBlockManager, tiers: TierManager, hit: PrefixHit, run: Sequence[bytes]
 ) -> PendingPromotion | None:
-    """Start bringing up the blocks that continue ``hit`` from host/disk; None if the tiers hold none.
+    """Start bringing up ``run`` (from ``tiered_continuation``), the blocks that continue ``hit``.
 
     Host blocks are copied now (DMA on CUDA); disk reads start on the I/O workers.
     Device blocks are allocated for as many as fit; the rest stay where they are.
+    None if ``run`` is empty.
     """
-    keys = kv.block_keys(seq_id)[hit.num_cached_blocks : hit.num_cacheable_blocks]
-    run = [key for key, _location in tiers.lookup(keys)] if keys else []
     if not run:
         return None
     promotion = tiers.prefetch(run)
@@ -84,9 +90,3 @@ def finish_promotion(kv: KVBlockManager, pending: PendingPromotion) -> int:
     for block_id in pending.block_ids[result.num_loaded :]:
         kv.pool.cancel_promoted(block_id)
     return result.num_loaded
-
-
-def promote_prefix(kv: KVBlockManager, tiers: TierManager, seq_id: int, hit: PrefixHit) -> int:
-    """Promote the blocks that continue ``hit`` from host/disk and wait for them; how many landed."""
-    pending = start_promotion(kv, tiers, seq_id, hit)
-    return 0 if pending is None else finish_promotion(kv, pending)

@@ -132,7 +132,7 @@ def test_cost_model_weighs_bytes_against_tokens() -> None:
     policy = PreemptionPolicy("auto", bytes_per_block=1 << 20, can_swap=True)
     assert not policy.should_swap(7, 1), "no step observed yet: recompute"
     policy.observe_step(num_tokens=1000, seconds=1.0)  # 1 ms per token
-    policy.observe_copy(num_bytes=10 << 30, seconds=1.0)  # copies at ~10 GB/s after the EMA
+    policy.observe_copy(num_blocks=10 << 10, seconds=1.0)  # 1 MiB blocks: ~10 GB/s, after the EMA
     assert policy.should_swap(7, 1)  # ~0.2-1 ms of copying against 7 ms of compute
     fast = PreemptionPolicy("auto", bytes_per_block=1 << 20, can_swap=True)
     fast.observe_step(num_tokens=100_000, seconds=0.01)  # 0.1 us per token (a GPU batch)
