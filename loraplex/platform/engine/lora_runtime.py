@@ -178,9 +178,7 @@ class LoRARuntime:
     def step_slots(self, out: SchedulerOutput) -> list[int] | None:
         """Each scheduled sequence's adapter slot (-1 = base model); None if no adapter runs."""
         self._step += 1
-        slots = [
-            -1 if item.seq.request.lora is None else self._pinned(item.seq) for item in out.scheduled
-        ]
+        slots = [-1 if item.seq.request.lora is None else self._pinned(item.seq) for item in out.scheduled]
         return None if all(s < 0 for s in slots) else slots
 
     def _pinned(self, seq: Sequence) -> int:
