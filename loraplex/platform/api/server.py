@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import socket
+from collections.abc import Callable
 
 import uvicorn
 from fastapi import FastAPI
@@ -10,6 +12,28 @@ from fastapi import FastAPI
 from loraplex.platform.api.deps import app_state
 
 logger = logging.getLogger(__name__)
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn with a hook run at the end of its graceful shutdown (lifespan included).
+
+    After shutting down for SIGTERM, uvicorn raises the signal again from inside
+    ``run()``; its default action ends the process there, so code after ``run()`` never
+    runs. What must happen on every graceful stop (the engine persisting its cached KV
+    to the disk tier for a warm restart) goes in ``after_shutdown``.
+    """
+
+    def __init__(self, config: uvicorn.Config, after_shutdown: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._after_shutdown = after_shutdown
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            # Blocking on purpose: nothing else runs in the loop any more, and the signal
+            # must not be re-raised before the KV is on disk.
+            self._after_shutdown()
 
 
 class Server:
@@ -20,18 +44,21 @@ class Server:
     SIGTERM/SIGINT, open requests get ``ServerLimits.graceful_shutdown_s`` to finish,
     then uvicorn raises the signal again with its default handler, so the process ends
     the way that signal ends it (SIGTERM: status 143, SIGINT: ``KeyboardInterrupt``).
+    The engine shuts down (persisting cached KV to the disk tier) before that, at the
+    end of uvicorn's shutdown.
     """
 
     def __init__(self, app: FastAPI, host: str, port: int, log_level: str = "info") -> None:
         self.state = app_state(app)
-        self.uvicorn = uvicorn.Server(
+        self.uvicorn = _Uvicorn(
             uvicorn.Config(
                 app,
                 host=host,
                 port=port,
                 log_level=log_level,
                 timeout_graceful_shutdown=self.state.limits.graceful_shutdown_s,
-            )
+            ),
+            after_shutdown=self.state.engine.shutdown,
         )
         self.state.engine.on_dead(self._engine_died)
 
@@ -44,7 +71,7 @@ class Server:
         try:
             self.uvicorn.run()
         finally:
-            self.state.engine.shutdown()
+            self.state.engine.shutdown()  # idempotent: covers a failed start-up and SIGINT
         return 1 if self.state.engine.error is not None else 0
 
     def stop(self) -> None:

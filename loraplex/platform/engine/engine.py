@@ -510,11 +510,20 @@ class LLMEngine:
             self.scheduler.drain()
             # What the accelerator pool still caches would be lost with the process: copy
             # it down (host, then disk) so a restarted engine on the same path finds it.
-            for block_id, key in self.block_manager.pool.cached_blocks():
-                self.tiers.demote(block_id, key)
-            self.tiers.spill_to_disk()
+            start = time.perf_counter()
+            cached = self.block_manager.pool.cached_blocks()
+            kept = sum(self.tiers.demote(block_id, key) is not None for block_id, key in cached)
+            spilled = self.tiers.spill_to_disk()
             self.tiers.close()
             self.tiers = None
+            logger.info(
+                "KV tiers closed in %.1f s: %d of %d cached device blocks kept in a tier, "
+                "%d host blocks written to disk",
+                time.perf_counter() - start,
+                kept,
+                len(cached),
+                spilled,
+            )
 
     # -- invariants ----------------------------------------------------------------
     def check_integrity(self) -> None:
