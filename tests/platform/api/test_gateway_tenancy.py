@@ -71,6 +71,38 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
     return dict(body["error"])
 
 
+# -- prefix cache --------------------------------------------------------------------------------
+
+
+def cached_tokens(response: httpx.Response) -> int:
+    assert response.status_code == 200, response.text
+    return int(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+@pytest.mark.asyncio
+async def test_prefix_cache_hits_within_a_tenant_and_never_across(client: httpx.AsyncClient) -> None:
+    # The gateway salts the cache with the key's tenant (id, name, creation time): the same
+    # prompt hits for its own tenant only, and a tenant re-created under an old name starts
+    # cold. Tokens only this test sends (the engine, and its cache, serve the whole module).
+    admin = Admin(client)
+    acme, globex = await admin.tenant_with_key("acme"), await admin.tenant_with_key("globex")
+    block = 16  # the engine's default block size
+    prompt = [3000 + (37 * i) % 1000 for i in range(3 * block + 4)]
+    first = await complete(client, acme, prompt=prompt)
+    again = await complete(client, acme, prompt=prompt)
+    other = await complete(client, globex, prompt=prompt)
+    assert (cached_tokens(first), cached_tokens(again), cached_tokens(other)) == (0, 3 * block, 0)
+    assert (
+        first.json()["choices"][0]["text"]
+        == again.json()["choices"][0]["text"]
+        == other.json()["choices"][0]["text"]
+    )
+    assert (await client.delete("/admin/api/tenants/acme", headers=ADMIN)).status_code == 200
+    reborn = await admin.tenant_with_key("acme")
+    assert cached_tokens(await complete(client, reborn, prompt=prompt)) == 0
+    assert cached_tokens(await complete(client, globex, prompt=prompt)) == 3 * block
+
+
 # -- keys ----------------------------------------------------------------------------------------
 
 
