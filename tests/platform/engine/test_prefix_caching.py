@@ -27,7 +27,7 @@ def adapters(tiny_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
     return [LoRARequest("a", 1, str(root / "a")), LoRARequest("a-reuploaded", 2, str(root / "a2"))]
 
 
-def _engine(tiny_dirs: dict[str, Path], enable: bool = True) -> LLMEngine:
+def _engine(tiny_dirs: dict[str, Path], enable: bool = True, **tiers: object) -> LLMEngine:
     llm = LLM(
         model=str(tiny_dirs["gqa_tied"]),
         dtype="float32",
@@ -37,6 +37,7 @@ def _engine(tiny_dirs: dict[str, Path], enable: bool = True) -> LLMEngine:
         max_loras=2,
         max_lora_rank=8,
         enable_prefix_caching=enable,
+        **tiers,  # type: ignore[arg-type]
     )
     return llm.llm_engine
 
@@ -90,3 +91,24 @@ def test_no_hit_across_adapters_versions_tenants_or_the_base_model(
     assert _run(engine, "other-tenant", PROMPT, lora=v1, tenant="globex").num_cached_tokens == 0
     assert _run(engine, "offline", PROMPT, lora=v1).num_cached_tokens == 0
     engine.check_integrity()
+
+
+def test_isolation_holds_across_the_disk_tier_and_a_restart(
+    tiny_dirs: dict[str, Path], adapters: list[LoRARequest], tmp_path: Path
+) -> None:
+    # The blocks a restarted engine finds on disk keep the adapter version and the tenant
+    # they were computed for (peers drop the salt at the tier boundary).
+    v1, v2 = adapters
+    disk = dict(disk_kv_path=str(tmp_path / "kv"), disk_kv_cache_bytes=4 << 20)
+    engine = _engine(tiny_dirs, **disk)
+    warm = _run(engine, "warm", PROMPT, lora=v1, tenant="acme")
+    engine.shutdown()  # the cached device blocks go to disk
+    restarted = _engine(tiny_dirs, **disk)
+    same = _run(restarted, "same", PROMPT, lora=v1, tenant="acme")
+    assert same.num_cached_tokens == 5 * BLOCK and same.outputs[0].token_ids == warm.outputs[0].token_ids
+    assert _run(restarted, "new-version", PROMPT, lora=v2, tenant="acme").num_cached_tokens == 0
+    assert _run(restarted, "base", PROMPT, tenant="acme").num_cached_tokens == 0
+    assert _run(restarted, "other-tenant", PROMPT, lora=v1, tenant="globex").num_cached_tokens == 0
+    assert _run(restarted, "offline", PROMPT, lora=v1).num_cached_tokens == 0
+    restarted.check_integrity()
+    restarted.shutdown()
