@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from loraplex.storage.kv import block_codec
-from loraplex.storage.kv.disk_files import DiskPathInUseError
+from loraplex.storage.kv.disk_files import DiskPathError, DiskPathInUseError
 from loraplex.storage.kv.disk_pool import DiskKVPool
 from loraplex.storage.kv.kv_cache import KVBlockLayout
 
@@ -394,3 +394,21 @@ def test_unwritable_directory_is_reported_at_start(tmp_path: Path) -> None:
         fill(p, [1])
         assert p.contains(key(1))
         p.check_integrity()
+
+
+def test_a_path_that_cannot_be_the_directory_is_a_clear_error(tmp_path: Path) -> None:
+    file = tmp_path / "a-file"
+    file.write_bytes(b"x")
+    with pytest.raises(DiskPathError, match="exists and is not a directory"):
+        DiskKVPool(file, LAYOUT, FP, RECORD)
+    with pytest.raises(DiskPathError, match="cannot create it: Not a directory"):
+        DiskKVPool(file / "kv", LAYOUT, FP, RECORD)
+    assert file.read_bytes() == b"x"  # left alone
+
+
+def test_a_cap_below_one_record_turns_the_tier_off_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING"), DiskKVPool(tmp_path / "kv", LAYOUT, FP, RECORD - 1) as p:
+        assert p.num_slots == 0 and not p.demote_async(key(0), block(0))
+    assert "holds no KV block" in caplog.text and not (tmp_path / "kv").exists()

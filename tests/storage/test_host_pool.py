@@ -29,6 +29,16 @@ def test_capacity_is_whole_blocks() -> None:
     assert (m.tier, m.capacity_blocks, m.capacity_bytes, m.used_blocks) == ("host", 3, 3 * 1024, 0)
 
 
+def test_a_cap_below_one_block_turns_the_tier_off_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING"):
+        pool = HostKVPool(LAYOUT, LAYOUT.bytes_per_block - 1, pin_memory=False)
+    assert pool.num_slots == 0 and "holds no KV block" in caplog.text
+    with caplog.at_level("WARNING"):
+        caplog.clear()
+        HostKVPool(LAYOUT, 0, pin_memory=False)  # 0 is the documented "off": no warning
+    assert "holds no KV block" not in caplog.text
+
+
 def test_put_get_evict_lru_exact_slots() -> None:
     pool = HostKVPool(LAYOUT, 3 * LAYOUT.bytes_per_block, pin_memory=False)
     assert [pool.put(key(i), block(i)) for i in range(3)] == [0, 1, 2]

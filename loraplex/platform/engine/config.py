@@ -130,6 +130,12 @@ class EngineConfig:
             raise ValueError("host_kv_cache_bytes and disk_kv_cache_bytes must be >= 0")
         if self.disk_kv_cache_bytes > 0 and not self.disk_kv_path:
             raise ValueError(f"disk_kv_cache_bytes={self.disk_kv_cache_bytes} needs disk_kv_path")
+        if self.disk_kv_path and self.disk_kv_cache_bytes == 0:
+            # Silently serving without the tier asked for would look like a cold cache.
+            raise ValueError(
+                f"disk_kv_path={self.disk_kv_path!r} needs disk_kv_cache_bytes, the tier's cap "
+                "(e.g. --disk-kv-cache-bytes 20GiB); the disk tier never grows past it"
+            )
         if (self.host_kv_cache_bytes or self.disk_kv_cache_bytes) and not self.enable_prefix_caching:
             raise ValueError(
                 "the host and disk KV tiers hold prefix-cache blocks: they need enable_prefix_caching=True"

@@ -37,6 +37,10 @@ class DiskPathInUseError(RuntimeError):
     """Another live pool (this process or another) holds ``disk_kv_path``."""
 
 
+class DiskPathError(ValueError):
+    """``disk_kv_path`` cannot hold the tier: a file, under a file, or not creatable."""
+
+
 @dataclass
 class RestartReport:
     """What the start-up scan found in ``disk_kv_path``."""
@@ -69,8 +73,14 @@ class SlotFiles:
 
     # -- the path lock ---------------------------------------------------------
     def lock(self) -> None:
-        """Create the directory and take its lock; DiskPathInUseError if another pool has it."""
-        self.path.mkdir(parents=True, exist_ok=True)
+        """Create the directory and take its lock; DiskPathInUseError if another pool has it,
+        DiskPathError if the path cannot be a directory of ours."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except FileExistsError as exc:
+            raise DiskPathError(f"disk_kv_path {self.path} exists and is not a directory") from exc
+        except OSError as exc:
+            raise DiskPathError(f"disk_kv_path {self.path}: cannot create it: {exc.strerror}") from exc
         fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

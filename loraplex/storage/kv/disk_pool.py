@@ -94,6 +94,12 @@ class DiskKVPool:
         self._files = SlotFiles(self.path, self.record_bytes)
         self._executor: ThreadPoolExecutor | None = None
         if self._num_slots == 0:  # disabled: every demotion is a counted drop, nothing touches disk
+            if capacity_bytes:
+                logger.warning(
+                    "disk_kv_cache_bytes=%d holds no KV block (one record is %d bytes): the disk tier is off",
+                    capacity_bytes,
+                    self.record_bytes,
+                )
             return
         self._files.lock()
         self._restore_index()

@@ -47,6 +47,12 @@ class HostKVPool:
         self._free: deque[int] = deque(range(self._num_slots))
         self._pins: dict[bytes, int] = {}
         self.counters = TierCounters()
+        if capacity_bytes and not self._num_slots:
+            logger.warning(
+                "host_kv_cache_bytes=%d holds no KV block (one is %d bytes): the host tier is off",
+                capacity_bytes,
+                layout.bytes_per_block,
+            )
         if self._num_slots:
             logger.info(
                 "host KV tier: %d blocks, %.1f MiB%s",

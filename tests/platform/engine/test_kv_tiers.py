@@ -169,7 +169,11 @@ def test_preempted_sequences_come_back_from_the_host_tier(tiny_dirs: dict[str, P
 
     def run(**kw: object) -> tuple[list[list[int]], LLMEngine]:
         llm = LLM(
-            model=str(tiny_dirs["gqa_tied"]), dtype="float32", block_size=BLOCK, num_kv_blocks=16, **kw  # type: ignore[arg-type]
+            model=str(tiny_dirs["gqa_tied"]),
+            dtype="float32",
+            block_size=BLOCK,
+            num_kv_blocks=16,
+            **kw,  # type: ignore[arg-type]
         )
         outs = llm.generate(prompts, long, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs], llm.llm_engine
@@ -180,3 +184,15 @@ def test_preempted_sequences_come_back_from_the_host_tier(tiny_dirs: dict[str, P
     assert engine.scheduler.num_preemptions > 0
     assert _metrics(engine, "host")["promotions"] > 0
     engine.check_integrity()
+
+
+def test_tier_settings_that_cannot_mean_what_they_say_are_refused() -> None:
+    from loraplex.platform.engine.config import EngineConfig
+
+    # A disk path without a cap would silently serve with no disk tier at all.
+    with pytest.raises(ValueError, match="needs disk_kv_cache_bytes"):
+        EngineConfig(disk_kv_path="/tmp/kv")
+    with pytest.raises(ValueError, match="needs disk_kv_path"):
+        EngineConfig(disk_kv_cache_bytes=1 << 20)
+    with pytest.raises(ValueError, match="need enable_prefix_caching=True"):
+        EngineConfig(enable_prefix_caching=False, host_kv_cache_bytes=1 << 20)
