@@ -1,0 +1,113 @@
+"""A drawn workload through a small pool with the KV tiers, against the engine without any cache.
+
+Forty requests over four shared prefixes (greedy, and seeded ``n`` = 2 samples), arriving
+over the first steps, run through a pool far too small for them: prefix hits, evictions
+down the tiers, promotions back, preemption by swap (to host, or to disk with reads in
+flight), lost swaps, recompute. Whatever happened, every request must end with the tokens
+the cache-off engine with a pool that never preempts gives it, and ``check_integrity()``
+must hold after every step.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from loraplex import SamplingParams
+from loraplex.platform.engine.config import EngineConfig
+from loraplex.platform.engine.engine import LLMEngine
+
+BLOCK = 8
+BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 4  # the tiny gqa model: 2 layers, K and V, 2 KV heads of 16, float32
+
+
+@dataclass(frozen=True)
+class Arrival:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    step: int  # added once the engine has run this many steps
+
+
+def draw_workload(seed: int) -> list[Arrival]:
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(5, 900) for _ in range(rng.randrange(8, 60))] for _ in range(4)]
+    arrivals = []
+    for i in range(40):
+        prompt = rng.choice(prefixes) + [rng.randrange(5, 900) for _ in range(rng.randrange(1, 20))]
+        n = rng.choice([1, 1, 2])
+        params = SamplingParams(
+            n=n,
+            temperature=0 if n == 1 else 0.8,
+            seed=rng.randrange(1 << 20),
+            max_tokens=rng.randrange(1, 40),
+            ignore_eos=True,
+        )
+        arrivals.append(Arrival(f"r{i}", prompt, params, 3 * rng.randrange(0, 3)))
+    return arrivals
+
+
+def run(
+    model: Path, arrivals: list[Arrival], check: bool, **config: object
+) -> tuple[dict[str, list[tuple[int, ...]]], LLMEngine]:
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model),
+            dtype="float32",
+            block_size=BLOCK,
+            max_num_seqs=6,
+            max_num_batched_tokens=64,
+            **config,  # type: ignore[arg-type]
+        )
+    )
+    pending = sorted(arrivals, key=lambda a: a.step)
+    outputs: dict[str, list[tuple[int, ...]]] = {}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and (pending[0].step <= step or not engine.has_unfinished_requests()):
+            a = pending.pop(0)
+            engine.add_request(a.request_id, a.prompt, a.params)
+        for out in engine.step():
+            if out.finished:
+                assert out.error is None, (out.request_id, out.error)
+                outputs[out.request_id] = sorted(tuple(c.token_ids) for c in out.outputs)
+        if check:
+            engine.check_integrity()
+        step += 1
+    engine.check_integrity()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return outputs, engine
+
+
+@pytest.mark.parametrize("seed", [5, 7])
+@pytest.mark.parametrize("tiers", ["swap-to-host", "auto-to-disk", "recompute"])
+def test_a_drawn_workload_gives_the_uncached_tokens(
+    tiny_dirs: dict[str, Path], tmp_path: Path, seed: int, tiers: str
+) -> None:
+    model, arrivals = tiny_dirs["gqa_tied"], draw_workload(seed)
+    expected, reference = run(model, arrivals, False, enable_prefix_caching=False, num_kv_blocks=400)
+    assert reference.scheduler.num_preemptions == 0
+    reference.shutdown()
+    config: dict[str, object] = {
+        "swap-to-host": dict(num_kv_blocks=24, host_kv_cache_bytes=32 * BLOCK_BYTES, preemption_mode="swap"),
+        "auto-to-disk": dict(
+            num_kv_blocks=24,
+            disk_kv_path=str(tmp_path / "kv"),
+            disk_kv_cache_bytes=1 << 20,
+            preemption_mode="auto",
+        ),
+        "recompute": dict(num_kv_blocks=20, preemption_mode="recompute"),
+    }[tiers]
+    got, engine = run(model, arrivals, True, **config)
+    sched = engine.scheduler
+    assert got == expected
+    assert sched.num_preemptions > 0, "the pool must be too small for the workload"
+    if tiers != "recompute":
+        assert sched.num_swapped_out > 0
+        assert sched.num_swapped_in + sched.num_swaps_lost <= sched.num_swapped_out
+        tier_metrics = {m.tier: m for m in engine.tiers.metrics()} if engine.tiers else {}
+        assert sum(m.promotions for m in tier_metrics.values()) > 0
+    engine.shutdown()
