@@ -5,12 +5,16 @@ over the first steps, run through a pool far too small for them: prefix hits, ev
 down the tiers, promotions back, preemption by swap (to host, or to disk with reads in
 flight), lost swaps, recompute. Whatever happened, every request must end with the tokens
 the cache-off engine with a pool that never preempts gives it, and ``check_integrity()``
-must hold after every step.
+must hold after every step. The same holds on a disk that fails reads, corrupts records and
+refuses writes (``FlakyDisk``): faults cost hits, never tokens.
 """
 
 from __future__ import annotations
 
+import errno
 import random
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +55,11 @@ def draw_workload(seed: int) -> list[Arrival]:
 
 
 def run(
-    model: Path, arrivals: list[Arrival], check: bool, **config: object
+    model: Path,
+    arrivals: list[Arrival],
+    check: bool,
+    prepare: Callable[[LLMEngine], None] | None = None,
+    **config: object,
 ) -> tuple[dict[str, list[tuple[int, ...]]], LLMEngine]:
     engine = LLMEngine(
         EngineConfig(
@@ -63,6 +71,8 @@ def run(
             **config,  # type: ignore[arg-type]
         )
     )
+    if prepare is not None:
+        prepare(engine)
     pending = sorted(arrivals, key=lambda a: a.step)
     outputs: dict[str, list[tuple[int, ...]]] = {}
     step = 0
@@ -110,4 +120,60 @@ def test_a_drawn_workload_gives_the_uncached_tokens(
         assert sched.num_swapped_in + sched.num_swaps_lost <= sched.num_swapped_out
         tier_metrics = {m.tier: m for m in engine.tiers.metrics()} if engine.tiers else {}
         assert sum(m.promotions for m in tier_metrics.values()) > 0
+    engine.shutdown()
+
+
+class FlakyDisk:
+    """Faults injected into the engine's real disk tier files, drawn from a seeded stream:
+    15% of reads fail (EIO), 15% more return a record with a flipped bit, 15% of writes
+    fail (ENOSPC)."""
+
+    def __init__(self, engine: LLMEngine, seed: int) -> None:
+        assert engine.tiers is not None and engine.tiers.disk is not None
+        files = engine.tiers.disk._files
+        rng, lock = random.Random(seed), threading.Lock()  # the tier's I/O threads draw too
+        read_record, write_record = files.read_record, files.write_record
+
+        def draw() -> float:
+            with lock:
+                return rng.random()
+
+        def read(slot: int) -> bytearray:
+            x = draw()
+            if x < 0.15:
+                raise OSError(errno.EIO, "injected read error")
+            data = read_record(slot)
+            if x < 0.30:
+                data[len(data) // 2] ^= 0x10
+            return data
+
+        def write(slot: int, header: bytes, payload: memoryview, fsync: bool) -> None:
+            if draw() < 0.15:
+                raise OSError(errno.ENOSPC, "injected ENOSPC")
+            write_record(slot, header, payload, fsync)
+
+        files.read_record = read  # type: ignore[method-assign]
+        files.write_record = write  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("mode", ["auto", "swap"])
+def test_a_flaky_disk_costs_hits_never_tokens(tiny_dirs: dict[str, Path], tmp_path: Path, mode: str) -> None:
+    model, arrivals = tiny_dirs["gqa_tied"], draw_workload(3)
+    expected, reference = run(model, arrivals, False, enable_prefix_caching=False, num_kv_blocks=400)
+    reference.shutdown()
+    got, engine = run(
+        model,
+        arrivals,
+        True,
+        lambda e: FlakyDisk(e, seed=1),
+        num_kv_blocks=24,
+        disk_kv_path=str(tmp_path / "kv"),
+        disk_kv_cache_bytes=1 << 20,
+        preemption_mode=mode,
+    )
+    assert got == expected
+    assert engine.tiers is not None
+    disk = {m.tier: m for m in engine.tiers.metrics()}["disk"]
+    assert disk.io_errors > 0 and disk.checksum_failures > 0  # the faults happened and were counted
+    assert disk.promotions > 0 and engine.scheduler.num_swaps_lost > 0  # and some blocks still came back
     engine.shutdown()
