@@ -97,15 +97,19 @@ def select_lora_backend(name: LoRABackendName, device: torch.device) -> LoRABack
     return PortableLoRABackend()
 
 
+def _linear_register_tile() -> bool:
+    from loraplex.kernels.cpu.linear import has_register_tile
+
+    return has_register_tile()
+
+
 def select_linear_backend(name: LinearBackendName, device: torch.device) -> LinearBackend:
     """Return the linear backend for ``name`` on ``device`` (C panels on CPU by default)."""
     _check_name("linear", name, LINEAR_BACKEND_NAMES)
-    # The panel kernel's 6 x 64 register tile needs AVX-512's 32 vector registers: with AVX2's
-    # 16 it spills, and measured 8-10x slower than F.linear on an AVX2-only EPYC VM, so
-    # "auto" takes it only where AVX-512 is present ("cpu" forces it anywhere).
-    from loraplex.kernels.cpu.build import cpu_has_avx512
-
-    use_cpu = name == "cpu" or (name == "auto" and _cpu_kernels_available(device) and cpu_has_avx512())
+    # "auto" takes the panel kernel where the library has a register tile for this CPU
+    # (AVX-512: 6 x 64, AVX2 + FMA: 6 x 16); built for other vector units its tile spills
+    # and F.linear is faster ("cpu" forces it anywhere it builds).
+    use_cpu = name == "cpu" or (name == "auto" and _cpu_kernels_available(device) and _linear_register_tile())
     if use_cpu:
         _require_cpu_kernels("linear", device)
         from loraplex.kernels.cpu.linear import CpuLinearBackend

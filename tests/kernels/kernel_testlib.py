@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -25,6 +26,18 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float16: (2e-3, 4e-3),
     torch.bfloat16: (1.6e-2, 3e-2),
 }
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
 
 
 def kernel_device() -> torch.device:

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_testlib import cpu_flags
 
 from loraplex.kernels.cpu import build
-from loraplex.kernels.cpu.linear import CpuLinearBackend, linear_packed, pack_weight, panel_width
+from loraplex.kernels.cpu.linear import (
+    CpuLinearBackend,
+    has_register_tile,
+    linear_packed,
+    pack_weight,
+    panel_width,
+)
 from loraplex.kernels.portable.linear import PortableLinearBackend
 from loraplex.kernels.registry import select_linear_backend
 
@@ -19,9 +26,12 @@ def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
 
 
 # Rows: empty, under one 6-row tile, one tile, a tile + 1, around a 96-row work item.
-# Columns: one, under / at / over one 64-column panel, SmolLM2's qkv. Depth: 1, odd, 576.
+# Columns: one, under / at / over one panel (16 columns with AVX2, 64 with AVX-512), SmolLM2's qkv.
+# Depth: 1, odd, 576.
 @pytest.mark.parametrize("m", [0, 1, 5, 6, 7, 95, 96, 97, 200])
-@pytest.mark.parametrize(("n", "k"), [(1, 7), (63, 1), (64, 33), (65, 576), (960, 576)])
+@pytest.mark.parametrize(
+    ("n", "k"), [(1, 7), (15, 2), (16, 9), (17, 33), (63, 1), (64, 33), (65, 576), (960, 576)]
+)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_matches_float64(m: int, n: int, k: int, with_bias: bool) -> None:
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
@@ -89,9 +99,12 @@ def test_backend_packs_float32_and_leaves_other_dtypes_to_torch() -> None:
 
 
 def test_registry(monkeypatch: pytest.MonkeyPatch) -> None:
-    # "auto" takes the C kernel where it builds and the CPU has AVX-512 (its register tile needs it).
+    # "auto" takes the C kernel where it builds with a register tile (AVX-512, or AVX2 + FMA).
     auto_is_c = isinstance(select_linear_backend("auto", CPU), CpuLinearBackend)
-    assert auto_is_c == build.cpu_has_avx512()
+    assert auto_is_c == has_register_tile()
+    flags = cpu_flags()
+    if "avx512f" in flags or {"avx2", "fma"} <= flags:
+        assert auto_is_c
     assert isinstance(select_linear_backend("cpu", CPU), CpuLinearBackend)  # forced: anywhere it builds
     assert type(select_linear_backend("torch", CPU)) is PortableLinearBackend
     assert type(select_linear_backend("auto", torch.device("cuda"))) is PortableLinearBackend

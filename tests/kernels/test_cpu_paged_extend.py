@@ -3,7 +3,8 @@
 Batches mix sequences with no cached prefix (a fresh prefill), a prefix that ends
 inside a block, a long prefix with a short chunk (a prefix-cache hit) and single
 tokens after a prefix; block sizes 8/16/32, head dims 64/128, GQA 1/3/4/8 and every
-tile width the kernel has (``max_row_vectors`` 1-3). float32 and bfloat16.
+tile width the kernel has (``max_row_vectors`` 1-3 of 16 floats with AVX-512, 1-6 of 8 with
+AVX2). float32 and bfloat16.
 """
 
 from __future__ import annotations
@@ -12,10 +13,17 @@ import itertools
 
 import pytest
 import torch
-from kernel_testlib import PagedContext, assert_close, make_paged_context, naive_attention, naive_gather
+from kernel_testlib import (
+    PagedContext,
+    assert_close,
+    cpu_flags,
+    make_paged_context,
+    naive_attention,
+    naive_gather,
+)
 
 from loraplex.kernels.cpu.attention import CpuAttentionBackend
-from loraplex.kernels.cpu.paged_extend import paged_extend_cpu, supports
+from loraplex.kernels.cpu.paged_extend import max_row_vectors, paged_extend_cpu, supports
 from loraplex.kernels.metadata import AttentionMetadata
 from loraplex.kernels.portable.attention import PortableAttentionBackend
 
@@ -89,17 +97,22 @@ def _check(case: tuple[int, int, int, int], dtype: torch.dtype, row_vectors: int
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("row_vectors", [0, 1, 2, 3], ids=lambda n: f"nv{n}")
+@pytest.mark.parametrize("row_vectors", [0, 1, 2, 3, 4, 5, 6], ids=lambda n: f"nv{n}")
 @pytest.mark.parametrize("case", FAST_CASES, ids=lambda c: "bs{}-d{}-gqa{}-kv{}".format(*c))
 def test_c_paged_extend(case: tuple[int, int, int, int], row_vectors: int, dtype: torch.dtype) -> None:
+    # Above the library's most, the kernel takes its most: still a valid (repeated) case.
     _check(case, dtype, row_vectors)
+
+
+def test_the_library_reports_its_tile_width() -> None:
+    assert max_row_vectors() in (3, 6)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("case", SLOW_CASES, ids=lambda c: "bs{}-d{}-gqa{}-kv{}".format(*c))
 def test_c_paged_extend_grid(case: tuple[int, int, int, int], dtype: torch.dtype) -> None:
-    for row_vectors in (0, 1, 2, 3):
+    for row_vectors in range(max_row_vectors() + 1):
         _check(case, dtype, row_vectors)
 
 
@@ -169,10 +182,14 @@ def test_backend_serves_decodes_and_prefills_in_one_batch() -> None:
     assert_close(fast, reference.double(), torch.float32, "cpu backend vs portable")
 
 
-def test_the_backend_takes_the_kernel_only_with_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On AVX2 the kernel's register tiles spill (several times slower than torch): the CPU
-    backend then serves prefill attention on the portable path, with the same result."""
+def test_the_backend_takes_the_kernel_only_with_register_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built without register tiles for the CPU (neither AVX-512 nor AVX2) the kernel spills
+    (several times slower than torch): the CPU backend then serves prefill attention on the
+    portable path, with the same result. x86 CPUs with AVX2 or AVX-512 take the kernel."""
     from loraplex.kernels.cpu import paged_extend
+
+    if {"avx2", "fma"} <= cpu_flags() or "avx512f" in cpu_flags():
+        assert paged_extend.worth_it()
 
     calls: list[int] = []
     real = paged_extend.paged_extend_cpu
@@ -195,9 +212,9 @@ def test_the_backend_takes_the_kernel_only_with_avx512(monkeypatch: pytest.Monke
         seq_lens_cpu=tuple(contexts),
     )
     expected = _naive(query, ctx, query_lens, contexts, 0.125)
-    for avx512 in (True, False):
-        monkeypatch.setattr(paged_extend, "worth_it", lambda avx512=avx512: avx512)
+    for tiles in (True, False):
+        monkeypatch.setattr(paged_extend, "worth_it", lambda tiles=tiles: tiles)
         calls.clear()
         out = CpuAttentionBackend().forward(query, ctx.k_cache, ctx.v_cache, meta, 0.125)
-        assert_close(out, expected, torch.float32, f"backend, avx512={avx512}")
-        assert bool(calls) == avx512
+        assert_close(out, expected, torch.float32, f"backend, register tiles={tiles}")
+        assert bool(calls) == tiles

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from loraplex.kernels.cpu.build import bind, cpu_has_avx512, limit
+from loraplex.kernels.cpu.build import bind, limit
 from loraplex.kernels.metadata import PAD_BLOCK_ID
 
 _SYMBOLS = {torch.float32: "loraplex_paged_extend_f32", torch.bfloat16: "loraplex_paged_extend_bf16"}
@@ -45,12 +45,20 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     )
 
 
+def max_row_vectors() -> int:
+    """The most row vectors one work item takes (3 of 16 floats with AVX-512, 6 of 8 with AVX2)."""
+    return limit("loraplex_paged_extend_max_row_vectors")
+
+
 def worth_it() -> bool:
-    """True on CPUs with AVX-512. Built for AVX2 (``-march=x86-64-v3``) the kernel's 24-vector
-    tiles spill: measured on this project's VM, 3.2 ms for 32 tokens over 1,056 (torch: 0.74)
-    and 40 ms for a 1,056-token prefill (torch: 13), so AVX2 machines keep the portable path
-    for prefill attention (the kernel stays correct there, and is tested on every machine)."""
-    return cpu_has_avx512()
+    """True when the library was built with register tiles for this CPU (AVX-512 or AVX2).
+
+    Elsewhere the compiler splits the kernel's vectors and it spills: the AVX-512 tile built
+    for AVX2 measured 3.2 ms for 32 tokens over 1,056 (torch: 0.74) and 40 ms for a 1,056-token
+    prefill (torch: 13). With its own AVX2 tiles (``paged_extend_avx2.h``) on an AVX2-only EPYC:
+    0.84-0.91 ms against torch's 1.2-1.3 ms, and 15.7 ms against 21 ms for the prefill. The
+    kernel stays correct everywhere and is tested on every machine."""
+    return limit("loraplex_paged_extend_register_tile") == 1
 
 
 def paged_extend_cpu(
@@ -72,8 +80,8 @@ def paged_extend_cpu(
     row and reports a block id outside ``[0, num_blocks)`` (``PAD_BLOCK_ID``
     included) instead of reading it, as it does a query length < 1 or longer than the
     context: this raises ``ValueError`` then. ``max_row_vectors`` caps the query rows of
-    one work item at 16 times it (0: the kernel's own choice; tests use it to reach
-    every tile shape).
+    one work item at that many row vectors (of 16 floats with AVX-512, 8 with AVX2; 0: the
+    kernel's own choice; tests use it to reach every tile shape).
     """
     # Cheap checks only (this runs per layer per step); the kernel validates the
     # index arrays it reads (query_start, seq_lens, block ids) and reports them.

@@ -15,13 +15,17 @@ static inline __attribute__((always_inline)) int EXT_ITEM(
     const EXT_T *query, const EXT_T *k_cache, const EXT_T *v_cache, const int32_t *table, int64_t prefix,
     int64_t q_tok0, int64_t j0, int64_t ntok, int64_t h, int64_t group, int64_t num_heads, int64_t head_dim,
     int64_t block_size, int64_t token_stride, int64_t num_cache_blocks, float scale, EXT_T *out, const int nv) {
+#if EXT_AVX2
+#define EXT_OT(d, r) ((r) * head_dim + (d)) /* row-major: the AVX2 P.V tile loads V rows as vectors */
+#else
+#define EXT_OT(d, r) ((d) * width + (r)) /* O^T: rows in lanes, as Q^T and P */
+#endif
     const int64_t rows = ntok * group;
-    const int64_t width = (int64_t)nv * VL; /* row lanes, padding included */
-    /* K.Q^T tile: 8 keys x nv row vectors; P.V tile: 8 dims x nv row vectors (<= 24
-     * accumulators, so with the operands they fit 32 vector registers). */
-    const int qk_keys = 8, pv_dims = 8;
+    const int64_t width = (int64_t)nv * EXT_VL; /* row lanes, padding included */
+    /* Generic tiles: K.Q^T of EXT_QK_KEYS keys x nv row vectors, P.V of EXT_PV_DIMS dims x nv
+     * row vectors (<= 24 accumulators: AVX-512's registers); AVX2 has its own (see the .c). */
     float qt[EXT_MAX_HEAD_DIM * EXT_MAX_ROWS]; /* scaled Q^T: qt[d * width + r] */
-    float ot[EXT_MAX_HEAD_DIM * EXT_MAX_ROWS]; /* unnormalised O^T: ot[d * width + r] */
+    float ot[EXT_MAX_HEAD_DIM * EXT_MAX_ROWS]; /* unnormalised O: ot[EXT_OT(d, r)] */
     float p[EXT_KEYS * EXT_MAX_ROWS];          /* a chunk's scores, then probabilities: p[t * width + r] */
     float m[EXT_MAX_ROWS], l[EXT_MAX_ROWS], corr[EXT_MAX_ROWS], lim[EXT_MAX_ROWS], cmax[EXT_MAX_ROWS];
 
@@ -78,33 +82,37 @@ static inline __attribute__((always_inline)) int EXT_ITEM(
             ext_prefetch_keys((const char *)k_cache, (const char *)v_cache, table, c0 + row + EXT_PREFETCH_KEYS, len,
                               key_end, block_size, token_stride, h * head_dim, head_dim, (int64_t)sizeof(EXT_T),
                               num_cache_blocks);
+#if EXT_AVX2
+            EXT_QK_AVX2(qt, nv, kc, len, token_stride, head_dim, p + row * width);
+#else
             int64_t t = 0;
-            for (; t + qk_keys <= len; t += qk_keys) {
-                v16 a[8][EXT_MAX_NV];
-                for (int u = 0; u < qk_keys; ++u)
-                    for (int v = 0; v < nv; ++v) a[u][v] = vsplat(0.0f);
+            for (; t + EXT_QK_KEYS <= len; t += EXT_QK_KEYS) {
+                ev a[EXT_QK_KEYS][EXT_MAX_NV];
+                for (int u = 0; u < EXT_QK_KEYS; ++u)
+                    for (int v = 0; v < nv; ++v) a[u][v] = ev_splat(0.0f);
                 const EXT_T *k0 = kc + t * token_stride;
                 for (int64_t d = 0; d < head_dim; ++d) {
-                    v16 q[EXT_MAX_NV];
-                    for (int v = 0; v < nv; ++v) q[v] = vload(qt + d * width + v * VL);
-                    for (int u = 0; u < qk_keys; ++u) {
-                        const v16 kb = vsplat(EXT_LOAD(k0 + u * token_stride + d));
+                    ev q[EXT_MAX_NV];
+                    for (int v = 0; v < nv; ++v) q[v] = ev_load(qt + d * width + v * EXT_VL);
+                    for (int u = 0; u < EXT_QK_KEYS; ++u) {
+                        const ev kb = ev_splat(EXT_LOAD(k0 + u * token_stride + d));
                         for (int v = 0; v < nv; ++v) a[u][v] += q[v] * kb;
                     }
                 }
-                for (int u = 0; u < qk_keys; ++u)
-                    for (int v = 0; v < nv; ++v) vstore(p + (row + t + u) * width + v * VL, a[u][v]);
+                for (int u = 0; u < EXT_QK_KEYS; ++u)
+                    for (int v = 0; v < nv; ++v) ev_store(p + (row + t + u) * width + v * EXT_VL, a[u][v]);
             }
             for (; t < len; ++t) {
-                v16 a[EXT_MAX_NV];
-                for (int v = 0; v < nv; ++v) a[v] = vsplat(0.0f);
+                ev a[EXT_MAX_NV];
+                for (int v = 0; v < nv; ++v) a[v] = ev_splat(0.0f);
                 const EXT_T *kt = kc + t * token_stride;
                 for (int64_t d = 0; d < head_dim; ++d) {
-                    const v16 kb = vsplat(EXT_LOAD(kt + d));
-                    for (int v = 0; v < nv; ++v) a[v] += vload(qt + d * width + v * VL) * kb;
+                    const ev kb = ev_splat(EXT_LOAD(kt + d));
+                    for (int v = 0; v < nv; ++v) a[v] += ev_load(qt + d * width + v * EXT_VL) * kb;
                 }
-                for (int v = 0; v < nv; ++v) vstore(p + (row + t) * width + v * VL, a[v]);
+                for (int v = 0; v < nv; ++v) ev_store(p + (row + t) * width + v * EXT_VL, a[v]);
             }
+#endif
         }
 
         /* Causal mask, only where some key lies past some row's position. */
@@ -142,29 +150,33 @@ static inline __attribute__((always_inline)) int EXT_ITEM(
             }
         }
 
+#if EXT_AVX2
+        EXT_PV_AVX2(ot, corr, p, width, vseg, seg_len, nseg, token_stride, head_dim);
+#else
         /* O^T[d][rows] = O^T * corr + sum_t V[t][d] * P[t][rows]: each V element is one
          * broadcast feeding nv FMAs; the tile stays in registers across the chunk's segments. */
-        v16 c[EXT_MAX_NV];
-        for (int v = 0; v < nv; ++v) c[v] = vload(corr + v * VL);
-        for (int64_t d0 = 0; d0 < head_dim; d0 += pv_dims) {
-            v16 acc[8][EXT_MAX_NV];
-            for (int i = 0; i < pv_dims; ++i)
-                for (int v = 0; v < nv; ++v) acc[i][v] = vload(ot + (d0 + i) * width + v * VL) * c[v];
+        ev c[EXT_MAX_NV];
+        for (int v = 0; v < nv; ++v) c[v] = ev_load(corr + v * EXT_VL);
+        for (int64_t d0 = 0; d0 < head_dim; d0 += EXT_PV_DIMS) {
+            ev acc[EXT_PV_DIMS][EXT_MAX_NV];
+            for (int i = 0; i < EXT_PV_DIMS; ++i)
+                for (int v = 0; v < nv; ++v) acc[i][v] = ev_load(ot + (d0 + i) * width + v * EXT_VL) * c[v];
             int64_t tt = 0;
             for (int sg = 0; sg < nseg; ++sg) {
                 const EXT_T *vr = vseg[sg] + d0;
                 for (int64_t t = 0; t < seg_len[sg]; ++t, ++tt, vr += token_stride) {
-                    v16 pv[EXT_MAX_NV];
-                    for (int v = 0; v < nv; ++v) pv[v] = vload(p + tt * width + v * VL);
-                    for (int i = 0; i < pv_dims; ++i) {
-                        const v16 vb = vsplat(EXT_LOAD(vr + i));
+                    ev pv[EXT_MAX_NV];
+                    for (int v = 0; v < nv; ++v) pv[v] = ev_load(p + tt * width + v * EXT_VL);
+                    for (int i = 0; i < EXT_PV_DIMS; ++i) {
+                        const ev vb = ev_splat(EXT_LOAD(vr + i));
                         for (int v = 0; v < nv; ++v) acc[i][v] += vb * pv[v];
                     }
                 }
             }
-            for (int i = 0; i < pv_dims; ++i)
-                for (int v = 0; v < nv; ++v) vstore(ot + (d0 + i) * width + v * VL, acc[i][v]);
+            for (int i = 0; i < EXT_PV_DIMS; ++i)
+                for (int v = 0; v < nv; ++v) ev_store(ot + (d0 + i) * width + v * EXT_VL, acc[i][v]);
         }
+#endif
         c0 += n;
     }
 
@@ -172,7 +184,7 @@ static inline __attribute__((always_inline)) int EXT_ITEM(
         const int64_t jl = r / group, g = r % group;
         EXT_T *orow = out + ((q_tok0 + j0 + jl) * num_heads + h * group + g) * head_dim;
         const float inv = 1.0f / l[r];
-        for (int64_t d = 0; d < head_dim; ++d) EXT_STORE(orow + d, ot[d * width + r] * inv);
+        for (int64_t d = 0; d < head_dim; ++d) EXT_STORE(orow + d, ot[EXT_OT(d, r)] * inv);
     }
     return 0;
 }
@@ -194,13 +206,13 @@ int64_t EXT_NAME(const EXT_T *query, const EXT_T *k_cache, const EXT_T *v_cache,
      * rows per item read each K/V element for more FMAs; fewer make more items). */
     int nv = max_nv >= 1 && max_nv < EXT_MAX_NV ? (int)max_nv : EXT_MAX_NV;
     while (nv > 1) {
-        const int64_t tokens_per_tile = (int64_t)nv * VL / group;
+        const int64_t tokens_per_tile = (int64_t)nv * EXT_VL / group;
         const int64_t items = num_kv_heads * ((total_tokens + tokens_per_tile - 1) / (tokens_per_tile > 0 ? tokens_per_tile : 1));
         if (tokens_per_tile >= 1 && items >= 2 * (int64_t)num_threads) break;
         --nv;
     }
-    while (nv * VL < group) ++nv; /* one token's group must fit (group <= EXT_MAX_ROWS) */
-    const int64_t tokens_per_tile = (int64_t)nv * VL / group;
+    while (nv * EXT_VL < group) ++nv; /* one token's group must fit (group <= EXT_MAX_ROWS) */
+    const int64_t tokens_per_tile = (int64_t)nv * EXT_VL / group;
 
     /* first[s]: the first work item of sequence s (bad sequences get none and are counted). */
     int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
@@ -238,12 +250,25 @@ int64_t EXT_NAME(const EXT_T *query, const EXT_T *k_cache, const EXT_T *v_cache,
 #define EXT_CALL(NV, D)                                                                                     \
     EXT_ITEM(query, k_cache, v_cache, table, prefix, q_tok0, j0, ntok, h, group, num_heads, D, block_size, \
              token_stride, num_cache_blocks, scale, out, NV)
+#if EXT_MAX_NV > 3
+#define EXT_CASES_WIDE(D)                              \
+        case 4: bad_items += EXT_CALL(4, D); break;    \
+        case 5: bad_items += EXT_CALL(5, D); break;    \
+        case 6: bad_items += EXT_CALL(6, D); break;
+#else
+#define EXT_CASES_WIDE(D)
+#endif
 #define EXT_CASES(D)                                   \
     switch (nv) {                                      \
         case 1: bad_items += EXT_CALL(1, D); break;    \
         case 2: bad_items += EXT_CALL(2, D); break;    \
-        default: bad_items += EXT_CALL(3, D); break;   \
+        case 3: bad_items += EXT_CALL(3, D); break;    \
+        EXT_CASES_WIDE(D)                              \
+        default: break;                                \
     }
+#if EXT_AVX2 /* its products take head_dim at run time (one copy per row count builds in half the time) */
+        EXT_CASES(head_dim)
+#else
         if (head_dim == 64) {
             EXT_CASES(64)
         } else if (head_dim == 128) {
@@ -251,15 +276,24 @@ int64_t EXT_NAME(const EXT_T *query, const EXT_T *k_cache, const EXT_T *v_cache,
         } else {
             EXT_CASES(head_dim)
         }
+#endif
 #undef EXT_CASES
+#undef EXT_CASES_WIDE
 #undef EXT_CALL
     }
     free(first);
     return bad_items;
 }
 
+#undef EXT_OT
 #undef EXT_T
+#undef EXT_SUFFIX
 #undef EXT_LOAD
 #undef EXT_STORE
 #undef EXT_ITEM
 #undef EXT_NAME
+#if EXT_AVX2
+#undef EXT_VLOAD8
+#undef EXT_QK_AVX2
+#undef EXT_PV_AVX2
+#endif

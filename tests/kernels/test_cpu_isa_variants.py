@@ -1,0 +1,117 @@
+"""Each vector unit's code path of the C kernels, built on this machine and checked against float64.
+
+``-march=native`` builds one path: AVX-512 tiles on an AVX-512 CPU, AVX2 tiles on an AVX2 one.
+The others would go untested until a machine of that kind ran the suite, so this module builds
+the library again with ``-mno-avx512f`` (the AVX2 tiles) and with ``-mno-avx512f -mno-avx2
+-mno-fma`` (the generic vector path, whose tiles are the AVX-512 ones' shape), swaps it in for
+the backends, and runs the linear and paged extend kernels through their usual launchers. The
+AVX-512 tiles themselves run only where the CPU has AVX-512 (the native build there).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+from collections.abc import Iterator
+
+import pytest
+import torch
+from kernel_testlib import assert_close, cpu_flags, make_paged_context, naive_attention, naive_gather
+
+from loraplex.kernels.cpu import build
+from loraplex.kernels.cpu.linear import has_register_tile, linear_packed, pack_weight, panel_width
+from loraplex.kernels.cpu.paged_extend import max_row_vectors, paged_extend_cpu, worth_it
+
+pytestmark = pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64"), reason="the -mno-avx* variants are x86 flags"
+)
+
+
+# (name, extra flags, linear panel width, linear register tile, extend row vectors, extend register tile)
+VARIANTS = [
+    ("avx2", ("-mno-avx512f",), 16, True, 6, True),
+    ("generic", ("-mno-avx512f", "-mno-avx2", "-mno-fma"), 64, False, 3, False),
+]
+
+
+@pytest.fixture(scope="module")
+def libraries(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL]:
+    """Each variant's library, built once for the module (a build takes ~10 s)."""
+    return {}
+
+
+@pytest.fixture(params=VARIANTS, ids=[v[0] for v in VARIANTS])
+def variant(
+    request: pytest.FixtureRequest,
+    libraries: dict[str, ctypes.CDLL],
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[tuple[str, int, bool, int, bool]]:
+    name, flags, width, linear_tile, row_vectors, extend_tile = request.param
+    if name == "avx2" and not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("this CPU cannot run AVX2 code")  # the generic variant still runs
+    if name not in libraries:
+        compiler = build._compiler()
+        assert compiler is not None, "the CPU kernels need a C compiler (./dev installs gcc)"
+        target = tmp_path_factory.mktemp(f"kernels-{name}") / "libloraplex_cpu.so"
+        build.build(compiler, target, flags)
+        libraries[name] = ctypes.CDLL(str(target))
+    library = libraries[name]
+    build.clear_caches()
+    monkeypatch.setattr(build, "load_library", lambda: library)
+    try:
+        yield name, width, linear_tile, row_vectors, extend_tile
+    finally:
+        monkeypatch.undo()
+        build.clear_caches()
+
+
+def test_the_variant_reports_its_tiles(variant: tuple[str, int, bool, int, bool]) -> None:
+    _, width, linear_tile, row_vectors, extend_tile = variant
+    assert panel_width() == width
+    assert has_register_tile() is linear_tile
+    assert max_row_vectors() == row_vectors
+    assert worth_it() is extend_tile
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 32, 97])
+def test_linear(variant: tuple[str, int, bool, int, bool], m: int) -> None:
+    gen = torch.Generator().manual_seed(m)
+    for n, k in [(17, 9), (65, 576), (960, 576)]:
+        x = torch.randn(m, k, generator=gen)
+        w = torch.randn(n, k, generator=gen)
+        b = torch.randn(n, generator=gen)
+        y = linear_packed(x, pack_weight(w), b, n)
+        expected = x.double() @ w.double().t() + b.double()
+        torch.testing.assert_close(y.double(), expected, atol=1e-4 * k**0.5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize(("head_dim", "gqa"), [(64, 3), (128, 1), (72, 4)])
+def test_paged_extend(
+    variant: tuple[str, int, bool, int, bool], dtype: torch.dtype, head_dim: int, gqa: int
+) -> None:
+    gen = torch.Generator().manual_seed(head_dim + gqa)
+    query_lens, contexts = [37, 5, 32, 1], [37, 5 + 19, 32 + 300, 1 + 48]
+    ctx = make_paged_context(contexts, 16, 2, head_dim, dtype, torch.device("cpu"), gen)
+    query = torch.randn(sum(query_lens), gqa * 2, head_dim, generator=gen).to(dtype)
+    starts = torch.tensor([0, 37, 42, 74, 75], dtype=torch.int32)
+    seq_lens = torch.tensor(contexts, dtype=torch.int32)
+    scale = head_dim**-0.5
+    expected = []
+    for i, c_len in enumerate(contexts):
+        k = naive_gather(ctx.k_cache, ctx.block_tables[i], c_len)
+        v = naive_gather(ctx.v_cache, ctx.block_tables[i], c_len)
+        expected.append(naive_attention(query[starts[i] : starts[i + 1]], k, v, scale))
+    for row_vectors in range(variant[3] + 1):
+        out = paged_extend_cpu(
+            query,
+            ctx.k_cache,
+            ctx.v_cache,
+            ctx.block_tables,
+            seq_lens,
+            starts,
+            scale,
+            max_row_vectors=row_vectors,
+        )
+        assert_close(out, torch.cat(expected), dtype, f"{variant[0]} extend, {row_vectors} row vectors")
