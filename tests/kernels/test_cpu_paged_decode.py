@@ -76,6 +76,26 @@ def test_c_paged_decode_thread_counts_agree(threads: int) -> None:
     assert_close(out, naive_paged_decode(query, ctx, 0.125), torch.float32, f"{threads} threads")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_c_paged_decode_reads_query_rows_in_place(dtype: torch.dtype) -> None:
+    """The query may be the q part of fused qkv rows (a row stride wider than its heads): read
+    in place, with the same result as a contiguous copy and the output contiguous."""
+    gen = torch.Generator().manual_seed(17)
+    lens = [3, 40, 17]
+    ctx = make_paged_context(lens, 16, 2, 64, dtype, CPU, gen)
+    qkv = torch.randn(len(lens), (6 + 2 * 2) * 64, generator=gen).to(dtype)
+    query = qkv[:, : 6 * 64].view(len(lens), 6, 64)
+    assert not query.is_contiguous()
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    out = paged_decode_cpu(query, ctx.k_cache, ctx.v_cache, ctx.block_tables, seq_lens, 0.125)
+    assert out.is_contiguous()
+    expected = paged_decode_cpu(
+        query.contiguous(), ctx.k_cache, ctx.v_cache, ctx.block_tables, seq_lens, 0.125
+    )
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert_close(out, naive_paged_decode(query.contiguous(), ctx, 0.125), dtype, "strided query vs naive")
+
+
 def test_c_paged_decode_rejects_bad_tables_and_lengths() -> None:
     gen = torch.Generator().manual_seed(4)
     ctx = make_paged_context([20, 9], 8, 1, 64, torch.float32, CPU, gen)

@@ -116,6 +116,21 @@ def test_c_paged_extend_grid(case: tuple[int, int, int, int], dtype: torch.dtype
         _check(case, dtype, row_vectors)
 
 
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=["float32", "bfloat16"])
+def test_c_paged_extend_reads_query_rows_in_place(dtype: torch.dtype) -> None:
+    """The query may be the q part of fused qkv rows (row stride wider than its heads): read
+    in place, bit for bit the contiguous copy's result."""
+    query, ctx, seq_lens, starts, query_lens, contexts = _inputs(16, 64, 3, 3, dtype, 23)
+    qkv = torch.cat([query.flatten(1), torch.randn(query.shape[0], 6 * 64).to(dtype)], dim=1)
+    strided = qkv[:, : query.shape[1] * 64].view(query.shape)
+    assert not strided.is_contiguous()
+    out = paged_extend_cpu(strided, ctx.k_cache, ctx.v_cache, ctx.block_tables, seq_lens, starts, 0.125)
+    expected = paged_extend_cpu(query, ctx.k_cache, ctx.v_cache, ctx.block_tables, seq_lens, starts, 0.125)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert_close(out, _naive(query, ctx, query_lens, contexts, 0.125), dtype, "strided query vs naive")
+
+
 @pytest.mark.parametrize("threads", [1, 2, 5])
 def test_c_paged_extend_thread_counts_agree(threads: int) -> None:
     """More threads pick narrower tiles (more items); the result must not move."""

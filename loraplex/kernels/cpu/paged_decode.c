@@ -18,8 +18,10 @@
  * badly. Sequences are split into more items (fewer heads each) only when there are
  * too few sequences to keep every thread busy.
  *
- * Layouts (all contiguous):
- *   query, out        [num_seqs, num_heads, head_dim]
+ * Layouts (contiguous but for the query rows):
+ *   query             [num_seqs, num_heads, head_dim], sequence s's row at query + s * q_stride
+ *                     (a fused qkv row's q part: its heads contiguous)
+ *   out               [num_seqs, num_heads, head_dim]
  *   k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim]
  *   block_tables      [num_seqs, table_stride] int32
  *   seq_lens          [num_seqs] int32, >= 1

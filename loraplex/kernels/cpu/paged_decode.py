@@ -16,7 +16,7 @@ from loraplex.kernels.cpu.build import bind, limit
 from loraplex.kernels.metadata import PAD_BLOCK_ID
 
 _SYMBOLS = {torch.float32: "loraplex_paged_decode_f32", torch.bfloat16: "loraplex_paged_decode_bf16"}
-_ARGTYPES = (*[ctypes.c_void_p] * 6, *[ctypes.c_int64] * 7, ctypes.c_float, ctypes.c_int)
+_ARGTYPES = (*[ctypes.c_void_p] * 6, *[ctypes.c_int64] * 8, ctypes.c_float, ctypes.c_int)
 
 
 def _kernel(dtype: torch.dtype) -> Any | None:
@@ -41,7 +41,7 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def paged_decode_cpu(
-    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim], any row stride (a view into fused qkv rows)
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
@@ -65,7 +65,8 @@ def paged_decode_cpu(
     assert block_tables.dtype == torch.int32 and block_tables.dim() == 2, "block_tables: int32 [seqs, blocks]"
     assert block_tables.shape[0] >= num_seqs and block_tables.stride(1) == 1, "block_tables rows"
     assert seq_lens.dtype == torch.int32 and seq_lens.shape[0] >= num_seqs, "seq_lens: int32 [seqs]"
-    query = query.contiguous()
+    if not (query.stride(2) == 1 and query.stride(1) == head_dim):  # rows of heads, any row stride
+        query = query.contiguous()
     seq_lens = seq_lens.contiguous()
     if out is None:
         out = torch.empty_like(query)
@@ -81,6 +82,7 @@ def paged_decode_cpu(
         block_tables.data_ptr(),
         seq_lens.data_ptr(),
         out.data_ptr(),
+        query.stride(0),
         num_seqs,
         num_heads,
         num_kv_heads,

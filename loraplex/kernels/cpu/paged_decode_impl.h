@@ -10,7 +10,7 @@
  * vector registers. Returns 1 if a block id was outside the cache, else 0. */
 static inline __attribute__((always_inline)) int KV_ITEM(
     const KV_T *query, const KV_T *k_cache, const KV_T *v_cache, const int32_t *table,
-    int64_t seq_len, KV_T *out, int64_t q_off, int64_t h0, int64_t nh, int64_t group,
+    int64_t seq_len, KV_T *out, int64_t q_off, int64_t o_off, int64_t h0, int64_t nh, int64_t group,
     int64_t head_dim, int64_t block_size, int64_t token_stride, int64_t num_cache_blocks,
     float scale) {
     const int64_t rows = nh * group;
@@ -91,13 +91,13 @@ static inline __attribute__((always_inline)) int KV_ITEM(
     }
     for (int64_t r = 0; r < rows; ++r) {
         const float inv = 1.0f / run_sum[r];
-        for (int64_t d = 0; d < head_dim; ++d) KV_STORE(out + q_off + r * head_dim + d, acc[r * head_dim + d] * inv);
+        for (int64_t d = 0; d < head_dim; ++d) KV_STORE(out + o_off + r * head_dim + d, acc[r * head_dim + d] * inv);
     }
     return 0;
 }
 
 int64_t KV_NAME(const KV_T *query, const KV_T *k_cache, const KV_T *v_cache,
-                const int32_t *block_tables, const int32_t *seq_lens, KV_T *out, int64_t num_seqs,
+                const int32_t *block_tables, const int32_t *seq_lens, KV_T *out, int64_t q_stride, int64_t num_seqs,
                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                 int64_t table_stride, int64_t num_cache_blocks, float scale, int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
@@ -118,16 +118,17 @@ int64_t KV_NAME(const KV_T *query, const KV_T *k_cache, const KV_T *v_cache,
             continue;
         }
         const int32_t *table = block_tables + s * table_stride;
-        const int64_t q_off = (s * num_heads + h0 * group) * head_dim;
+        const int64_t q_off = s * q_stride + h0 * group * head_dim;    /* query rows may be strided */
+        const int64_t o_off = (s * num_heads + h0 * group) * head_dim; /* out is contiguous */
         /* Constant head dims for the common sizes: fully unrolled row loops. */
         if (head_dim == 64)
-            bad_items += KV_ITEM(query, k_cache, v_cache, table, seq_len, out, q_off, h0, nh, group, 64,
+            bad_items += KV_ITEM(query, k_cache, v_cache, table, seq_len, out, q_off, o_off, h0, nh, group, 64,
                                  block_size, token_stride, num_cache_blocks, scale);
         else if (head_dim == 128)
-            bad_items += KV_ITEM(query, k_cache, v_cache, table, seq_len, out, q_off, h0, nh, group, 128,
+            bad_items += KV_ITEM(query, k_cache, v_cache, table, seq_len, out, q_off, o_off, h0, nh, group, 128,
                                  block_size, token_stride, num_cache_blocks, scale);
         else
-            bad_items += KV_ITEM(query, k_cache, v_cache, table, seq_len, out, q_off, h0, nh, group,
+            bad_items += KV_ITEM(query, k_cache, v_cache, table, seq_len, out, q_off, o_off, h0, nh, group,
                                  head_dim, block_size, token_stride, num_cache_blocks, scale);
     }
     return bad_items;

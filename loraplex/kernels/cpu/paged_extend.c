@@ -24,9 +24,10 @@
  * tiles of the two products run at the FMA rate. The GQA group shares each K/V row
  * (folded into the rows), as in the decode kernel.
  *
- * Layouts (all contiguous):
+ * Layouts (contiguous but for the query rows):
  *   query, out        [num_tokens, num_heads, head_dim], sequence s's tokens at
- *                     query_start[s] .. query_start[s + 1] - 1
+ *                     query_start[s] .. query_start[s + 1] - 1; token t's query row at
+ *                     query + t * q_stride (its heads contiguous: a fused qkv row's q part)
  *   k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim]
  *   block_tables      [num_seqs, table_stride] int32
  *   seq_lens          [num_seqs] int32 (context after this step, >= query_len >= 1)

@@ -19,7 +19,7 @@ from loraplex.kernels.cpu.build import bind, limit
 from loraplex.kernels.metadata import PAD_BLOCK_ID
 
 _SYMBOLS = {torch.float32: "loraplex_paged_extend_f32", torch.bfloat16: "loraplex_paged_extend_bf16"}
-_ARGTYPES = (*[ctypes.c_void_p] * 7, *[ctypes.c_int64] * 8, ctypes.c_float, ctypes.c_int64, ctypes.c_int)
+_ARGTYPES = (*[ctypes.c_void_p] * 7, *[ctypes.c_int64] * 9, ctypes.c_float, ctypes.c_int64, ctypes.c_int)
 
 
 def _kernel(dtype: torch.dtype) -> Any | None:
@@ -62,7 +62,7 @@ def worth_it() -> bool:
 
 
 def paged_extend_cpu(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], any row stride (a view into fused qkv rows)
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
@@ -96,10 +96,10 @@ def paged_extend_cpu(
     assert seq_lens.dtype == torch.int32 and query_start.dtype == torch.int32, "seq_lens, query_start: int32"
     assert query_start.shape[0] == num_seqs + 1, "query_start: [num_seqs + 1]"
     assert seq_lens.stride(0) == 1 and query_start.stride(0) == 1, "seq_lens, query_start: contiguous"
-    if not query.is_contiguous():
+    if not (query.stride(2) == 1 and query.stride(1) == head_dim):  # rows of heads, any row stride
         query = query.contiguous()
     if out is None:
-        out = torch.empty_like(query)
+        out = torch.empty(query.shape, dtype=query.dtype)
     assert out.shape == query.shape and out.dtype == query.dtype and out.is_contiguous(), "out"
     if num_seqs == 0 or num_tokens == 0:
         return out
@@ -113,6 +113,7 @@ def paged_extend_cpu(
         seq_lens.data_ptr(),
         query_start.data_ptr(),
         out.data_ptr(),
+        query.stride(0),
         num_tokens,
         num_seqs,
         num_heads,

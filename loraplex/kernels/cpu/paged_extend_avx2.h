@@ -24,15 +24,14 @@
 #define EXT_PV_AVX2_ROWS EXT_CAT(ext_pv_rows, EXT_SUFFIX)
 
 /* p[u][r] = sum_d qt[d][r] * K[u][d] for `keys` (<= 6) keys and 8 or 16 rows (`two`). */
-static inline __attribute__((always_inline)) void EXT_QK_AVX2_TILE(const float *qt, int64_t width, const EXT_T *k,
-                                                                   int64_t token_stride, int64_t head_dim, float *p,
+static inline __attribute__((always_inline)) void EXT_QK_AVX2_TILE(const float *qt, int64_t width,
+                                                                   const EXT_T *const *k, int64_t head_dim, float *p,
                                                                    const int keys, const int two) {
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
     __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
     /* keys past `keys` alias key 0 (never read: their FMAs fold away) */
-    const EXT_T *k0 = k, *k1 = keys > 1 ? k + token_stride : k, *k2 = keys > 2 ? k + 2 * token_stride : k;
-    const EXT_T *k3 = keys > 3 ? k + 3 * token_stride : k, *k4 = keys > 4 ? k + 4 * token_stride : k;
-    const EXT_T *k5 = keys > 5 ? k + 5 * token_stride : k;
+    const EXT_T *k0 = k[0], *k1 = keys > 1 ? k[1] : k0, *k2 = keys > 2 ? k[2] : k0;
+    const EXT_T *k3 = keys > 3 ? k[3] : k0, *k4 = keys > 4 ? k[4] : k0, *k5 = keys > 5 ? k[5] : k0;
     for (int64_t d = 0; d < head_dim; ++d) {
         const __m256 q0 = _mm256_loadu_ps(qt + d * width);
         const __m256 q1 = two ? _mm256_loadu_ps(qt + d * width + 8) : q0;
@@ -53,32 +52,33 @@ static inline __attribute__((always_inline)) void EXT_QK_AVX2_TILE(const float *
     }
 }
 
-/* Scores of one segment (`len` keys at token_stride) against row vectors 2 at a time. */
-static inline __attribute__((always_inline)) void EXT_QK_AVX2_ROWS(const float *qt, int64_t width, const EXT_T *kc,
-                                                                   int64_t len, int64_t token_stride, int64_t head_dim,
-                                                                   float *p, const int two) {
+/* Scores of a chunk's keys (`n` rows of K, wherever their blocks put them) against row
+ * vectors 2 at a time (`two`) or the last one alone. */
+static inline __attribute__((always_inline)) void EXT_QK_AVX2_ROWS(const float *qt, int64_t width,
+                                                                   const EXT_T *const *keys, int64_t n,
+                                                                   int64_t head_dim, float *p, const int two) {
     int64_t t = 0;
-    for (; t + 6 <= len; t += 6)
-        EXT_QK_AVX2_TILE(qt, width, kc + t * token_stride, token_stride, head_dim, p + t * width, 6, two);
-    const EXT_T *kt = kc + t * token_stride;
+    for (; t + 6 <= n; t += 6) EXT_QK_AVX2_TILE(qt, width, keys + t, head_dim, p + t * width, 6, two);
+    const EXT_T *const *kt = keys + t;
     float *pt = p + t * width;
-    switch (len - t) {
-        case 5: EXT_QK_AVX2_TILE(qt, width, kt, token_stride, head_dim, pt, 5, two); break;
-        case 4: EXT_QK_AVX2_TILE(qt, width, kt, token_stride, head_dim, pt, 4, two); break;
-        case 3: EXT_QK_AVX2_TILE(qt, width, kt, token_stride, head_dim, pt, 3, two); break;
-        case 2: EXT_QK_AVX2_TILE(qt, width, kt, token_stride, head_dim, pt, 2, two); break;
-        case 1: EXT_QK_AVX2_TILE(qt, width, kt, token_stride, head_dim, pt, 1, two); break;
+    switch (n - t) {
+        case 5: EXT_QK_AVX2_TILE(qt, width, kt, head_dim, pt, 5, two); break;
+        case 4: EXT_QK_AVX2_TILE(qt, width, kt, head_dim, pt, 4, two); break;
+        case 3: EXT_QK_AVX2_TILE(qt, width, kt, head_dim, pt, 3, two); break;
+        case 2: EXT_QK_AVX2_TILE(qt, width, kt, head_dim, pt, 2, two); break;
+        case 1: EXT_QK_AVX2_TILE(qt, width, kt, head_dim, pt, 1, two); break;
         default: break;
     }
 }
 
-/* p[t][r] = qt[.][r] . K[t] for the keys of one segment and all `nv` row vectors. */
-static __attribute__((noinline)) void EXT_QK_AVX2(const float *qt, int nv, const EXT_T *kc, int64_t len,
-                                                  int64_t token_stride, int64_t head_dim, float *p) {
+/* p[t][r] = qt[.][r] . K[t] for the `n` keys of a chunk (`keys[t]`: key t's row of this
+ * head) and all `nv` row vectors: tiles of 6 keys run across cache-block boundaries. */
+static __attribute__((noinline)) void EXT_QK_AVX2(const float *qt, int nv, const EXT_T *const *keys, int64_t n,
+                                                  int64_t head_dim, float *p) {
     const int64_t width = (int64_t)nv * 8;
     int v = 0;
-    for (; v + 2 <= nv; v += 2) EXT_QK_AVX2_ROWS(qt + v * 8, width, kc, len, token_stride, head_dim, p + v * 8, 1);
-    if (v < nv) EXT_QK_AVX2_ROWS(qt + v * 8, width, kc, len, token_stride, head_dim, p + v * 8, 0);
+    for (; v + 2 <= nv; v += 2) EXT_QK_AVX2_ROWS(qt + v * 8, width, keys, n, head_dim, p + v * 8, 1);
+    if (v < nv) EXT_QK_AVX2_ROWS(qt + v * 8, width, keys, n, head_dim, p + v * 8, 0);
 }
 
 /* ot[r][d0 ..] = ot[r][d0 ..] * corr[r] + sum_t P[t][r] * V[t][d0 ..] for `rows` (<= 6) rows

@@ -13,7 +13,8 @@
  * Returns 1 if a block id was outside the cache, else 0. */
 static inline __attribute__((always_inline)) int EXT_ITEM(
     const EXT_T *query, const EXT_T *k_cache, const EXT_T *v_cache, const int32_t *table, int64_t prefix,
-    int64_t q_tok0, int64_t j0, int64_t ntok, int64_t h, int64_t group, int64_t num_heads, int64_t head_dim,
+    int64_t q_tok0, int64_t q_stride, int64_t j0, int64_t ntok, int64_t h, int64_t group, int64_t num_heads,
+    int64_t head_dim,
     int64_t block_size, int64_t token_stride, int64_t num_cache_blocks, float scale, EXT_T *out, const int nv) {
 #if EXT_AVX2
 #define EXT_OT(d, r) ((r) * head_dim + (d)) /* row-major: the AVX2 P.V tile loads V rows as vectors */
@@ -32,7 +33,7 @@ static inline __attribute__((always_inline)) int EXT_ITEM(
     for (int64_t r = 0; r < width; ++r) {
         if (r < rows) {
             const int64_t jl = r / group, g = r % group;
-            const EXT_T *qr = query + ((q_tok0 + j0 + jl) * num_heads + h * group + g) * head_dim;
+            const EXT_T *qr = query + (q_tok0 + j0 + jl) * q_stride + (h * group + g) * head_dim;
             for (int64_t d = 0; d < head_dim; ++d) qt[d * width + r] = EXT_LOAD(qr + d) * scale;
             lim[r] = (float)(prefix + j0 + jl); /* the last key this row sees */
         } else {
@@ -72,7 +73,10 @@ static inline __attribute__((always_inline)) int EXT_ITEM(
             n += len;
         }
 
-        /* S[t][rows] = K[t] . Q^T: each K element is one broadcast feeding nv FMAs. */
+        /* S[t][rows] = K[t] . Q^T: each K element is one broadcast feeding the row vectors. */
+#if EXT_AVX2
+        const EXT_T *krow[EXT_KEYS]; /* key t's row of this head, across the chunk's segments */
+#endif
         int64_t row = 0; /* the chunk's key index of the segment's first key */
         for (int sg = 0; sg < nseg; row += seg_len[sg], ++sg) {
             const EXT_T *kc = kseg[sg];
@@ -83,7 +87,7 @@ static inline __attribute__((always_inline)) int EXT_ITEM(
                               key_end, block_size, token_stride, h * head_dim, head_dim, (int64_t)sizeof(EXT_T),
                               num_cache_blocks);
 #if EXT_AVX2
-            EXT_QK_AVX2(qt, nv, kc, len, token_stride, head_dim, p + row * width);
+            for (int64_t t = 0; t < len; ++t) krow[row + t] = kc + t * token_stride;
 #else
             int64_t t = 0;
             for (; t + EXT_QK_KEYS <= len; t += EXT_QK_KEYS) {
@@ -114,9 +118,13 @@ static inline __attribute__((always_inline)) int EXT_ITEM(
             }
 #endif
         }
+#if EXT_AVX2
+        EXT_QK_AVX2(qt, nv, krow, n, head_dim, p);
+#endif
 
         /* Causal mask, only where some key lies past some row's position. */
-        if (c0 + n - 1 > all_see) {
+        const int masked = c0 + n - 1 > all_see;
+        if (masked) {
             for (int64_t tt = 0; tt < n; ++tt) {
                 const float key = (float)(c0 + tt);
                 float *pt = p + tt * width;
@@ -142,11 +150,20 @@ static inline __attribute__((always_inline)) int EXT_ITEM(
         }
         for (int64_t tt = 0; tt < n; ++tt) {
             float *pt = p + tt * width;
+            if (masked) { /* fast_expf(-inf) is e^-87, not 0: masked keys are set apart */
 #pragma omp simd
-            for (int64_t r = 0; r < width; ++r) {
-                const float e = pt[r] == -INFINITY ? 0.0f : fast_expf(pt[r] - cmax[r]);
-                pt[r] = e;
-                l[r] += e;
+                for (int64_t r = 0; r < width; ++r) {
+                    const float e = pt[r] == -INFINITY ? 0.0f : fast_expf(pt[r] - cmax[r]);
+                    pt[r] = e;
+                    l[r] += e;
+                }
+            } else {
+#pragma omp simd
+                for (int64_t r = 0; r < width; ++r) {
+                    const float e = fast_expf(pt[r] - cmax[r]);
+                    pt[r] = e;
+                    l[r] += e;
+                }
             }
         }
 
@@ -190,7 +207,8 @@ static inline __attribute__((always_inline)) int EXT_ITEM(
 }
 
 int64_t EXT_NAME(const EXT_T *query, const EXT_T *k_cache, const EXT_T *v_cache, const int32_t *block_tables,
-                 const int32_t *seq_lens, const int32_t *query_start, EXT_T *out, int64_t num_tokens, int64_t num_seqs,
+                 const int32_t *seq_lens, const int32_t *query_start, EXT_T *out, int64_t q_stride, int64_t num_tokens,
+                 int64_t num_seqs,
                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                  int64_t table_stride, int64_t num_cache_blocks, float scale, int64_t max_nv,
                  int num_threads) {
@@ -248,7 +266,7 @@ int64_t EXT_NAME(const EXT_T *query, const EXT_T *k_cache, const EXT_T *v_cache,
         const int32_t *table = block_tables + s * table_stride;
         const int64_t q_tok0 = query_start[s];
 #define EXT_CALL(NV, D)                                                                                     \
-    EXT_ITEM(query, k_cache, v_cache, table, prefix, q_tok0, j0, ntok, h, group, num_heads, D, block_size, \
+    EXT_ITEM(query, k_cache, v_cache, table, prefix, q_tok0, q_stride, j0, ntok, h, group, num_heads, D, block_size, \
              token_stride, num_cache_blocks, scale, out, NV)
 #if EXT_MAX_NV > 3
 #define EXT_CASES_WIDE(D)                              \
