@@ -11,6 +11,7 @@ head dims) fall back to the portable path per call.
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
@@ -23,6 +24,11 @@ _KV_WRITE = (
     "loraplex_kv_write",
     (*[ctypes.c_void_p, ctypes.c_int64] * 2, *[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 3),
 )
+
+
+def kv_write_kernel() -> Any | None:
+    """The bound C KV write (``loraplex_kv_write``: rows copied to slots as bytes), or None."""
+    return bind(*_KV_WRITE)
 
 
 def _token_rows(t: torch.Tensor) -> bool:
@@ -39,6 +45,11 @@ class CpuAttentionBackend(PortableAttentionBackend):
         super().__init__()
         self._extend_in_c = paged_extend.worth_it()
 
+    @property
+    def extend_in_c(self) -> bool:
+        """Whether prefill chunks go to the C extend kernel (the library has tiles for this CPU)."""
+        return self._extend_in_c
+
     def write_kv(
         self,
         key: torch.Tensor,
@@ -47,7 +58,7 @@ class CpuAttentionBackend(PortableAttentionBackend):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        kernel = bind(*_KV_WRITE)
+        kernel = kv_write_kernel()
         if (
             kernel is None
             or key.dtype != k_cache.dtype

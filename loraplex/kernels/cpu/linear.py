@@ -40,7 +40,8 @@ _ARGTYPES = (
 )
 
 
-def _kernel() -> Any | None:
+def c_kernel() -> Any | None:
+    """The bound C entry point (``loraplex_linear_f32``), or None when the library is unavailable."""
     return bind("loraplex_linear_f32", _ARGTYPES)
 
 
@@ -85,7 +86,7 @@ def linear_packed(
     y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     if x.shape[0] == 0:
         return y
-    kernel = _kernel()
+    kernel = c_kernel()
     assert kernel is not None
     kernel(
         x.data_ptr(),
@@ -108,7 +109,7 @@ class CpuLinearBackend(LinearBackend):
     name = "cpu"
 
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
-        if weight.device.type != "cpu" or weight.dtype != torch.float32 or _kernel() is None:
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or c_kernel() is None:
             return weight
         return pack_weight(weight)
 

@@ -19,14 +19,15 @@ _SYMBOLS = {torch.float32: "loraplex_paged_decode_f32", torch.bfloat16: "loraple
 _ARGTYPES = (*[ctypes.c_void_p] * 6, *[ctypes.c_int64] * 8, ctypes.c_float, ctypes.c_int)
 
 
-def _kernel(dtype: torch.dtype) -> Any | None:
+def c_kernel(dtype: torch.dtype) -> Any | None:
+    """The bound C entry point for ``dtype`` (float32, bfloat16), or None (no library, other dtype)."""
     symbol = _SYMBOLS.get(dtype)
     return None if symbol is None else bind(symbol, _ARGTYPES)
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """True when the C kernel can serve this dtype, device and head/block shape."""
-    if query.device.type != "cpu" or query.dtype != k_cache.dtype or _kernel(query.dtype) is None:
+    if query.device.type != "cpu" or query.dtype != k_cache.dtype or c_kernel(query.dtype) is None:
         return False
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -73,7 +74,7 @@ def paged_decode_cpu(
     assert out.shape == query.shape and out.dtype == query.dtype and out.is_contiguous(), "out"
     if num_seqs == 0:
         return out
-    kernel = _kernel(query.dtype)
+    kernel = c_kernel(query.dtype)
     assert kernel is not None
     bad_items = kernel(
         query.data_ptr(),

@@ -22,7 +22,8 @@ _SYMBOLS = {torch.float32: "loraplex_paged_extend_f32", torch.bfloat16: "loraple
 _ARGTYPES = (*[ctypes.c_void_p] * 7, *[ctypes.c_int64] * 9, ctypes.c_float, ctypes.c_int64, ctypes.c_int)
 
 
-def _kernel(dtype: torch.dtype) -> Any | None:
+def c_kernel(dtype: torch.dtype) -> Any | None:
+    """The bound C entry point for ``dtype`` (float32, bfloat16), or None (no library, other dtype)."""
     symbol = _SYMBOLS.get(dtype)
     return None if symbol is None else bind(symbol, _ARGTYPES)
 
@@ -32,7 +33,7 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
     Whether it is also the fast path is ``worth_it()``: the backend asks both.
     """
-    if query.device.type != "cpu" or query.dtype != k_cache.dtype or _kernel(query.dtype) is None:
+    if query.device.type != "cpu" or query.dtype != k_cache.dtype or c_kernel(query.dtype) is None:
         return False
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -103,7 +104,7 @@ def paged_extend_cpu(
     assert out.shape == query.shape and out.dtype == query.dtype and out.is_contiguous(), "out"
     if num_seqs == 0 or num_tokens == 0:
         return out
-    kernel = _kernel(query.dtype)
+    kernel = c_kernel(query.dtype)
     assert kernel is not None
     bad_items = kernel(
         query.data_ptr(),

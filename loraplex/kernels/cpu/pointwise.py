@@ -20,6 +20,12 @@ def _fn(spec: tuple[str, tuple[Any, ...]]) -> Any | None:
     return bind(spec[0], spec[1])
 
 
+def c_kernels() -> dict[str, Any] | None:
+    """The bound C entry points by name (``add_rms_norm``, ``rope_neox``, ``silu_mul``), or None."""
+    fns = {"add_rms_norm": _fn(_NORM), "rope_neox": _fn(_ROPE), "silu_mul": _fn(_SILU)}
+    return None if any(f is None for f in fns.values()) else fns
+
+
 def available() -> bool:
     """True when the C library (and so these kernels) loaded."""
     return _fn(_NORM) is not None

@@ -133,7 +133,11 @@ class LLMEngine:
             fingerprint=fingerprint,
         )
         self.runner = ModelRunner(
-            self.model, kv_cache, select_attention_backend(config.attention_backend, device), device
+            self.model,
+            kv_cache,
+            select_attention_backend(config.attention_backend, device),
+            device,
+            enforce_eager=config.enforce_eager,
         )
         limits = SchedulerLimits(
             max_num_seqs=config.max_num_seqs,

@@ -10,6 +10,7 @@ tokens costs one row of logits, not 2,000.
 from __future__ import annotations
 
 import itertools
+import logging
 
 import torch
 
@@ -19,6 +20,8 @@ from loraplex.platform.engine.scheduler import SchedulerOutput
 from loraplex.platform.model.forward_batch import ForwardBatch, LoRAApplier, LoRABatch
 from loraplex.platform.model.llama import LlamaForCausalLM
 from loraplex.storage.kv.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -30,12 +33,18 @@ class ModelRunner:
         kv_cache: KVCache,
         attn: AttentionBackend,
         device: torch.device,
+        *,
+        enforce_eager: bool = False,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.attn = attn
         self.device = device
         self.block_size = kv_cache.block_size
+        # The CPU graph: the layers as prebound C calls, unless asked for layer by layer.
+        self.graph_off_reason = "enforce_eager" if enforce_eager else model.use_cpu_graph(attn)
+        if self.graph_off_reason and device.type == "cpu":
+            logger.info("CPU graph off (layer by layer): %s", self.graph_off_reason)
 
     def build_batch(
         self,

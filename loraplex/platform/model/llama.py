@@ -22,6 +22,7 @@ from loraplex.kernels.metadata import AttentionMetadata
 from loraplex.kernels.portable.linear import PortableLinearBackend
 from loraplex.kernels.portable.pointwise import PortablePointwiseBackend
 from loraplex.platform.model.arch import ModelArch, rope_inv_freq
+from loraplex.platform.model.cpu_graph import CpuGraph
 from loraplex.platform.model.forward_batch import ForwardBatch, LoRABatch
 from loraplex.storage.kv.kv_cache import KVCache
 
@@ -141,6 +142,8 @@ class LlamaForCausalLM(nn.Module):
         self.linear: LinearBackend = PortableLinearBackend()
         self.pointwise: PointwiseBackend = PortablePointwiseBackend()
         self._logits_weight: torch.Tensor | None = None  # the LM head in the linear backend's layout
+        self._graph: CpuGraph | None = None  # the layers as prebound C calls (use_cpu_graph)
+        self._graph_attn: AttentionBackend | None = None
 
     def use_pointwise(self, pointwise: PointwiseBackend) -> None:
         """Run the norms, rotary embedding and activation with ``pointwise``."""
@@ -164,10 +167,22 @@ class LlamaForCausalLM(nn.Module):
             self._logits_weight = None if prepared is self.embed.data else prepared
         self.linear = linear
 
+    def use_cpu_graph(self, attn: AttentionBackend) -> str:
+        """Run the layers as one flat run of C calls (``CpuGraph``) when served by ``attn``.
+
+        Call after ``use_linear`` / ``use_pointwise``. Returns "" when the graph is in use,
+        else why not (the layer-by-layer path serves then, with the same results).
+        """
+        self._graph, why = CpuGraph.build(self, attn)
+        self._graph_attn = attn if self._graph is not None else None
+        return why
+
     def forward(
         self, batch: ForwardBatch, kv_cache: KVCache, attn: AttentionBackend
     ) -> torch.Tensor:  # [num_tokens, hidden]
         """Run every layer over ``batch``, reading and writing ``kv_cache`` through ``attn``."""
+        if self._graph is not None and attn is self._graph_attn:
+            return self._graph.forward(batch, kv_cache)
         hidden = F.embedding(batch.input_ids, self.embed)
         cos = self.rope_cos[batch.positions].to(self.dtype)
         sin = self.rope_sin[batch.positions].to(self.dtype)
