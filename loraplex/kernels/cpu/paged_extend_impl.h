@@ -256,10 +256,13 @@ int64_t EXT_NAME(const EXT_T *query, const EXT_T *k_cache, const EXT_T *v_cache,
         const int64_t query_len = (int64_t)query_start[s + 1] - query_start[s];
         const int64_t num_tiles = (query_len + tokens_per_tile - 1) / tokens_per_tile;
         const int64_t local = item - first[s];
-        /* Tiles of one KV head are consecutive items (its K/V stays in cache), the
-         * longest (last) tile first so the causal tail does not finish alone. */
-        const int64_t h = local / num_tiles;
-        const int64_t tile = num_tiles - 1 - local % num_tiles;
+        /* Consecutive items take different KV heads, so the threads start on different heads'
+         * K/V (the next item of a head then finds it in L3); with a head's tiles consecutive,
+         * both threads waited on DRAM for the same rows (a 32-token step over 1,024 cached
+         * tokens ran ~3% slower). The longest (last) tiles first, so the causal tail does
+         * not finish alone. */
+        const int64_t h = local % num_kv_heads;
+        const int64_t tile = num_tiles - 1 - local / num_kv_heads;
         const int64_t j0 = tile * tokens_per_tile;
         const int64_t ntok = j0 + tokens_per_tile <= query_len ? tokens_per_tile : query_len - j0;
         const int64_t prefix = (int64_t)seq_lens[s] - query_len;
