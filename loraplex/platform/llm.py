@@ -33,6 +33,10 @@ class LLM:
         """Flush the disk KV tier and stop its I/O workers (a no-op without tiers)."""
         self.llm_engine.shutdown()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block, on every tier (see ``LLMEngine.reset_prefix_cache``)."""
+        return self.llm_engine.reset_prefix_cache()
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 

@@ -412,3 +412,43 @@ def test_a_cap_below_one_record_turns_the_tier_off_with_a_warning(
     with caplog.at_level("WARNING"), DiskKVPool(tmp_path / "kv", LAYOUT, FP, RECORD - 1) as p:
         assert p.num_slots == 0 and not p.demote_async(key(0), block(0))
     assert "holds no KV block" in caplog.text and not (tmp_path / "kv").exists()
+
+
+def test_clear_forgets_and_erases_every_record_for_a_restart(tmp_path: Path) -> None:
+    with DiskKVPool(tmp_path / "kv", LAYOUT, FP, 4 * RECORD) as p:
+        fill(p, [0, 1, 2])
+        # A promoted block leaves the index, but its record stays in the file until reused:
+        # a plain restart would find it again. clear() must erase it too.
+        assert p.remove(key(1), promoted=True)
+        assert p.demote_async(key(3), block(3))  # still in flight when clear() starts (or not)
+        dropped, erased = p.clear(keep=[key(2)])
+        assert dropped == 2  # 0 and 3; 2 is kept
+        assert erased == 3  # the files of 0, 1 (promoted) and 3
+        assert p.held_keys() == [key(2)] and fetch(p, key(0)) is None and fetch(p, key(3)) is None
+        p.check_integrity()
+        kept = fetch(p, key(2))
+        assert kept is not None and torch.equal(kept, block(2))
+        sizes = {f.name: f.stat().st_size for f in p.path.glob("slot_*.kvb")}
+        assert set(sizes.values()) == {RECORD}  # erased files are preallocated again: the cap holds
+        fill(p, [4])  # erased slots take new records
+        got = fetch(p, key(4))
+        assert got is not None and torch.equal(got, block(4))
+    with DiskKVPool(tmp_path / "kv", LAYOUT, FP, 4 * RECORD) as p:
+        # Only what was held after the clear comes back; the erased slots read as never written.
+        assert (p.restart.restored, p.restart.discarded, p.restart.unreadable) == (2, 0, 0)
+        assert sorted(p.held_keys()) == sorted([key(2), key(4)])
+        for i in (0, 1, 3):
+            assert fetch(p, key(i)) is None
+        p.check_integrity()
+
+
+def test_clear_counts_a_slot_it_cannot_erase(tmp_path: Path) -> None:
+    with DiskKVPool(tmp_path / "kv", LAYOUT, FP, 2 * RECORD) as p:
+        fill(p, [0, 1])
+        slot0 = p.path / "slot_000000.kvb"
+        slot0.unlink()
+        slot0.mkdir()  # something that is not a slot file in its place: erase cannot open it
+        dropped, erased = p.clear()
+        assert (dropped, erased) == (2, 1)
+        assert p.metrics().io_errors == 1 and p.held_keys() == []
+        p.check_integrity(check_files=False)

@@ -335,3 +335,23 @@ def test_integrity_detects_cache_corruption() -> None:
     del m.pool._free[3]
     with pytest.raises(AssertionError, match="block 3: ref_cnt 0, in free queue: False"):
         m.check_integrity()
+
+
+def test_uncache_free_forgets_free_blocks_only_and_evicts_nothing() -> None:
+    m = manager(6, 2)
+    evicted: list[int] = []
+    m.pool.on_evict = lambda block_id, key: evicted.append(block_id)
+    a, b = [1, 2, 3, 4, 5, 6], [11, 12, 13, 14]
+    admit(m, 1, a)
+    admit(m, 2, b)
+    m.free(1)  # a's blocks free and cached; b's in use
+    assert m.pool.num_cached_blocks == 5
+    order = m.pool.free_block_ids()
+    assert m.pool.uncache_free() == 3
+    assert m.pool.free_block_ids() == order  # same queue, only the keys are gone
+    assert m.pool.num_cached_blocks == 2 and all(m.pool.blocks[i].key is None for i in (0, 1, 2))
+    m.pool.check_integrity()
+    assert admit(m, 3, a).block_ids == ()  # a misses now
+    assert evicted == []  # its old blocks were reused without a demotion
+    m.free(3)
+    assert admit(m, 4, b).block_ids == (3,)  # b's blocks were in use: still cached

@@ -454,3 +454,43 @@ def test_cuda_round_trip_through_pinned_host(tmp_path: Path) -> None:
         tiers.check_integrity(device_keys=[key(i) for i in range(4)])
     finally:
         tiers.close()
+
+
+def test_clear_drops_every_block_but_transfers_in_flight(tmp_path: Path, cache: KVCache) -> None:
+    """A prefix-cache reset: host slots freed and zeroed, disk records erased (a restart finds
+    none); a promotion in flight and a swapped-out sequence keep their blocks."""
+    tiers = make_tiers(tmp_path, cache, host_blocks=3, disk_blocks=4)
+    try:
+        for i in range(5):
+            evict(tiers, cache, i)
+        set_device_block(cache, 5, block(50))
+        handle = tiers.swap_out([5])  # the swap block takes a host slot, pushing 2 down
+        assert handle is not None
+        assert where(tiers, range(5)) == {
+            0: Location(DISK, 0),
+            1: Location(DISK, 1),
+            2: Location(DISK, 2),
+            3: Location(HOST, 0),
+            4: Location(HOST, 1),
+        }
+        promotion = tiers.promote([key(3)], [6])  # in flight: pinned in host
+        assert tiers.clear() == (1, 3)  # host: 4 (3 moves, the swap block stays); disk: 0, 1, 2
+        tiers.check_integrity()
+        assert [tiers.location(key(i)) for i in (0, 1, 2, 4)] == [None] * 4
+        assert tiers.lookup([key(0)]) == [] and tiers.lookup([key(4)]) == []
+        assert not tiers.host.storage[1].any()  # 4's slot is zeroed, not just unindexed
+        assert promotion.wait().num_loaded == 1 and torch.equal(device_block(cache, 6), block(3))
+        back = tiers.swap_in(handle)
+        back.assign([7])
+        assert back.wait().complete and torch.equal(device_block(cache, 7), block(50))
+        host, disk = tiers.metrics()
+        assert host.used_blocks == disk.used_blocks == 0
+        tiers.check_integrity(device_keys=[key(3)])
+    finally:
+        tiers.close()
+    restarted = make_tiers(tmp_path, cache, host_blocks=3, disk_blocks=4)
+    try:
+        assert restarted.disk is not None and restarted.disk.restart.restored == 0
+        assert restarted.lookup([key(i) for i in range(5)]) == []
+    finally:
+        restarted.close()

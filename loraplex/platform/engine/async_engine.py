@@ -1,6 +1,7 @@
 """Runs an ``LLMEngine`` in its own thread and streams outputs to asyncio callers.
 
-Only the engine thread ever touches the engine. Callers post commands (add, abort)
+Only the engine thread ever touches the engine. Callers post commands (add, abort,
+reset the prefix cache)
 to an inbox that the thread drains before every step; each request's outputs travel
 back through its own ``asyncio.Queue``, fed with ``call_soon_threadsafe``.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -59,6 +61,14 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _ResetPrefixCache:
+    done: concurrent.futures.Future[bool]
+
+
+_Command = _Add | _Abort | _ResetPrefixCache
 
 
 class RequestStream:
@@ -102,7 +112,7 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._inbox: collections.deque[_Add | _Abort] = collections.deque()
+        self._inbox: collections.deque[_Command] = collections.deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
         # Registered on the event loop, read and removed on the engine thread.
@@ -191,6 +201,17 @@ class AsyncEngine:
         self._unregister(request_id)
         self._post(_Abort(request_id))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block on every tier (``LLMEngine.reset_prefix_cache``), between
+        steps; False while requests are unfinished (commands posted before it run first)."""
+        self._check_alive()
+        done: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        self._post(_ResetPrefixCache(done))
+        if self.error is not None or self._stop.is_set():
+            done.cancel()  # stopped meanwhile: the inbox may never be drained
+            raise self._dead_error()
+        return await asyncio.wrap_future(done)
+
     def shutdown(self) -> None:
         """Stop the engine loop; open requests fail with ``EngineDeadError``."""
         self._stop.set()
@@ -210,7 +231,7 @@ class AsyncEngine:
         # The cause is logged; clients only learn that the server is restarting.
         return EngineDeadError("the engine stopped after an internal error; the server is restarting")
 
-    def _post(self, command: _Add | _Abort) -> None:
+    def _post(self, command: _Command) -> None:
         self._inbox.append(command)
         self._wake.set()
 
@@ -248,6 +269,14 @@ class AsyncEngine:
             if isinstance(command, _Abort):
                 self.engine.abort_request(command.request_id)
                 num_aborts += 1
+                continue
+            if isinstance(command, _ResetPrefixCache):
+                if command.done.set_running_or_notify_cancel():
+                    try:
+                        command.done.set_result(self.engine.reset_prefix_cache())
+                    except Exception as exc:  # a failed reset is the caller's error, not the loop's
+                        logger.exception("reset_prefix_cache failed")
+                        command.done.set_exception(exc)
                 continue
             with self._streams_lock:
                 wanted = command.request_id in self._streams
@@ -293,6 +322,8 @@ class AsyncEngine:
             command = self._inbox.popleft()
             if isinstance(command, _Add):
                 _resolve(command.loop, command.accepted, error)
+            elif isinstance(command, _ResetPrefixCache) and command.done.set_running_or_notify_cancel():
+                command.done.set_exception(error)
 
 
 def _call_in(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:

@@ -283,6 +283,40 @@ class LLMEngine:
         self.scheduler.abort(req.seqs)
         req.forked = True
 
+    # -- the prefix cache -------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block in every tier (vLLM's ``reset_prefix_cache``); True if done.
+
+        Only while no request is unfinished (False otherwise, and nothing changes): a
+        running sequence's blocks are in its table, a waiting one may hold a promotion.
+        Device blocks lose their keys (they are reused without a demotion), host slots
+        are freed and zeroed, disk records are dropped and their slot files erased, so a
+        restart on the same ``disk_kv_path`` finds none. Counters stay cumulative. For
+        weights changed in place, or to take derived data of deleted tenants and adapters
+        off the disk at once (their blocks are unreachable, but would otherwise stay until
+        reused).
+        """
+        if self.has_unfinished_requests():
+            logger.warning(
+                "reset_prefix_cache refused: %d requests are unfinished; retry when the engine is idle",
+                self.scheduler.num_unfinished,
+            )
+            return False
+        start = time.perf_counter()
+        self.scheduler.drain()  # promotions of aborted sequences land first, then go with the rest
+        device = self.block_manager.pool.uncache_free()
+        host = disk = 0
+        if self.tiers is not None:
+            host, disk = self.tiers.clear()
+        logger.info(
+            "prefix cache reset in %.2f s: %d device, %d host and %d disk blocks forgotten",
+            time.perf_counter() - start,
+            device,
+            host,
+            disk,
+        )
+        return True
+
     # -- adapters -------------------------------------------------------------------
     def _lora(self) -> LoRARuntime:
         if self.lora_manager is None:

@@ -13,6 +13,7 @@ doubles as the prefix cache's LRU eviction order (vLLM v1):
     take(block_id)         a hit: ref 0 -> 1 leaves the free queue, else ref += 1
     cache_block(id, key)   register a full block under ``key`` (first one wins)
     decref(block_id)       at ref 0 the block joins the free queue's tail, key kept
+    uncache_free()         forget every free block's key (a prefix-cache reset)
 
 Promotion from a lower tier (host, disk) into a fresh block, paired verbs:
 
@@ -170,6 +171,22 @@ class BlockPool:
         block.key = key
         self._index[key] = block_id
         return True
+
+    def uncache_free(self) -> int:
+        """Forget the key of every free cached block (``reset_prefix_cache``); how many.
+
+        The blocks stay free, in the same queue order, and are reused without an eviction
+        (nothing is demoted). Blocks in use keep their keys: a running sequence's table
+        points at them, and they are findable again only as long as they stay cached.
+        """
+        dropped = 0
+        for block_id in self._free:
+            block = self.blocks[block_id]
+            if block.key is not None:
+                del self._index[block.key]
+                block.key = None
+                dropped += 1
+        return dropped
 
     # -- promotion from a lower tier -------------------------------------------
     def cached_blocks(self) -> list[tuple[int, BlockKey]]:

@@ -189,6 +189,26 @@ class SlotFiles:
             os.close(fd)
         return record
 
+    def erase(self, slot: int) -> bool:
+        """Empty a slot file that holds a record (or a torn one): its data blocks go back to the
+        filesystem and it is preallocated again, reading as zeros (a never-written slot to
+        ``scan_slots``), then fsynced. False if there was nothing to erase (missing, all-zero
+        header)."""
+        try:
+            fd = os.open(self.slot_path(slot), os.O_RDWR)
+        except FileNotFoundError:
+            return False
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0 or not any(os.pread(fd, block_codec.HEADER_BYTES, 0)):
+                return False
+            os.ftruncate(fd, 0)
+            os.posix_fallocate(fd, 0, max(size, self.record_bytes))
+            os.fsync(fd)
+            return True
+        finally:
+            os.close(fd)
+
     def fsync_slot(self, slot: int) -> None:
         fd = os.open(self.slot_path(slot), os.O_RDONLY)
         try:

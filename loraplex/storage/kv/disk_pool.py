@@ -12,6 +12,7 @@ Block I/O runs on a small thread pool, never on the caller's thread::
     demote_async(key, data) -> bool   copy ``data`` now, write it on a worker, then publish
     fetch(key) -> Future[block|None]  read and check on a worker; None is a (counted) miss
     remove(key, promoted=...)         forget a block (a promotion took it, or a swap ended)
+    clear(keep)                       forget every other block and erase their records on disk
     flush() / close()                 wait for writes in flight / and fsync, stop the workers
 
 Write, then publish: a block is findable by ``fetch`` from memory while its write is
@@ -34,6 +35,7 @@ import errno
 import logging
 import os
 import threading
+from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from pathlib import Path
@@ -283,6 +285,36 @@ class DiskKVPool:
             if promoted:
                 self.counters.promotions += 1
             return True
+
+    def clear(self, keep: Collection[bytes] = ()) -> tuple[int, int]:
+        """Forget every block not in ``keep`` and erase the records left in free slot files, so
+        that neither this pool nor a restart on the same path finds them (a prefix-cache reset);
+        (blocks dropped, files erased).
+
+        Waits for the writes in flight first: one finishing after the erase would leave its
+        record on disk. Free slots are erased too, since a promoted block's record stays in
+        its file until the slot is reused. Not covered: a slot a read still pins, and writes
+        another thread starts meanwhile (the engine resets on its own thread, when idle, so
+        there are neither).
+        """
+        if self._num_slots == 0:
+            return 0, 0
+        self.flush()
+        errors: list[tuple[int, OSError]] = []
+        erased = 0
+        with self._lock:  # no slot can be claimed for a write while its file is erased
+            gone = [key for key in self._slots.held_keys() if key not in keep]
+            for key in gone:
+                self._slots.drop(key)
+            for slot in self._slots.free_slots():
+                try:
+                    erased += self._files.erase(slot)
+                except OSError as exc:
+                    errors.append((slot, exc))
+            self._dirty.difference_update(self._slots.free_slots())
+        for slot, error in errors:
+            self._count_io_error("erase", slot, error)
+        return len(gone), erased
 
     # -- shutdown --------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:

@@ -78,6 +78,10 @@ class SlotTable:
         """Least recently used first."""
         return list(self.index)
 
+    def free_slots(self) -> list[int]:
+        """Slots no key, read or write holds (their files may still carry an old record)."""
+        return list(self._free)
+
     # -- transitions -----------------------------------------------------------
     def claim(self) -> tuple[int, bytes | None] | None:
         """A slot for a new write and the key evicted for it (None if it was free); None if none."""

@@ -12,6 +12,7 @@ allocated up front (pinned when CUDA is present, so promotions copy by DMA), siz
     get(key) -> view | None             a read (hit or miss counted), marks ``key`` recently used
     pin(key) / unpin(key)               a promotion in flight: not evictable, not removable
     remove(key, promoted=...)           free the slot
+    clear(keep)                         free (and zero) every unpinned slot not in ``keep``
 
 The pool is not thread-safe: ``TierManager`` serialises every call under its lock.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
+from collections.abc import Collection
 
 import torch
 
@@ -170,6 +172,15 @@ class HostKVPool:
         if promoted:
             self.counters.promotions += 1
         return True
+
+    def clear(self, keep: Collection[bytes] = ()) -> int:
+        """Free every unpinned block not in ``keep`` and zero its slot (a prefix-cache reset); how many."""
+        gone = [key for key in self._index if key not in self._pins and key not in keep]
+        for key in gone:
+            slot = self._index[key]
+            self._release(key)
+            self.storage[slot].zero_()
+        return len(gone)
 
     def _release(self, key: bytes) -> None:
         slot = self._index.pop(key)

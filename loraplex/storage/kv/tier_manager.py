@@ -18,6 +18,7 @@ owns the host and disk pools and moves blocks between them and the device::
     swap_out(block_ids) -> SwapHandle  a preempted sequence's blocks (full or not) to host/disk
     swap_in(handle) -> Promotion       ... and back (assign, wait as above)
     discard_swap(handle)               the sequence finished or was aborted while swapped
+    clear()                            drop every other block, erase the disk records (a reset)
 
 A key being promoted is pinned where it is and hidden from ``lookup`` until ``wait``
 decides: loaded blocks leave the lower tier, blocks after a failure stay there
@@ -293,6 +294,15 @@ class TierManager:
                 if key not in self._moving and self._forget(key):
                     dropped += 1
             return dropped
+
+    def clear(self) -> tuple[int, int]:
+        """Drop every host and disk block, and erase the disk records (a prefix-cache reset);
+        (host, disk) blocks dropped. Blocks a promotion or a swapped sequence holds stay."""
+        with self._lock:
+            keep = set(self._moving) | {key for keys in self._swaps.values() for key in keys}
+            host = self.host.clear(keep)
+            disk = self.disk.clear(keep)[0] if self.disk is not None else 0
+            return host, disk
 
     def _forget(self, key: bytes) -> bool:
         return self.host.remove(key) or (self.disk is not None and self.disk.remove(key))

@@ -57,6 +57,8 @@ def test_cancelled_submissions_and_shutdown(tiny_dirs: dict[str, Path]) -> None:
                 seen.append(out)
         with pytest.raises(EngineDeadError):
             await aeng.add_request("t", [5, 6, 7], params)
+        with pytest.raises(EngineDeadError):
+            await aeng.reset_prefix_cache()
         return seen
 
     assert asyncio.run(open_then_shutdown())

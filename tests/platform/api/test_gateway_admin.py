@@ -186,3 +186,44 @@ async def test_reupload_makes_a_new_version_that_new_requests_run_on(
         assert dropped.json()["versions"] == [v2["version"]]
         assert (await client.get("/v1/adapters/fr", headers=bearer(key))).json()["version"] == v1["version"]
         assert not (settings.adapter_store_dir / v2["version"]).exists()
+
+
+@pytest.mark.asyncio
+async def test_admin_resets_the_prefix_cache_only_when_idle(
+    gateway_engine: AsyncEngine, tmp_path: Path
+) -> None:
+    from loraplex import SamplingParams
+
+    async with serving(make_gateway(gateway_engine, settings_for(tmp_path, sqlite(tmp_path)))) as client:
+        key = await Admin(client).tenant_with_key("acme")
+        block = 16  # the engine's default block size
+        body = completion_body(BASE, prompt=[2000 + (29 * i) % 900 for i in range(3 * block + 2)])
+
+        async def cached() -> int:
+            response = await client.post("/v1/completions", json=body, headers=bearer(key))
+            assert response.status_code == 200, response.text
+            return int(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+        assert (await cached(), await cached()) == (0, 3 * block)
+        refused = await client.post("/admin/api/prefix-cache/reset", headers=bearer(key))
+        assert refused.status_code == 401  # a tenant key is not the admin token
+
+        # A request still running (not read by anyone): the engine is busy, the reset waits.
+        busy = await gateway_engine.add_request(
+            "reset-busy", [7] * 8, SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True)
+        )
+        try:
+            conflict = await client.post("/admin/api/prefix-cache/reset", headers=ADMIN)
+        finally:
+            busy.abort()
+        assert conflict.status_code == 409 and conflict.headers["retry-after"] == "1"
+        error = conflict.json()["error"]
+        assert error["code"] == "engine_busy" and set(error) == {"message", "type", "param", "code"}
+        assert await cached() == 3 * block  # nothing was dropped
+
+        deadline = time.monotonic() + 10
+        while (reset := await client.post("/admin/api/prefix-cache/reset", headers=ADMIN)).status_code == 409:
+            assert time.monotonic() < deadline, "the aborted request never left the engine"
+            await asyncio.sleep(0.05)
+        assert reset.status_code == 200 and reset.json() == {"object": "prefix_cache.reset", "reset": True}
+        assert (await cached(), await cached()) == (0, 3 * block)

@@ -196,3 +196,45 @@ def test_tier_settings_that_cannot_mean_what_they_say_are_refused() -> None:
         EngineConfig(disk_kv_cache_bytes=1 << 20)
     with pytest.raises(ValueError, match="need enable_prefix_caching=True"):
         EngineConfig(enable_prefix_caching=False, host_kv_cache_bytes=1 << 20)
+
+
+def test_reset_prefix_cache_forgets_every_tier_and_survives_no_restart(
+    tiny_dirs: dict[str, Path], reference: list[int], tmp_path: Path
+) -> None:
+    """vLLM's ``reset_prefix_cache``: refused while a request is unfinished; when idle, the
+    prompt's blocks on the device, in host RAM and on disk are all gone, also for a restart."""
+    probe = _engine(tiny_dirs, host_kv_cache_bytes=1 << 20)
+    assert probe.tiers is not None
+    host_bytes = 3 * probe.tiers.layout.bytes_per_block  # 3 host slots: the rest goes to disk
+    tiers = dict(
+        host_kv_cache_bytes=host_bytes, disk_kv_path=str(tmp_path / "kv"), disk_kv_cache_bytes=4 << 20
+    )
+    engine = _engine(tiny_dirs, **tiers)
+    _run(engine, "warm", PROMPT)
+    _evict_everything(engine)  # PROMPT's blocks: on disk and host now
+    _run(engine, "device", FILLERS[0])  # and a prompt cached on the device
+    assert _metrics(engine, "host")["used_blocks"] > 0 and _metrics(engine, "disk")["used_blocks"] > 0
+    assert engine.block_manager.pool.num_cached_blocks > 0
+
+    engine.add_request("busy", PROMPT, GREEDY)
+    assert engine.reset_prefix_cache() is False  # unfinished: nothing changes
+    assert engine.block_manager.pool.num_cached_blocks > 0
+    while engine.has_unfinished_requests():
+        engine.step()
+
+    assert engine.reset_prefix_cache() is True
+    assert engine.block_manager.pool.num_cached_blocks == 0
+    assert _metrics(engine, "host")["used_blocks"] == _metrics(engine, "disk")["used_blocks"] == 0
+    engine.check_integrity()
+    out = _run(engine, "again", PROMPT)
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference
+    assert _run(engine, "again-device", FILLERS[0]).num_cached_tokens == 0
+    assert engine.reset_prefix_cache() is True
+    engine.shutdown()  # writes what the device still caches (nothing) to disk
+
+    restarted = _engine(tiny_dirs, **tiers)
+    assert restarted.tiers is not None and restarted.tiers.disk is not None
+    assert restarted.tiers.disk.restart.restored == 0
+    out = _run(restarted, "after-restart", PROMPT)
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference
+    restarted.shutdown()

@@ -10,6 +10,7 @@
 | ``DELETE /keys/{id}`` | revoke a key |
 | ``GET /adapters[?tenant=]``, ``DELETE /adapters/{tenant}/{name}[?version=]`` | every adapter version |
 | ``GET /usage[?tenant=&adapter=&status=&since=&until=&limit=]`` | totals and the newest records |
+| ``POST /prefix-cache/reset`` | forget every cached KV block, every tier (409 while requests run) |
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from pydantic import AwareDatetime
 
+from loraplex.platform.api.deps import StateDep
+from loraplex.platform.api.gateway_errors import GatewayError
 from loraplex.platform.api.schemas import (
     AdapterDeleted,
     AdapterPublic,
@@ -129,3 +132,17 @@ async def usage_report(
     where = usage.UsageFilter(tenant=owner, since=since, until=until, adapter_name=adapter, status=status)
     totals = await usage.usage_totals(session, where)
     return UsageReport.of(totals, await usage.query_usage(session, where, limit=limit))
+
+
+@router.post("/prefix-cache/reset")
+async def reset_prefix_cache(_: AdminDep, state: StateDep) -> dict[str, object]:
+    """Drop every cached KV block (device, host, disk records erased). The engine does it only
+    when idle, so a busy server answers 409 with ``Retry-After``: new requests keep coming."""
+    if not await state.engine.reset_prefix_cache():
+        raise GatewayError(
+            409,
+            "Requests are running; the prefix cache can be reset only while the engine is idle. Retry.",
+            code="engine_busy",
+            headers={"Retry-After": "1"},
+        )
+    return {"object": "prefix_cache.reset", "reset": True}
