@@ -37,6 +37,10 @@ class LLM:
         """Forget every cached KV block, on every tier (see ``LLMEngine.reset_prefix_cache``)."""
         return self.llm_engine.reset_prefix_cache()
 
+    def purge_tenant(self, tenant_id: str) -> tuple[int, int, int]:
+        """Forget one tenant's cached KV on every tier (see ``LLMEngine.purge_tenant``)."""
+        return self.llm_engine.purge_tenant(tenant_id)
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 

@@ -144,7 +144,7 @@ def test_random_ops_keep_integrity_and_content(seed: int) -> None:
     m = KVBlockManager(num_blocks, block_size, enable_prefix_caching=True, fingerprint=b"sim")
     sim = Sim(m, rng, [[None] * block_size for _ in range(num_blocks)])
 
-    def demote(block_id: int, key: BlockKey) -> None:
+    def demote(block_id: int, key: BlockKey, owner: bytes) -> None:
         # Runs before the block is handed out: its content is still the cached one.
         assert GARBAGE not in sim.content[block_id]
         sim.lower[key] = list(sim.content[block_id])

@@ -452,3 +452,36 @@ def test_clear_counts_a_slot_it_cannot_erase(tmp_path: Path) -> None:
         assert (dropped, erased) == (2, 1)
         assert p.metrics().io_errors == 1 and p.held_keys() == []
         p.check_integrity(check_files=False)
+
+
+def test_owner_round_trips_and_a_record_without_one_reads_as_nobodys() -> None:
+    header = block_codec.encode_header(LAYOUT, FP, key(1), 7, True, owner=b"T" * 32)
+    assert block_codec.parse_header(header).owner == b"T" * 32
+    assert block_codec.parse_header(block_codec.encode_header(LAYOUT, FP, key(1), 7, True)).owner == b""
+    with pytest.raises(ValueError, match="owners are at most 32"):
+        block_codec.encode_header(LAYOUT, FP, key(1), 7, True, owner=b"T" * 33)
+
+
+def test_purge_drops_and_erases_one_owners_records_only(tmp_path: Path) -> None:
+    a, b = b"A" * 32, b"B" * 32
+    with DiskKVPool(tmp_path / "kv", LAYOUT, FP, 5 * RECORD) as p:
+        for i, owner in [(0, a), (1, b), (2, a), (3, b"")]:
+            assert p.demote_async(key(i), block(i), owner=owner)
+        p.flush()
+        assert [p.owner_of(key(i)) for i in range(4)] == [a, b, a, b""]
+        assert p.remove(key(2), promoted=True)  # its record stays in the (now free) file
+        assert p.purge(a) == (1, 2)  # 0 dropped; the files of 0 and 2 erased
+        assert sorted(p.held_keys()) == sorted([key(1), key(3)])
+        assert fetch(p, key(0)) is None
+        for i in (1, 3):
+            got = fetch(p, key(i))
+            assert got is not None and torch.equal(got, block(i))
+        p.check_integrity()
+        with pytest.raises(ValueError, match="needs an owner"):
+            p.purge(b"")
+    with DiskKVPool(tmp_path / "kv", LAYOUT, FP, 5 * RECORD) as p:
+        assert p.restart.restored == 2 and sorted(p.held_keys()) == sorted([key(1), key(3)])
+        assert (p.owner_of(key(1)), p.owner_of(key(3))) == (b, b"")  # owners survive a restart
+        assert p.purge(b) == (1, 1)
+        assert p.held_keys() == [key(3)]
+        p.check_integrity()

@@ -48,8 +48,7 @@ def test_put_get_evict_lru_exact_slots() -> None:
     assert pool.held_keys() == [key(1), key(2), key(0)]
     evicted = pool.evict_lru()
     assert evicted is not None
-    evicted_key, evicted_data = evicted
-    assert evicted_key == key(1) and torch.equal(evicted_data, block(1))
+    assert evicted.key == key(1) and torch.equal(evicted.data, block(1)) and evicted.owner == b""
     assert pool.put(key(3), block(3)) == 1  # takes the slot just freed
     assert pool.slot_of(key(3)) == 1 and not pool.contains(key(1))
     assert pool.get(key(1)) is None
@@ -102,3 +101,19 @@ def test_check_integrity_bites() -> None:
     pool._free.append(0)  # slot 0 is now both used and queued free
     with pytest.raises(AssertionError):
         pool.check_integrity()
+
+
+def test_owners_travel_with_eviction_and_purge_frees_and_zeroes() -> None:
+    pool = HostKVPool(LAYOUT, 3 * LAYOUT.bytes_per_block, pin_memory=False)
+    a = b"A" * 32
+    pool.put(key(0), block(0), owner=a)
+    pool.put(key(1), block(1))
+    pool.put(key(2), block(2), owner=a)
+    pool.pin(key(2))  # a transfer in flight: purged after it ends, not now
+    evicted = pool.evict_lru()
+    assert evicted is not None and (evicted.key, evicted.owner) == (key(0), a)
+    pool.put(key(3), block(3), owner=a)
+    assert pool.purge(a) == 1  # 3; 2 is pinned
+    assert pool.held_keys() == [key(1), key(2)] and pool.owner_of(key(2)) == a
+    assert not pool.storage[0].any()  # key(3) took slot 0: zeroed
+    pool.check_integrity()

@@ -93,7 +93,7 @@ def test_another_fingerprint_never_hits() -> None:
 def test_hits_after_free_in_lru_order_and_misses_after_reuse() -> None:
     m = manager(6, 2)
     evicted: list[tuple[int, BlockKey, int | None]] = []
-    m.pool.on_evict = lambda block_id, key: evicted.append((block_id, key, m.pool.lookup(key)))
+    m.pool.on_evict = lambda block_id, key, owner: evicted.append((block_id, key, m.pool.lookup(key)))
     a, b, c = [1, 2, 3, 4, 5, 6], [11, 12, 13, 14], [21, 22, 23, 24, 25, 26]
     ka, kb = keys_of(a, 2), keys_of(b, 2)
     admit(m, 1, a)
@@ -340,7 +340,7 @@ def test_integrity_detects_cache_corruption() -> None:
 def test_uncache_free_forgets_free_blocks_only_and_evicts_nothing() -> None:
     m = manager(6, 2)
     evicted: list[int] = []
-    m.pool.on_evict = lambda block_id, key: evicted.append(block_id)
+    m.pool.on_evict = lambda block_id, key, owner: evicted.append(block_id)
     a, b = [1, 2, 3, 4, 5, 6], [11, 12, 13, 14]
     admit(m, 1, a)
     admit(m, 2, b)
@@ -355,3 +355,30 @@ def test_uncache_free_forgets_free_blocks_only_and_evicts_nothing() -> None:
     assert evicted == []  # its old blocks were reused without a demotion
     m.free(3)
     assert admit(m, 4, b).block_ids == (3,)  # b's blocks were in use: still cached
+
+
+def test_purge_owner_forgets_its_free_blocks_and_refuses_its_blocks_later() -> None:
+    a, b = b"A" * 32, b"B" * 32
+    m = manager(10, 2)
+    evicted: list[tuple[int, bytes]] = []
+    m.pool.on_evict = lambda block_id, key, owner: evicted.append((block_id, owner))
+    p1, p2, p3 = [1, 2, 3, 4, 5], [11, 12, 13, 14, 15], [21, 22, 23, 24, 25]
+    for seq_id, tokens, owner in [(1, p1, a), (2, p2, b), (3, p3, a)]:
+        hit = m.get_computed_blocks(seq_id, tokens, (b"", owner), owner)
+        m.allocate_slots(seq_id, 0, len(tokens), hit)
+        m.cache_full_blocks(seq_id, tokens, len(tokens))
+    assert [m.pool.blocks[i].owner for i in m.block_table(1)[:2]] == [a, a]
+    m.free(1)
+    m.free(2)  # 1 and 2 free (cached); 3 still running
+    assert m.pool.purge_owner(a) == 2  # sequence 1's two full blocks
+    assert m.pool.num_cached_blocks == 4  # b's two and the running a's two
+    m.pool.check_integrity()
+    assert m.get_computed_blocks(4, p1, (b"", a), a).block_ids == ()
+    assert m.get_computed_blocks(5, p2, (b"", b), b).block_ids == (3, 4)
+    m.free(3)  # its blocks stay keyed until reused; then on_evict names the owner
+    m.pool.allocate(m.pool.num_free_blocks)
+    assert sorted(owner for _, owner in evicted) == [a, a, b, b]
+    # A purged owner's blocks are never cached again.
+    assert not m.pool.cache_block(0, keys_of(p1, 2)[0], a)
+    with pytest.raises(ValueError, match="needs an owner"):
+        m.pool.purge_owner(b"")

@@ -494,3 +494,58 @@ def test_clear_drops_every_block_but_transfers_in_flight(tmp_path: Path, cache: 
         assert restarted.lookup([key(i) for i in range(5)]) == []
     finally:
         restarted.close()
+
+
+def test_owners_go_down_and_come_back_and_a_purged_owner_is_stored_nowhere(
+    tmp_path: Path, cache: KVCache
+) -> None:
+    """The tenant tag travels with a block: device -> host -> disk and back up; a purge drops
+    the owner's blocks on both tiers (erasing its disk records) and refuses later demotions."""
+    a, b = b"A" * 32, b"B" * 32
+    tiers = make_tiers(tmp_path, cache, host_blocks=2, disk_blocks=4)
+    try:
+        pool = BlockPool(cache.num_blocks)
+        pool.on_evict = tiers.on_device_evict
+        blocks = pool.allocate(6)
+        for blk, owner in zip(blocks, [a, b, a, b, a, b""], strict=True):
+            set_device_block(cache, blk.block_id, block(blk.block_id))
+            assert pool.cache_block(blk.block_id, key(blk.block_id), owner)
+        pool.decref_all(blk.block_id for blk in blocks)
+        pool.allocate(cache.num_blocks)  # evicts all 6: 0..3 end on disk, 4 and 5 on host
+        assert where(tiers, range(6)) == {
+            0: Location(DISK, 0),
+            1: Location(DISK, 1),
+            2: Location(DISK, 2),
+            3: Location(DISK, 3),
+            4: Location(HOST, 0),
+            5: Location(HOST, 1),
+        }
+        assert tiers.disk is not None
+        assert [tiers.disk.owner_of(key(i)) for i in range(4)] == [a, b, a, b]
+        assert [tiers.host.owner_of(key(i)) for i in (4, 5)] == [a, b""]
+        promotion = tiers.prefetch([key(1)])  # comes back up with its owner
+        assert promotion.owners == [b]
+        promotion.cancel()
+
+        assert tiers.purge(a) == (1, 2)  # host: 4; disk: 0 and 2
+        assert [tiers.location(key(i)) is not None for i in range(6)] == [
+            False,
+            True,
+            False,
+            True,
+            False,
+            True,
+        ]
+        tiers.check_integrity()
+        set_device_block(cache, 0, block(9))
+        assert tiers.demote(0, key(9), a) is None  # a purged owner is stored nowhere again
+        assert tiers.demote(1, key(10), b) is not None
+        tiers.check_integrity()
+    finally:
+        tiers.close()
+    restarted = make_tiers(tmp_path, cache, host_blocks=2, disk_blocks=4)
+    try:
+        # Disk only (host blocks go down at an engine's shutdown, not here): b's two records.
+        assert restarted.disk is not None and sorted(restarted.disk.held_keys()) == sorted([key(1), key(3)])
+    finally:
+        restarted.close()

@@ -64,11 +64,14 @@ class _Abort:
 
 
 @dataclass
-class _ResetPrefixCache:
-    done: concurrent.futures.Future[bool]
+class _Call:
+    """Run ``fn(engine)`` on the engine thread between steps; its result (or error) goes to ``done``."""
+
+    fn: Callable[[LLMEngine], object]
+    done: concurrent.futures.Future[object]
 
 
-_Command = _Add | _Abort | _ResetPrefixCache
+_Command = _Add | _Abort | _Call
 
 
 class RequestStream:
@@ -204,9 +207,18 @@ class AsyncEngine:
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached KV block on every tier (``LLMEngine.reset_prefix_cache``), between
         steps; False while requests are unfinished (commands posted before it run first)."""
+        return bool(await self._call(lambda engine: engine.reset_prefix_cache()))
+
+    async def purge_tenant(self, tenant_id: str) -> tuple[int, int, int]:
+        """Forget one tenant's cached KV on every tier (``LLMEngine.purge_tenant``), between steps."""
+        result = await self._call(lambda engine: engine.purge_tenant(tenant_id))
+        assert isinstance(result, tuple)
+        return result
+
+    async def _call(self, fn: Callable[[LLMEngine], object]) -> object:
         self._check_alive()
-        done: concurrent.futures.Future[bool] = concurrent.futures.Future()
-        self._post(_ResetPrefixCache(done))
+        done: concurrent.futures.Future[object] = concurrent.futures.Future()
+        self._post(_Call(fn, done))
         if self.error is not None or self._stop.is_set():
             done.cancel()  # stopped meanwhile: the inbox may never be drained
             raise self._dead_error()
@@ -270,12 +282,12 @@ class AsyncEngine:
                 self.engine.abort_request(command.request_id)
                 num_aborts += 1
                 continue
-            if isinstance(command, _ResetPrefixCache):
+            if isinstance(command, _Call):
                 if command.done.set_running_or_notify_cancel():
                     try:
-                        command.done.set_result(self.engine.reset_prefix_cache())
-                    except Exception as exc:  # a failed reset is the caller's error, not the loop's
-                        logger.exception("reset_prefix_cache failed")
+                        command.done.set_result(command.fn(self.engine))
+                    except Exception as exc:  # a failed call is the caller's error, not the loop's
+                        logger.exception("an engine call from the server failed")
                         command.done.set_exception(exc)
                 continue
             with self._streams_lock:
@@ -322,7 +334,7 @@ class AsyncEngine:
             command = self._inbox.popleft()
             if isinstance(command, _Add):
                 _resolve(command.loop, command.accepted, error)
-            elif isinstance(command, _ResetPrefixCache) and command.done.set_running_or_notify_cancel():
+            elif isinstance(command, _Call) and command.done.set_running_or_notify_cancel():
                 command.done.set_exception(error)
 
 

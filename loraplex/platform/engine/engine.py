@@ -39,7 +39,7 @@ from loraplex.platform.engine.runner import ModelRunner
 from loraplex.platform.engine.sampler import Sampler, non_finite_rows
 from loraplex.platform.engine.sampling_params import SamplingParams
 from loraplex.platform.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
-from loraplex.platform.engine.sequence import Request, SeqStatus, Sequence
+from loraplex.platform.engine.sequence import Request, SeqStatus, Sequence, tenant_cache_salt
 from loraplex.platform.engine.validation import RequestLimits, check_request_limits, prompt_token_ids
 from loraplex.platform.model.loader import load_hf_config, load_model
 from loraplex.platform.model.source import resolve_model_dir
@@ -316,6 +316,31 @@ class LLMEngine:
             disk,
         )
         return True
+
+    def purge_tenant(self, tenant_id: str) -> tuple[int, int, int]:
+        """Forget tenant ``tenant_id``'s cached KV on every tier and cache none of it again (a
+        deleted tenant); (device, host, disk) blocks forgotten.
+
+        No one could hit those blocks anyway (keys bind the tenant salt, and a tenant created
+        again gets another id), but the disk records are data derived from the tenant's
+        prompts, at rest: they are erased now, with the records its promoted blocks left in
+        free slot files. Runs while requests run (on the engine thread, between steps): its
+        blocks in use keep their keys until freed, then are reused without a demotion.
+        """
+        owner = tenant_cache_salt(tenant_id)
+        start = time.perf_counter()
+        device = self.block_manager.pool.purge_owner(owner)
+        host = disk = 0
+        if self.tiers is not None:
+            host, disk = self.tiers.purge(owner)
+        logger.info(
+            "purged a tenant's cached KV in %.2f s: %d device, %d host and %d disk blocks",
+            time.perf_counter() - start,
+            device,
+            host,
+            disk,
+        )
+        return device, host, disk
 
     # -- adapters -------------------------------------------------------------------
     def _lora(self) -> LoRARuntime:

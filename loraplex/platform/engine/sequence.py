@@ -89,6 +89,12 @@ class Sequence:
         return self.status.value if self.status.finished else None
 
 
+def tenant_cache_salt(tenant_id: str) -> bytes:
+    """The prefix-cache salt of ``tenant_id`` (32 bytes): part of every key its requests cache,
+    and the owner tag the tiers keep, so a deleted tenant's blocks can be purged."""
+    return hashlib.sha256(b"tenant:" + tenant_id.encode()).digest()
+
+
 @dataclass
 class Request:
     """A submitted prompt with its parameters and identity; owns its sequences.
@@ -123,10 +129,12 @@ class Request:
         part, so no two different pairs encode alike.
         """
         adapter = b"" if self.adapter is None else b"adapter:" + self.adapter.version.encode()
-        tenant = b""
-        if self.tenant_id is not None:
-            tenant = hashlib.sha256(b"tenant:" + self.tenant_id.encode()).digest()
-        return (adapter, tenant)
+        return (adapter, self.cache_owner)
+
+    @property
+    def cache_owner(self) -> bytes:
+        """The tenant's cache salt (b"" offline): the owner of the blocks it caches, on every tier."""
+        return b"" if self.tenant_id is None else tenant_cache_salt(self.tenant_id)
 
     @property
     def finished(self) -> bool:

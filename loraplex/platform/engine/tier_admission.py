@@ -81,7 +81,7 @@ class TierAdmission:
             if not pending.ready():
                 return None
             finish_promotion(self.kv, self._promotions.pop(seq.seq_id))
-        hit = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids, extra)
+        hit = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids, extra, seq.request.cache_owner)
         if self.tiers is None or hit.num_cached_blocks >= hit.num_cacheable_blocks:
             return hit
         if self.tiers.is_moving(self.kv.block_keys(seq.seq_id)[hit.num_cached_blocks]):
@@ -105,7 +105,7 @@ class TierAdmission:
             return None
         if finish_promotion(self.kv, pending) > 0:
             # Promotion allocated device blocks (which may evict others): look again.
-            hit = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids, extra)
+            hit = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids, extra, seq.request.cache_owner)
         return hit
 
     def finish_orphans(self, block: bool = False) -> None:

@@ -9,7 +9,11 @@ A record, ``record_bytes(layout)`` long, one per disk slot::
     header = magic "LPXKVBLK" | u16 format version | u16 flags (bit 0: persistent)
            | u32 block_size | u32 num_layers | u32 num_kv_heads | u32 head_dim
            | u64 payload bytes | u64 write sequence | 32B sha256(fingerprint)
-           | 16B dtype name | u8 key length | 64B key
+           | 16B dtype name | u8 key length | 64B key | u8 owner length | 32B owner
+
+The owner (the tenant's cache salt; empty offline and for swap blocks) lets a purge find a
+deleted tenant's records, also after a restart. It sits in what format 1 left as zero
+padding, so a record written before it existed reads as owned by nobody.
 
 A read accepts a record only if every header field matches what the reader expects
 (magic, version, fingerprint, layout, dtype, the key it asked for) and the checksum
@@ -43,10 +47,12 @@ FORMAT_VERSION = 1
 HEADER_BYTES = 256
 CHECKSUM_BYTES = 32
 MAX_KEY_BYTES = 64
+MAX_OWNER_BYTES = 32
 FLAG_PERSISTENT = 1
 
 _HEADER = struct.Struct("<8sHHIIIIQQ32s16sB64s")
-assert _HEADER.size <= HEADER_BYTES
+_OWNER = struct.Struct("<B32s")  # right after _HEADER
+assert _HEADER.size + _OWNER.size <= HEADER_BYTES
 
 
 class RecordFault(enum.Enum):
@@ -81,6 +87,7 @@ class RecordHeader(NamedTuple):
     fingerprint_digest: bytes
     dtype_name: str
     key: bytes
+    owner: bytes = b""
 
 
 def payload_bytes(layout: KVBlockLayout) -> int:
@@ -97,9 +104,13 @@ def fingerprint_digest(fingerprint: bytes) -> bytes:
     return hashlib.sha256(fingerprint).digest()
 
 
-def encode_header(layout: KVBlockLayout, fingerprint: bytes, key: bytes, seq: int, persistent: bool) -> bytes:
+def encode_header(
+    layout: KVBlockLayout, fingerprint: bytes, key: bytes, seq: int, persistent: bool, owner: bytes = b""
+) -> bytes:
     if len(key) > MAX_KEY_BYTES:
         raise ValueError(f"block keys are at most {MAX_KEY_BYTES} bytes, got {len(key)}")
+    if len(owner) > MAX_OWNER_BYTES:
+        raise ValueError(f"block owners are at most {MAX_OWNER_BYTES} bytes, got {len(owner)}")
     dtype_name = layout.dtype_name.encode("ascii")
     packed = _HEADER.pack(
         MAGIC,
@@ -115,7 +126,7 @@ def encode_header(layout: KVBlockLayout, fingerprint: bytes, key: bytes, seq: in
         dtype_name,
         len(key),
         key,
-    )
+    ) + _OWNER.pack(len(owner), owner)
     return packed.ljust(HEADER_BYTES, b"\0")
 
 
@@ -138,6 +149,9 @@ def parse_header(header: bytes | bytearray | memoryview) -> RecordHeader:
         raise RecordError(RecordFault.BAD_HEADER, f"format version {version}, expected {FORMAT_VERSION}")
     if klen > MAX_KEY_BYTES:
         raise RecordError(RecordFault.BAD_HEADER, f"key length {klen}")
+    olen, owner = _OWNER.unpack_from(header, _HEADER.size)
+    if olen > MAX_OWNER_BYTES:
+        raise RecordError(RecordFault.BAD_HEADER, f"owner length {olen}")
     return RecordHeader(
         version=version,
         persistent=bool(flags & FLAG_PERSISTENT),
@@ -150,6 +164,7 @@ def parse_header(header: bytes | bytearray | memoryview) -> RecordHeader:
         fingerprint_digest=fp,
         dtype_name=dtype.rstrip(b"\0").decode("ascii", errors="replace"),
         key=key[:klen],
+        owner=owner[:olen],
     )
 
 

@@ -112,7 +112,7 @@ class KVBlockManager:
 
     # -- prefix cache ----------------------------------------------------------
     def get_computed_blocks(
-        self, seq_id: int, token_ids: Sequence[int], extra_keys: ExtraKeys = ()
+        self, seq_id: int, token_ids: Sequence[int], extra_keys: ExtraKeys = (), owner: bytes = b""
     ) -> PrefixHit:
         """The cached head blocks of a sequence about to be admitted (no references taken).
 
@@ -120,13 +120,14 @@ class KVBlockManager:
         to ``can_allocate`` / ``num_new_blocks_needed`` / ``allocate_slots`` with
         ``num_computed = hit.num_cached_tokens``. The hit stays valid until the next
         call that allocates blocks. ``extra_keys`` (adapter content, tenant salt)
-        must be the same every time for one sequence. NO_HIT when caching is off.
+        must be the same every time for one sequence. ``owner`` (the tenant's salt) is
+        recorded with the blocks it caches, for a purge. NO_HIT when caching is off.
         """
         if not self.enable_prefix_caching:
             return NO_HIT
         if self._tables.get(seq_id):
             raise RuntimeError(f"sequence {seq_id} already holds blocks; look up only before admission")
-        return self.prefix_cache.lookup(seq_id, token_ids, extra_keys)
+        return self.prefix_cache.lookup(seq_id, token_ids, extra_keys, owner)
 
     def cache_full_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> int:
         """After a step: make ``seq_id``'s newly computed full blocks findable; return how many.

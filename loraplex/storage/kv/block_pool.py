@@ -7,13 +7,17 @@ stays findable in the free queue until it is handed out again, so the free queue
 doubles as the prefix cache's LRU eviction order (vLLM v1):
 
     allocate(n)            pop the oldest free blocks; a keyed one is *evicted*:
-                           its key leaves the index and ``on_evict(block_id, key)``
+                           its key leaves the index and ``on_evict(block_id, key, owner)``
                            runs before the block is handed out (demotion hook)
     lookup(key)            the cached block for ``key`` or None (no state change)
     take(block_id)         a hit: ref 0 -> 1 leaves the free queue, else ref += 1
-    cache_block(id, key)   register a full block under ``key`` (first one wins)
+    cache_block(id, key, owner)  register a full block under ``key`` (first one wins)
     decref(block_id)       at ref 0 the block joins the free queue's tail, key kept
     uncache_free()         forget every free block's key (a prefix-cache reset)
+    purge_owner(owner)     forget the free blocks ``owner`` owns; never cache its blocks again
+
+``owner`` is the tenant's cache salt (b"": nobody's): the tiers keep it with the block, so a
+deleted tenant's blocks can be found and purged on every tier.
 
 Promotion from a lower tier (host, disk) into a fresh block, paired verbs:
 
@@ -33,8 +37,8 @@ from dataclasses import dataclass
 
 from loraplex.storage.kv.block_hash import BlockKey
 
-EvictCallback = Callable[[int, BlockKey], None]
-"""``on_evict(block_id, key)``: a cached block is about to be reused; copy its data out now.
+EvictCallback = Callable[[int, BlockKey, bytes], None]
+"""``on_evict(block_id, key, owner)``: a cached block is about to be reused; copy its data out now.
 
 Runs before the block is handed out, so its KV is still intact; the copy (or a
 transfer enqueued by it) must complete before the next forward writes the block.
@@ -52,6 +56,7 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     key: BlockKey | None = None
+    owner: bytes = b""  # whose cached block (with ``key``)
 
 
 class BlockPool:
@@ -66,7 +71,8 @@ class BlockPool:
         # and pop() removes from the middle (a prefix-cache hit on a free block).
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._index: dict[BlockKey, int] = {}
-        self._promoting: dict[int, BlockKey] = {}
+        self._promoting: dict[int, tuple[BlockKey, bytes]] = {}  # block -> (key, owner)
+        self._purged: set[bytes] = set()  # owners whose blocks are never cached again
         self.on_evict: EvictCallback | None = None
         self.num_evicted_blocks = 0
 
@@ -122,10 +128,10 @@ class BlockPool:
             f"block {block.block_id} has key {key.hex()} but the index maps it to {self._index.get(key)}"
         )
         del self._index[key]
-        block.key = None
+        owner, block.key, block.owner = block.owner, None, b""
         self.num_evicted_blocks += 1
         if self.on_evict is not None:
-            self.on_evict(block.block_id, key)
+            self.on_evict(block.block_id, key, owner)
 
     def take(self, block_id: int) -> None:
         """A prefix-cache hit: one more reference to a cached block (free or in use)."""
@@ -154,8 +160,11 @@ class BlockPool:
             self.decref(block_id)
 
     # -- the key index ---------------------------------------------------------
-    def cache_block(self, block_id: int, key: BlockKey) -> bool:
-        """Make a full, written block findable under ``key``; True if it now is.
+    def cache_block(self, block_id: int, key: BlockKey, owner: bytes = b"") -> bool:
+        """Make a full, written block findable under ``key`` (``owner``'s); True if it now is.
+
+        False for an owner ``purge_owner`` purged: a deleted tenant's requests still running
+        compute blocks that no one can hit and that must not go down the tiers.
 
         If another block already holds ``key`` the index keeps that one and this
         block stays keyless: blocks are never de-duplicated, because a block table
@@ -166,9 +175,9 @@ class BlockPool:
             if block.key != key:
                 raise RuntimeError(f"block {block_id} is cached as {block.key.hex()}, not {key.hex()}")
             return True
-        if key in self._index:
+        if key in self._index or (owner and owner in self._purged):
             return False
-        block.key = key
+        block.key, block.owner = key, owner
         self._index[key] = block_id
         return True
 
@@ -179,14 +188,31 @@ class BlockPool:
         (nothing is demoted). Blocks in use keep their keys: a running sequence's table
         points at them, and they are findable again only as long as they stay cached.
         """
-        dropped = 0
-        for block_id in self._free:
+        return self._uncache([b for b in self._free if self.blocks[b].key is not None])
+
+    def purge_owner(self, owner: bytes) -> int:
+        """Forget the keys of ``owner``'s free blocks and refuse its blocks from now on; how many.
+
+        Its blocks in use keep their keys until freed and reused (then ``on_evict`` sees the
+        owner, so the tiers can drop them instead of storing them).
+        """
+        if not owner:
+            raise ValueError("purge_owner needs an owner: blocks of nobody are reset, not purged")
+        self._purged.add(owner)
+        return self._uncache(
+            [b for b in self._free if self.blocks[b].key is not None and self.blocks[b].owner == owner]
+        )
+
+    def is_purged(self, owner: bytes) -> bool:
+        return bool(owner) and owner in self._purged
+
+    def _uncache(self, block_ids: list[int]) -> int:
+        for block_id in block_ids:
             block = self.blocks[block_id]
-            if block.key is not None:
-                del self._index[block.key]
-                block.key = None
-                dropped += 1
-        return dropped
+            assert block.key is not None
+            del self._index[block.key]
+            block.key, block.owner = None, b""
+        return len(block_ids)
 
     # -- promotion from a lower tier -------------------------------------------
     def cached_blocks(self) -> list[tuple[int, BlockKey]]:
@@ -195,17 +221,17 @@ class BlockPool:
         used = [(b, k) for k, b in self._index.items() if self.blocks[b].ref_cnt > 0]
         return [(b, k) for b, k in free if k is not None] + used
 
-    def allocate_for_key(self, key: BlockKey) -> int | None:
+    def allocate_for_key(self, key: BlockKey, owner: bytes = b"") -> int | None:
         """A fresh block to copy ``key``'s data into, or None (already cached here, or no free block).
 
         The block has ref_cnt 1, held by the promotion, and is not findable until
         ``publish_promoted``; exactly one of ``publish_promoted`` / ``cancel_promoted``
         must follow.
         """
-        if key in self._index or key in self._promoting.values() or not self._free:
+        if key in self._index or any(k == key for k, _ in self._promoting.values()) or not self._free:
             return None
         (block,) = self.allocate(1)
-        self._promoting[block.block_id] = key
+        self._promoting[block.block_id] = (key, owner)
         return block.block_id
 
     def publish_promoted(self, block_id: int) -> bool:
@@ -215,8 +241,8 @@ class BlockPool:
         sequence already took it. Returns False if the key was cached by another
         block meanwhile (this one is then released keyless).
         """
-        key = self._promoting.pop(block_id)
-        published = self.cache_block(block_id, key)
+        key, owner = self._promoting.pop(block_id)
+        published = self.cache_block(block_id, key, owner)
         self.decref(block_id)
         return published
 

@@ -58,6 +58,7 @@ class FoundRecord:
     seq: int  # write order
     slot: int
     key: bytes
+    owner: bytes = b""
 
 
 class SlotFiles:
@@ -189,19 +190,26 @@ class SlotFiles:
             os.close(fd)
         return record
 
-    def erase(self, slot: int) -> bool:
+    def erase(self, slot: int, owner: bytes | None = None) -> bool:
         """Empty a slot file that holds a record (or a torn one): its data blocks go back to the
         filesystem and it is preallocated again, reading as zeros (a never-written slot to
         ``scan_slots``), then fsynced. False if there was nothing to erase (missing, all-zero
-        header)."""
+        header) or, with ``owner``, if its header does not name that owner."""
         try:
             fd = os.open(self.slot_path(slot), os.O_RDWR)
         except FileNotFoundError:
             return False
         try:
             size = os.fstat(fd).st_size
-            if size == 0 or not any(os.pread(fd, block_codec.HEADER_BYTES, 0)):
+            header = os.pread(fd, block_codec.HEADER_BYTES, 0) if size else b""
+            if not any(header):
                 return False
+            if owner is not None:
+                try:
+                    if block_codec.parse_header(header).owner != owner:
+                        return False
+                except block_codec.RecordError:
+                    return False  # not a record of ours: nobody's to purge
             os.ftruncate(fd, 0)
             os.posix_fallocate(fd, 0, max(size, self.record_bytes))
             os.fsync(fd)
@@ -244,7 +252,7 @@ def scan_slots(
         if not parsed.persistent:
             report.discarded += 1
             continue
-        record = FoundRecord(parsed.seq, slot, parsed.key)
+        record = FoundRecord(parsed.seq, slot, parsed.key, parsed.owner)
         older = found.get(parsed.key)
         # Written twice (promoted, then demoted again): the newer write wins.
         if older is None or older.seq < record.seq:

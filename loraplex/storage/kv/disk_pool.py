@@ -13,6 +13,7 @@ Block I/O runs on a small thread pool, never on the caller's thread::
     fetch(key) -> Future[block|None]  read and check on a worker; None is a (counted) miss
     remove(key, promoted=...)         forget a block (a promotion took it, or a swap ended)
     clear(keep)                       forget every other block and erase their records on disk
+    purge(owner)                      forget one owner's blocks and erase their records on disk
     flush() / close()                 wait for writes in flight / and fsync, stop the workers
 
 Write, then publish: a block is findable by ``fetch`` from memory while its write is
@@ -35,7 +36,7 @@ import errno
 import logging
 import os
 import threading
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from pathlib import Path
@@ -121,7 +122,7 @@ class DiskKVPool:
     def _restore_index(self) -> None:
         """Warm restart: index the usable records left in the slot files, oldest write first."""
         records = scan_slots(self._files, self._num_slots, self.layout, self.fingerprint, self.restart)
-        self._slots.restore((r.key, r.slot) for r in records)
+        self._slots.restore((r.key, r.slot, r.owner) for r in records)
         self._seq = records[-1].seq + 1 if records else 0
         self.counters.io_errors += self.restart.unreadable
         # Records of another model or layout, torn or truncated ones: each discarded block is
@@ -161,21 +162,37 @@ class DiskKVPool:
         with self._lock:
             return self._slots.held_keys()
 
+    def owner_of(self, key: bytes) -> bytes:
+        """The owner ``key`` was written with (b"": nobody, or not held)."""
+        with self._lock:
+            return self._slots.owners.get(key, b"")
+
     # -- writing ---------------------------------------------------------------
     def demote_async(
-        self, key: bytes, data: torch.Tensor, *, persistent: bool = True, copy: bool = True
+        self,
+        key: bytes,
+        data: torch.Tensor,
+        *,
+        persistent: bool = True,
+        copy: bool = True,
+        owner: bytes = b"",
     ) -> bool:
         """Copy ``data`` and write it on a worker; False (a counted drop) if no slot can take it.
 
         Evicts the least recently used unpinned record when the pool is full.
         ``persistent=False`` marks a swap block, which a restarted pool ignores.
         ``copy=False`` hands over a contiguous CPU tensor the caller will not touch again.
+        ``owner`` (the tenant's cache salt) goes into the record's header, for ``purge``.
         """
         if tuple(data.shape) != self.layout.block_shape or data.dtype != self.layout.dtype:
             expected = (self.layout.block_shape, self.layout.dtype)
             raise ValueError(f"block is {(tuple(data.shape), data.dtype)}, expected {expected}")
         if len(key) > block_codec.MAX_KEY_BYTES:
             raise ValueError(f"block keys are at most {block_codec.MAX_KEY_BYTES} bytes, got {len(key)}")
+        if len(owner) > block_codec.MAX_OWNER_BYTES:
+            raise ValueError(
+                f"block owners are at most {block_codec.MAX_OWNER_BYTES} bytes, got {len(owner)}"
+            )
         if copy or data.device.type != "cpu" or not data.is_contiguous():
             owned = torch.empty(self.layout.block_shape, dtype=self.layout.dtype)
             owned.copy_(data)
@@ -195,9 +212,11 @@ class DiskKVPool:
             slot, evicted = claimed
             if evicted is not None:
                 self.counters.evictions += 1
-            header = block_codec.encode_header(self.layout, self.fingerprint, key, self._seq, persistent)
+            header = block_codec.encode_header(
+                self.layout, self.fingerprint, key, self._seq, persistent, owner
+            )
             self._seq += 1
-            write = PendingWrite(key, slot, owned)
+            write = PendingWrite(key, slot, owned, owner=owner)
             self._slots.start_write(write)
             self.counters.demotions += 1
             write.future = self._executor.submit(self._write_job, write, header)
@@ -297,21 +316,34 @@ class DiskKVPool:
         another thread starts meanwhile (the engine resets on its own thread, when idle, so
         there are neither).
         """
+        return self._drop_and_erase(lambda: [k for k in self._slots.held_keys() if k not in keep], None)
+
+    def purge(self, owner: bytes) -> tuple[int, int]:
+        """Forget every block ``owner`` owns and erase its records, with those of its promoted
+        blocks left in free slot files (their headers name the owner); (blocks dropped, files
+        erased). For a deleted tenant: its derived data leaves the disk now, not when LRU
+        reuses the slots. Same caveats as ``clear``."""
+        if not owner:
+            raise ValueError("purge needs an owner: blocks of nobody are cleared, not purged")
+        return self._drop_and_erase(lambda: self._slots.keys_of(owner), owner)
+
+    def _drop_and_erase(self, doomed: Callable[[], list[bytes]], owner: bytes | None) -> tuple[int, int]:
         if self._num_slots == 0:
             return 0, 0
         self.flush()
         errors: list[tuple[int, OSError]] = []
         erased = 0
         with self._lock:  # no slot can be claimed for a write while its file is erased
-            gone = [key for key in self._slots.held_keys() if key not in keep]
+            gone = doomed()
             for key in gone:
                 self._slots.drop(key)
-            for slot in self._slots.free_slots():
+            free = self._slots.free_slots()
+            for slot in free:
                 try:
-                    erased += self._files.erase(slot)
+                    erased += self._files.erase(slot, owner)
                 except OSError as exc:
                     errors.append((slot, exc))
-            self._dirty.difference_update(self._slots.free_slots())
+            self._dirty.difference_update(free)
         for slot, error in errors:
             self._count_io_error("erase", slot, error)
         return len(gone), erased

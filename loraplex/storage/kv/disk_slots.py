@@ -37,6 +37,7 @@ class PendingWrite:
     data: torch.Tensor  # the caller's block, copied: serves fetches until published
     future: Future[bool] | None = None
     cancelled: bool = False  # removed while in flight: never published
+    owner: bytes = b""  # the tenant's cache salt (b"": nobody's)
 
 
 class SlotTable:
@@ -47,17 +48,20 @@ class SlotTable:
         # Every held key (pending or ready) -> its slot, least recently used first.
         self.index: OrderedDict[bytes, int] = OrderedDict()
         self.pending: dict[bytes, PendingWrite] = {}
+        self.owners: dict[bytes, bytes] = {}  # held key -> its owner, when it has one
         self._limbo: set[int] = set()
         self._free: deque[int] = deque()
         self._owner: list[bytes | None] = [None] * num_slots
         self._pins = [0] * num_slots
         self._writing: set[int] = set()
 
-    def restore(self, records: Iterable[tuple[bytes, int]]) -> None:
-        """Start from ``(key, slot)`` records, oldest first; every other slot is free."""
-        for key, slot in records:
+    def restore(self, records: Iterable[tuple[bytes, int, bytes]]) -> None:
+        """Start from ``(key, slot, owner)`` records, oldest first; every other slot is free."""
+        for key, slot, owner in records:
             self.index[key] = slot
             self._owner[slot] = key
+            if owner:
+                self.owners[key] = owner
         self._free.extend(s for s in range(self.num_slots) if self._owner[s] is None)
 
     # -- queries ---------------------------------------------------------------
@@ -78,6 +82,10 @@ class SlotTable:
         """Least recently used first."""
         return list(self.index)
 
+    def keys_of(self, owner: bytes) -> list[bytes]:
+        """The held keys ``owner`` owns."""
+        return [key for key, by in self.owners.items() if by == owner]
+
     def free_slots(self) -> list[int]:
         """Slots no key, read or write holds (their files may still carry an old record)."""
         return list(self._free)
@@ -90,6 +98,7 @@ class SlotTable:
         for key, slot in self.index.items():
             if self._pins[slot] == 0 and key not in self.pending:
                 del self.index[key]
+                self.owners.pop(key, None)
                 self._owner[slot] = None
                 return slot, key
         return None
@@ -98,6 +107,8 @@ class SlotTable:
         self._owner[write.slot] = write.key
         self.index[write.key] = write.slot
         self.pending[write.key] = write
+        if write.owner:
+            self.owners[write.key] = write.owner
         self._writing.add(write.slot)
 
     def finish_write(self, write: PendingWrite, ok: bool) -> bool:
@@ -109,6 +120,7 @@ class SlotTable:
             if ok:
                 return True
             del self.index[write.key]
+            self.owners.pop(write.key, None)
             self._owner[write.slot] = None  # failed: not published, the slot is reused
             self._limbo.add(write.slot)
         self._release_if_idle(write.slot)
@@ -137,6 +149,7 @@ class SlotTable:
         if held is None or slot not in (None, held):
             return False
         del self.index[key]
+        self.owners.pop(key, None)
         write = self.pending.pop(key, None)
         if write is not None:
             write.cancelled = True
@@ -179,5 +192,10 @@ class SlotTable:
         for slot in self._free:
             if self._owner[slot] is not None or self._pins[slot] or slot in self._writing:
                 raise AssertionError(f"free disk slot {slot} is owned, pinned or being written")
+        stray = set(self.owners) - set(self.index)
+        if stray:
+            raise AssertionError(
+                f"{len(stray)} disk owners belong to no held key, e.g. {next(iter(stray)).hex()}"
+            )
         if any(pins < 0 for pins in self._pins):
             raise AssertionError(f"negative pin count: {self._pins}")

@@ -5,14 +5,18 @@ allocated up front (pinned when CUDA is present, so promotions copy by DMA), siz
 ``host_kv_cache_bytes``; 0 slots is a valid, disabled pool that refuses every block
 (each refusal is a counted drop). Protocol, in paired verbs:
 
-    reserve(key) -> slot view | None    claim a free slot for ``key`` (caller fills it)
-    put(key, data) -> slot | None       reserve and copy ``data`` in
-    evict_lru() -> (key, view) | None   free the least recently used unpinned slot; the view
+    reserve(key, owner) -> view | None  claim a free slot for ``key`` (caller fills it)
+    put(key, data, owner) -> slot | None  reserve and copy ``data`` in
+    evict_lru() -> EvictedBlock | None  free the least recently used unpinned slot; its view
                                         stays valid until the next reserve/put (demote it first)
     get(key) -> view | None             a read (hit or miss counted), marks ``key`` recently used
     pin(key) / unpin(key)               a promotion in flight: not evictable, not removable
     remove(key, promoted=...)           free the slot
     clear(keep)                         free (and zero) every unpinned slot not in ``keep``
+    purge(owner)                        free (and zero) every unpinned slot ``owner`` owns
+
+``owner`` is the tenant's cache salt (b"": nobody's), kept so that a deleted tenant's blocks
+can be purged and carried to the disk tier with the block.
 
 The pool is not thread-safe: ``TierManager`` serialises every call under its lock.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Collection
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +34,14 @@ from loraplex.storage.kv.kv_cache import KVBlockLayout
 from loraplex.storage.kv.tier_metrics import TierCounters, TierMetrics
 
 logger = logging.getLogger(__name__)
+
+
+class EvictedBlock(NamedTuple):
+    """A block ``evict_lru`` freed: its data view is valid until the slot is handed out again."""
+
+    key: bytes
+    data: torch.Tensor
+    owner: bytes
 
 
 class HostKVPool:
@@ -48,6 +61,7 @@ class HostKVPool:
         self._owner: list[bytes | None] = [None] * self._num_slots
         self._free: deque[int] = deque(range(self._num_slots))
         self._pins: dict[bytes, int] = {}
+        self._block_owner: dict[bytes, bytes] = {}  # held key -> owner, when it has one
         self.counters = TierCounters()
         if capacity_bytes and not self._num_slots:
             logger.warning(
@@ -95,7 +109,7 @@ class HostKVPool:
         return key in self._pins
 
     # -- storing ---------------------------------------------------------------
-    def reserve(self, key: bytes) -> torch.Tensor | None:
+    def reserve(self, key: bytes, owner: bytes = b"") -> torch.Tensor | None:
         """Claim a free slot for ``key`` and return its view to fill; None (a drop) if none is free.
 
         The caller evicts first when the pool is full (``evict_lru``); ``key`` must
@@ -109,31 +123,34 @@ class HostKVPool:
         slot = self._free.popleft()
         self._owner[slot] = key
         self._index[key] = slot
+        if owner:
+            self._block_owner[key] = owner
         self.counters.demotions += 1
         self.counters.bytes_in += self.layout.bytes_per_block
         return self.storage[slot]
 
-    def put(self, key: bytes, data: torch.Tensor) -> int | None:
+    def put(self, key: bytes, data: torch.Tensor, owner: bytes = b"") -> int | None:
         """Copy ``data`` (``block_shape``) into a free slot for ``key``; the slot, or None (a drop)."""
         if tuple(data.shape) != self.layout.block_shape:
             raise ValueError(f"block is {tuple(data.shape)}, expected {self.layout.block_shape}")
-        view = self.reserve(key)
+        view = self.reserve(key, owner)
         if view is None:
             return None
         view.copy_(data)
         return self._index[key]
 
-    def evict_lru(self) -> tuple[bytes, torch.Tensor] | None:
-        """Free the least recently used unpinned block; its key and a view of its (old) data.
+    def evict_lru(self) -> EvictedBlock | None:
+        """Free the least recently used unpinned block; its key, a view of its (old) data, its owner.
 
         The view is valid until the slot is handed out again: demote it before the
         next ``reserve`` / ``put``. None if every held block is pinned or none is held.
         """
         for key, slot in self._index.items():
             if key not in self._pins:
+                owner = self._block_owner.get(key, b"")
                 self._release(key)
                 self.counters.evictions += 1
-                return key, self.storage[slot]
+                return EvictedBlock(key, self.storage[slot], owner)
         return None
 
     # -- reading ---------------------------------------------------------------
@@ -173,9 +190,21 @@ class HostKVPool:
             self.counters.promotions += 1
         return True
 
+    def owner_of(self, key: bytes) -> bytes:
+        """The owner ``key`` was stored with (b"": nobody, or not held)."""
+        return self._block_owner.get(key, b"")
+
     def clear(self, keep: Collection[bytes] = ()) -> int:
         """Free every unpinned block not in ``keep`` and zero its slot (a prefix-cache reset); how many."""
-        gone = [key for key in self._index if key not in self._pins and key not in keep]
+        return self._free_and_zero([key for key in self._index if key not in self._pins and key not in keep])
+
+    def purge(self, owner: bytes) -> int:
+        """Free and zero every unpinned block ``owner`` owns (a deleted tenant); how many."""
+        return self._free_and_zero(
+            [key for key, by in self._block_owner.items() if by == owner and key not in self._pins]
+        )
+
+    def _free_and_zero(self, gone: list[bytes]) -> int:
         for key in gone:
             slot = self._index[key]
             self._release(key)
@@ -183,6 +212,7 @@ class HostKVPool:
         return len(gone)
 
     def _release(self, key: bytes) -> None:
+        self._block_owner.pop(key, None)
         slot = self._index.pop(key)
         self._owner[slot] = None
         self._free.append(slot)
@@ -206,3 +236,6 @@ class HostKVPool:
         for key in self._pins:
             if key not in self._index:
                 raise AssertionError(f"host pool: pinned block {key.hex()} is not held")
+        for key in self._block_owner:
+            if key not in self._index:
+                raise AssertionError(f"host pool: the owner of {key.hex()} is kept but the block is not held")

@@ -71,6 +71,7 @@ class PrefixCache:
         self.block_size = block_size
         self.root = root_key(fingerprint)
         self._chains: dict[int, BlockKeyChain] = {}
+        self._owners: dict[int, bytes] = {}  # whose blocks a sequence caches (when someone's)
         # How many head blocks of each table were already handled by ``register``.
         self._num_registered: dict[int, int] = {}
         self._num_queries = 0
@@ -95,9 +96,13 @@ class PrefixCache:
         chain = self._chains.get(seq_id)
         return list(chain.keys) if chain is not None else []
 
-    def lookup(self, seq_id: int, token_ids: Sequence[int], extra_keys: ExtraKeys) -> PrefixHit:
+    def lookup(
+        self, seq_id: int, token_ids: Sequence[int], extra_keys: ExtraKeys, owner: bytes = b""
+    ) -> PrefixHit:
         """Walk the prompt's full blocks and stop at the first key not cached."""
         keys = self._chain(seq_id, extra_keys).update(token_ids)
+        if owner:
+            self._owners[seq_id] = owner
         num_cacheable = max(0, (len(token_ids) - 1) // self.block_size)
         block_ids: list[int] = []
         for key in keys[:num_cacheable]:
@@ -156,7 +161,7 @@ class PrefixCache:
                         f"sequence {seq_id} block {idx} (id {block.block_id}) is cached under another key"
                     )
                 continue
-            num_cached += self.pool.cache_block(block.block_id, keys[idx])
+            num_cached += self.pool.cache_block(block.block_id, keys[idx], self._owners.get(seq_id, b""))
         self._num_registered[seq_id] = num_full
         return num_cached
 
@@ -165,10 +170,13 @@ class PrefixCache:
         if chain is not None:
             self._chains[child_id] = chain.copy()
             self._num_registered[child_id] = self._num_registered.get(parent_id, 0)
+            if parent_id in self._owners:
+                self._owners[child_id] = self._owners[parent_id]
 
     def forget(self, seq_id: int) -> None:
         self._chains.pop(seq_id, None)
         self._num_registered.pop(seq_id, None)
+        self._owners.pop(seq_id, None)
 
     def num_registered(self, seq_id: int) -> int:
         return self._num_registered.get(seq_id, 0)

@@ -4,7 +4,7 @@ Every cached block has exactly one authoritative location (``kv_tier``): the
 accelerator pool (its prefix-cache index), a host slot, or a disk slot. The manager
 owns the host and disk pools and moves blocks between them and the device::
 
-    device evicts a cached block  -> on_device_evict(block_id, key): copy to a host slot (demote)
+    device evicts a cached block  -> on_device_evict(block_id, key, owner): copy to a host slot (demote)
     host full                     -> its LRU block is demoted to disk (async write)
     disk full                     -> its LRU record is overwritten (dropped)
     prefix continues below device -> lookup(keys): the run of keys held by host or disk
@@ -19,6 +19,8 @@ owns the host and disk pools and moves blocks between them and the device::
     swap_in(handle) -> Promotion       ... and back (assign, wait as above)
     discard_swap(handle)               the sequence finished or was aborted while swapped
     clear()                            drop every other block, erase the disk records (a reset)
+    purge(owner)                       drop one owner's blocks, erase its disk records, and
+                                       store none of its blocks again (a deleted tenant)
 
 A key being promoted is pinned where it is and hidden from ``lookup`` until ``wait``
 decides: loaded blocks leave the lower tier, blocks after a failure stay there
@@ -73,6 +75,7 @@ class TierManager:
         self._moving: set[bytes] = set()  # keys a promotion holds: pinned, hidden from lookup
         self._swaps: dict[int, list[bytes]] = {}
         self._swap_ids = itertools.count()
+        self._purged: set[bytes] = set()  # owners whose blocks are never stored again
         self.num_dropped_blocks = 0  # left the device and landed nowhere
 
     @classmethod
@@ -105,28 +108,30 @@ class TierManager:
         return cls(device, host, disk)
 
     # -- demotion --------------------------------------------------------------
-    def on_device_evict(self, block_id: int, key: bytes) -> None:
+    def on_device_evict(self, block_id: int, key: bytes, owner: bytes = b"") -> None:
         """The block pool's ``on_evict`` hook: a cached device block is about to be reused."""
-        self.demote(block_id, key)
+        self.demote(block_id, key, owner)
 
-    def demote(self, block_id: int, key: bytes) -> Location | None:
-        """Copy cached device block ``block_id`` (``key``) down: host, else disk. Where it went, or None.
+    def demote(self, block_id: int, key: bytes, owner: bytes = b"") -> Location | None:
+        """Copy cached device block ``block_id`` (``key``, ``owner``'s) down: host, else disk.
+        Where it went, or None.
 
         Must run before the block is overwritten: the copy is complete when this
-        returns. Never raises for a full or disabled tier (a counted drop).
+        returns. Never raises for a full or disabled tier (a counted drop). A purged
+        owner's block is dropped.
         """
         with self._lock:
             held = self._locate(key)
             if held is not None:  # content-addressed: the copy below is the same data
                 return held
-            location = self._store_from_device(key, block_id)
+            location = None if owner in self._purged else self._store_from_device(key, block_id, owner)
             if location is None:
                 self.num_dropped_blocks += 1
             return location
 
-    def _store_from_device(self, key: bytes, block_id: int) -> Location | None:
+    def _store_from_device(self, key: bytes, block_id: int, owner: bytes = b"") -> Location | None:
         """Copy device block ``block_id`` to host (else disk) under ``key``; where, or None."""
-        view = self._host_slot_for(key)
+        view = self._host_slot_for(key, owner)
         if view is not None:
             self.device.read_blocks([block_id], [view])
             slot = self.host.slot_of(key)
@@ -135,24 +140,25 @@ class TierManager:
         if self.disk is not None:
             staging = torch.empty(self.layout.block_shape, dtype=self.layout.dtype)
             self.device.read_blocks([block_id], [staging])
-            if self.disk.demote_async(key, staging, persistent=not is_swap_key(key), copy=False):
+            if self.disk.demote_async(key, staging, persistent=not is_swap_key(key), copy=False, owner=owner):
                 slot = self.disk.slot_of(key)
                 if slot is not None:
                     return Location(Tier.DISK, slot)
         return None
 
-    def _host_slot_for(self, key: bytes) -> torch.Tensor | None:
+    def _host_slot_for(self, key: bytes, owner: bytes) -> torch.Tensor | None:
         """A host slot claimed for ``key`` (demoting the LRU block to disk first if full)."""
         if self.host.num_free_slots == 0:
             evicted = self.host.evict_lru()
-            if evicted is not None:
-                old_key, old_data = evicted
-                # demote_async copies old_data before returning, so the slot can be reused.
-                if self.disk is None or not self.disk.demote_async(
-                    old_key, old_data, persistent=not is_swap_key(old_key)
-                ):
-                    self.num_dropped_blocks += 1
-        return self.host.reserve(key)
+            # demote_async copies the data before returning, so the slot can be reused.
+            if evicted is not None and (
+                self.disk is None
+                or not self.disk.demote_async(
+                    evicted.key, evicted.data, persistent=not is_swap_key(evicted.key), owner=evicted.owner
+                )
+            ):
+                self.num_dropped_blocks += 1
+        return self.host.reserve(key, owner)
 
     # -- lookup and promotion --------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> list[tuple[bytes, Location]]:
@@ -224,9 +230,9 @@ class TierManager:
                 slot = self.host.slot_of(key)
                 if slot is not None:
                     self.host.pin(key)
-                    sources.append(PromotionSource(key, slot, None))
+                    sources.append(PromotionSource(key, slot, None, self.host.owner_of(key)))
                 elif self.disk is not None and self.disk.contains(key):
-                    sources.append(PromotionSource(key, None, self.disk.fetch(key)))
+                    sources.append(PromotionSource(key, None, self.disk.fetch(key), self.disk.owner_of(key)))
                 else:
                     break
                 self._moving.add(key)
@@ -304,6 +310,19 @@ class TierManager:
             disk = self.disk.clear(keep)[0] if self.disk is not None else 0
             return host, disk
 
+    def purge(self, owner: bytes) -> tuple[int, int]:
+        """Drop ``owner``'s host and disk blocks, erase its disk records (also those of its
+        promoted blocks), and store none of its blocks from now on (a deleted tenant);
+        (host, disk) blocks dropped. Blocks a promotion holds stay until it ends: the device
+        pool refuses to cache them (``BlockPool.purge_owner``), so they are reused keyless."""
+        if not owner:
+            raise ValueError("purge needs an owner: blocks of nobody are cleared, not purged")
+        with self._lock:
+            self._purged.add(owner)
+            host = self.host.purge(owner)
+            disk = self.disk.purge(owner)[0] if self.disk is not None else 0
+            return host, disk
+
     def _forget(self, key: bytes) -> bool:
         return self.host.remove(key) or (self.disk is not None and self.disk.remove(key))
 
@@ -363,7 +382,7 @@ class TierManager:
                     continue
                 slot = self.host.slot_of(key)
                 assert slot is not None
-                if self.disk.demote_async(key, self.host.view(slot)):
+                if self.disk.demote_async(key, self.host.view(slot), owner=self.host.owner_of(key)):
                     self.host.remove(key)
                     moved += 1
             return moved
@@ -410,6 +429,17 @@ class TierManager:
                 if self.host.contains(key) and not self.host.is_pinned(key):
                     raise AssertionError(
                         f"block {key.hex()} is being promoted but its host slot is not pinned"
+                    )
+            for owner in self._purged:
+                kept = [
+                    k
+                    for k in (host_keys | disk_keys) - self._moving
+                    if owner
+                    in (self.host.owner_of(k), self.disk.owner_of(k) if self.disk is not None else b"")
+                ]
+                if kept:
+                    raise AssertionError(
+                        f"{len(kept)} blocks of a purged owner are still held, e.g. {kept[0].hex()}"
                     )
             swap_keys = {key for keys in self._swaps.values() for key in keys}
             stray = {k for k in host_keys | disk_keys if is_swap_key(k)} - swap_keys - self._moving

@@ -83,6 +83,7 @@ class PromotionSource(NamedTuple):
     key: bytes
     host_slot: int | None  # a host block: the slot, pinned until the promotion ends
     read: Future[torch.Tensor | None] | None  # a disk block: its read on the I/O workers
+    owner: bytes = b""  # whose block (the tenant's cache salt), kept on the device too
 
 
 class Promotion:
@@ -106,6 +107,11 @@ class Promotion:
     @property
     def keys(self) -> list[bytes]:
         return [s.key for s in self.sources]
+
+    @property
+    def owners(self) -> list[bytes]:
+        """The owner of each key in ``keys`` (b"": nobody's)."""
+        return [s.owner for s in self.sources]
 
     def assign(self, block_ids: Sequence[int]) -> None:
         """The fresh device blocks for the first ``len(block_ids)`` keys; host copies start now."""

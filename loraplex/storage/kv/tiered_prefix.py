@@ -69,8 +69,8 @@ def start_promotion(
     for held in hit.block_ids:
         kv.pool.take(held)
     block_ids: list[int] = []
-    for key in promotion.keys:
-        block_id = kv.pool.allocate_for_key(BlockKey(key))
+    for key, owner in zip(promotion.keys, promotion.owners, strict=True):
+        block_id = kv.pool.allocate_for_key(BlockKey(key), owner)
         if block_id is None:  # no free device block left: promote what fits
             break
         block_ids.append(block_id)

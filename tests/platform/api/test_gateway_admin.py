@@ -227,3 +227,36 @@ async def test_admin_resets_the_prefix_cache_only_when_idle(
             await asyncio.sleep(0.05)
         assert reset.status_code == 200 and reset.json() == {"object": "prefix_cache.reset", "reset": True}
         assert (await cached(), await cached()) == (0, 3 * block)
+
+
+@pytest.mark.asyncio
+async def test_deleting_a_tenant_purges_its_cached_kv(gateway_engine: AsyncEngine, tmp_path: Path) -> None:
+    from loraplex.platform.api.tenant_gate import engine_tenant_id
+    from loraplex.platform.engine.sequence import tenant_cache_salt
+    from loraplex.storage.db import Database
+
+    settings = settings_for(tmp_path, sqlite(tmp_path))
+    async with serving(make_gateway(gateway_engine, settings)) as client:
+        admin = Admin(client)
+        acme, globex = await admin.tenant_with_key("acme"), await admin.tenant_with_key("globex")
+        block = 16  # the engine's default block size
+        body = completion_body(BASE, prompt=[4000 + (31 * i) % 800 for i in range(3 * block + 1)])
+        for key in (acme, globex):
+            assert (await client.post("/v1/completions", json=body, headers=bearer(key))).status_code == 200
+        db = Database(sqlite(tmp_path))
+        try:
+            async with db.transaction() as session:
+                from loraplex.platform.api.services import tenants
+
+                salt = tenant_cache_salt(engine_tenant_id(await tenants.get_tenant(session, "acme")))
+        finally:
+            await db.dispose()
+        pool = gateway_engine.engine.block_manager.pool
+        assert sum(b.owner == salt for b in pool.blocks if b.key is not None) == 3
+
+        deleted = await client.delete("/admin/api/tenants/acme", headers=ADMIN)
+        assert deleted.status_code == 200 and deleted.json()["kv_blocks_purged"] == 3
+        assert not any(b.owner == salt for b in pool.blocks if b.key is not None)
+        # The other tenant's copy of the same prompt still hits.
+        again = await client.post("/v1/completions", json=body, headers=bearer(globex))
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * block

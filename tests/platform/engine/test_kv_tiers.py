@@ -238,3 +238,52 @@ def test_reset_prefix_cache_forgets_every_tier_and_survives_no_restart(
     out = _run(restarted, "after-restart", PROMPT)
     assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference
     restarted.shutdown()
+
+
+def _run_as(engine: LLMEngine, rid: str, prompt: list[int], tenant: str) -> RequestOutput:
+    engine.add_request(rid, prompt, GREEDY, tenant_id=tenant)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                final = out
+    assert final is not None and final.error is None, final
+    return final
+
+
+def test_purge_tenant_erases_its_blocks_on_every_tier_and_keeps_the_others(
+    tiny_dirs: dict[str, Path], reference: list[int], tmp_path: Path
+) -> None:
+    """A deleted tenant's cached KV leaves the device, host RAM and disk (also for a restart),
+    while another tenant's copy of the same prompt keeps hitting; purged while busy."""
+    probe = _engine(tiny_dirs, host_kv_cache_bytes=1 << 20)
+    assert probe.tiers is not None
+    tiers = dict(
+        host_kv_cache_bytes=12 * probe.tiers.layout.bytes_per_block,
+        disk_kv_path=str(tmp_path / "kv"),
+        disk_kv_cache_bytes=4 << 20,
+    )
+    engine = _engine(tiny_dirs, **tiers)
+    _run_as(engine, "gone-warm", PROMPT, "acme")
+    _run_as(engine, "kept-warm", PROMPT, "globex")
+    _evict_everything(engine)  # both copies now below the device, on host and disk
+    _run_as(engine, "gone-device", FILLERS[0], "acme")  # one cached on the device too
+    engine.add_request("busy", FILLERS[1], GREEDY)  # the purge does not wait for idle
+
+    device, host, disk = engine.purge_tenant("acme")
+    assert device == 7 and host + disk == 10  # FILLERS[0]'s 7 full blocks, PROMPT's 10
+    engine.check_integrity()
+    while engine.has_unfinished_requests():
+        engine.step()
+    again = _run_as(engine, "gone-again", PROMPT, "acme")
+    kept = _run_as(engine, "kept-again", PROMPT, "globex")
+    assert (again.num_cached_tokens, kept.num_cached_tokens) == (0, 10 * BLOCK)
+    assert again.outputs[0].token_ids == kept.outputs[0].token_ids == reference
+    assert _run_as(engine, "gone-device-again", FILLERS[0], "acme").num_cached_tokens == 0
+    engine.check_integrity()
+    engine.shutdown()  # writes what the device caches to disk: nothing of acme's (never cached again)
+
+    restarted = _engine(tiny_dirs, **tiers)
+    assert _run_as(restarted, "gone-restart", PROMPT, "acme").num_cached_tokens == 0
+    assert _run_as(restarted, "kept-restart", PROMPT, "globex").num_cached_tokens == 10 * BLOCK
+    restarted.shutdown()

@@ -4,7 +4,7 @@
 |---|---|
 | ``POST /tenants``, ``GET /tenants``, ``GET /tenants/{name}`` | create (quotas in the body), list, read |
 | ``PATCH /tenants/{name}`` | change quotas (absent: unchanged, null: unlimited), ``disabled`` |
-| ``DELETE /tenants/{name}`` | the tenant, its keys, adapters (files too) and usage |
+| ``DELETE /tenants/{name}`` | the tenant, its keys, adapters (files too), usage and cached KV |
 | ``POST /tenants/{name}/keys`` | a new key: the answer holds ``key``, shown this once |
 | ``GET /tenants/{name}/keys`` | its keys, by prefix |
 | ``DELETE /keys/{id}`` | revoke a key |
@@ -37,6 +37,7 @@ from loraplex.platform.api.schemas import (
 from loraplex.platform.api.services import adapters, keys, tenants, usage
 from loraplex.platform.api.services.tenants import TenantQuotas
 from loraplex.platform.api.tenancy import AdminDep, GatewayDep, SessionDep
+from loraplex.platform.api.tenant_gate import engine_tenant_id
 from loraplex.storage.db import UsageStatus
 
 router = APIRouter(prefix="/admin/api", tags=["admin"])
@@ -73,11 +74,21 @@ async def update_tenant(name: str, body: TenantUpdate, _: AdminDep, session: Ses
 
 
 @router.delete("/tenants/{name}")
-async def delete_tenant(name: str, _: AdminDep, gateway: GatewayDep) -> dict[str, object]:
+async def delete_tenant(name: str, _: AdminDep, gateway: GatewayDep, state: StateDep) -> dict[str, object]:
     async with gateway.db.transaction(write=True) as session:
+        engine_id = engine_tenant_id(await tenants.get_tenant(session, name))
         refs = await tenants.delete_tenant(session, name)
     await gateway.catalog.forget(refs)
-    return {"object": "tenant.deleted", "name": name, "deleted": True, "adapters_removed": len(refs)}
+    # Its cached KV can never be hit again (a re-created tenant gets another salt), but the
+    # disk tier's records are data derived from its prompts: erase them now.
+    device, host, disk = await state.engine.purge_tenant(engine_id)
+    return {
+        "object": "tenant.deleted",
+        "name": name,
+        "deleted": True,
+        "adapters_removed": len(refs),
+        "kv_blocks_purged": device + host + disk,
+    }
 
 
 @router.post("/tenants/{name}/keys", status_code=201)
