@@ -33,8 +33,8 @@ def _engine(tiny_dirs: dict[str, Path], **tiers: object) -> LLMEngine:
     return llm.llm_engine
 
 
-def _run(engine: LLMEngine, rid: str, prompt: list[int]) -> RequestOutput:
-    engine.add_request(rid, prompt, GREEDY)
+def _run(engine: LLMEngine, rid: str, prompt: list[int], tenant: str | None = None) -> RequestOutput:
+    engine.add_request(rid, prompt, GREEDY, tenant_id=tenant)
     final = None
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -240,17 +240,6 @@ def test_reset_prefix_cache_forgets_every_tier_and_survives_no_restart(
     restarted.shutdown()
 
 
-def _run_as(engine: LLMEngine, rid: str, prompt: list[int], tenant: str) -> RequestOutput:
-    engine.add_request(rid, prompt, GREEDY, tenant_id=tenant)
-    final = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.request_id == rid and out.finished:
-                final = out
-    assert final is not None and final.error is None, final
-    return final
-
-
 def test_purge_tenant_erases_its_blocks_on_every_tier_and_keeps_the_others(
     tiny_dirs: dict[str, Path], reference: list[int], tmp_path: Path
 ) -> None:
@@ -264,10 +253,10 @@ def test_purge_tenant_erases_its_blocks_on_every_tier_and_keeps_the_others(
         disk_kv_cache_bytes=4 << 20,
     )
     engine = _engine(tiny_dirs, **tiers)
-    _run_as(engine, "gone-warm", PROMPT, "acme")
-    _run_as(engine, "kept-warm", PROMPT, "globex")
+    _run(engine, "gone-warm", PROMPT, "acme")
+    _run(engine, "kept-warm", PROMPT, "globex")
     _evict_everything(engine)  # both copies now below the device, on host and disk
-    _run_as(engine, "gone-device", FILLERS[0], "acme")  # one cached on the device too
+    _run(engine, "gone-device", FILLERS[0], "acme")  # one cached on the device too
     engine.add_request("busy", FILLERS[1], GREEDY)  # the purge does not wait for idle
 
     device, host, disk = engine.purge_tenant("acme")
@@ -275,15 +264,15 @@ def test_purge_tenant_erases_its_blocks_on_every_tier_and_keeps_the_others(
     engine.check_integrity()
     while engine.has_unfinished_requests():
         engine.step()
-    again = _run_as(engine, "gone-again", PROMPT, "acme")
-    kept = _run_as(engine, "kept-again", PROMPT, "globex")
+    again = _run(engine, "gone-again", PROMPT, "acme")
+    kept = _run(engine, "kept-again", PROMPT, "globex")
     assert (again.num_cached_tokens, kept.num_cached_tokens) == (0, 10 * BLOCK)
     assert again.outputs[0].token_ids == kept.outputs[0].token_ids == reference
-    assert _run_as(engine, "gone-device-again", FILLERS[0], "acme").num_cached_tokens == 0
+    assert _run(engine, "gone-device-again", FILLERS[0], "acme").num_cached_tokens == 0
     engine.check_integrity()
     engine.shutdown()  # writes what the device caches to disk: nothing of acme's (never cached again)
 
     restarted = _engine(tiny_dirs, **tiers)
-    assert _run_as(restarted, "gone-restart", PROMPT, "acme").num_cached_tokens == 0
-    assert _run_as(restarted, "kept-restart", PROMPT, "globex").num_cached_tokens == 10 * BLOCK
+    assert _run(restarted, "gone-restart", PROMPT, "acme").num_cached_tokens == 0
+    assert _run(restarted, "kept-restart", PROMPT, "globex").num_cached_tokens == 10 * BLOCK
     restarted.shutdown()
