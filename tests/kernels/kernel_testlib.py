@@ -136,6 +136,20 @@ def naive_paged_decode(query: torch.Tensor, ctx: PagedContext, scale: float) -> 
     return torch.stack(outs)
 
 
+def naive_paged_extend(
+    query: torch.Tensor, ctx: PagedContext, query_lens: list[int], contexts: list[int], scale: float
+) -> torch.Tensor:
+    """Prefill attention: each sequence's ``query_lens[i]`` new rows (consecutive in ``query``)
+    over its ``contexts[i]`` cached positions, causal at the context's end (float64)."""
+    outs, start = [], 0
+    for i, (q_len, c_len) in enumerate(zip(query_lens, contexts, strict=True)):
+        k = naive_gather(ctx.k_cache, ctx.block_tables[i], c_len)
+        v = naive_gather(ctx.v_cache, ctx.block_tables[i], c_len)
+        outs.append(naive_attention(query[start : start + q_len], k, v, scale))
+        start += q_len
+    return torch.cat(outs)
+
+
 def attention_metadata(
     query_lens: list[int],
     seq_lens: list[int],

@@ -18,8 +18,7 @@ from kernel_testlib import (
     assert_close,
     cpu_flags,
     make_paged_context,
-    naive_attention,
-    naive_gather,
+    naive_paged_extend,
 )
 
 from loraplex.kernels.cpu.attention import CpuAttentionBackend
@@ -62,18 +61,6 @@ def _inputs(
     )
 
 
-def _naive(
-    query: torch.Tensor, ctx: PagedContext, query_lens: list[int], contexts: list[int], scale: float
-) -> torch.Tensor:
-    outs, start = [], 0
-    for i, (q_len, c_len) in enumerate(zip(query_lens, contexts, strict=True)):
-        k = naive_gather(ctx.k_cache, ctx.block_tables[i], c_len)
-        v = naive_gather(ctx.v_cache, ctx.block_tables[i], c_len)
-        outs.append(naive_attention(query[start : start + q_len], k, v, scale))
-        start += q_len
-    return torch.cat(outs)
-
-
 def _check(case: tuple[int, int, int, int], dtype: torch.dtype, row_vectors: int) -> None:
     block_size, head_dim, gqa, num_kv_heads = case
     seed = block_size * 131 + head_dim * 7 + gqa * 3 + num_kv_heads + row_vectors
@@ -92,7 +79,7 @@ def _check(case: tuple[int, int, int, int], dtype: torch.dtype, row_vectors: int
         scale,
         max_row_vectors=row_vectors,
     )
-    expected = _naive(query, ctx, query_lens, contexts, scale)
+    expected = naive_paged_extend(query, ctx, query_lens, contexts, scale)
     assert_close(out, expected, dtype, f"C extend ({row_vectors} row vectors)")
 
 
@@ -128,7 +115,9 @@ def test_c_paged_extend_reads_query_rows_in_place(dtype: torch.dtype) -> None:
     expected = paged_extend_cpu(query, ctx.k_cache, ctx.v_cache, ctx.block_tables, seq_lens, starts, 0.125)
     assert out.is_contiguous()
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
-    assert_close(out, _naive(query, ctx, query_lens, contexts, 0.125), dtype, "strided query vs naive")
+    assert_close(
+        out, naive_paged_extend(query, ctx, query_lens, contexts, 0.125), dtype, "strided query vs naive"
+    )
 
 
 @pytest.mark.parametrize("threads", [1, 2, 5])
@@ -141,7 +130,9 @@ def test_c_paged_extend_thread_counts_agree(threads: int) -> None:
         out = paged_extend_cpu(query, ctx.k_cache, ctx.v_cache, ctx.block_tables, seq_lens, starts, 0.125)
     finally:
         torch.set_num_threads(before)
-    assert_close(out, _naive(query, ctx, query_lens, contexts, 0.125), torch.float32, f"{threads} threads")
+    assert_close(
+        out, naive_paged_extend(query, ctx, query_lens, contexts, 0.125), torch.float32, f"{threads} threads"
+    )
 
 
 def test_c_paged_extend_refuses_bad_tables_and_offsets() -> None:
@@ -226,7 +217,7 @@ def test_the_backend_takes_the_kernel_only_with_register_tiles(monkeypatch: pyte
         query_start_loc_cpu=tuple(starts.tolist()),
         seq_lens_cpu=tuple(contexts),
     )
-    expected = _naive(query, ctx, query_lens, contexts, 0.125)
+    expected = naive_paged_extend(query, ctx, query_lens, contexts, 0.125)
     for tiles in (True, False):
         monkeypatch.setattr(paged_extend, "worth_it", lambda tiles=tiles: tiles)
         calls.clear()

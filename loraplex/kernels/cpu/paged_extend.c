@@ -44,6 +44,7 @@
 #include <string.h>
 
 #include "scalar_ops.h"
+#include "vec_tiles.h"
 
 /* Register tiles, by the vector unit the library is built for:
  *   AVX-512 (and without AVX2): the generic tiles of paged_extend_impl.h over row vectors of
@@ -80,16 +81,7 @@
 #define EXT_CAT(a, b) EXT_CAT2(a, b)
 
 typedef float ev __attribute__((vector_size(EXT_VL * sizeof(float))));
-
-static inline ev ev_load(const float *p) {
-    ev v;
-    memcpy(&v, p, sizeof v); /* unaligned load */
-    return v;
-}
-
-static inline void ev_store(float *p, ev v) { memcpy(p, &v, sizeof v); }
-
-static inline ev ev_splat(float s) { return (ev){0} + s; }
+VEC_HELPERS(ev, ev_)
 /* Keys per softmax step, across cache blocks: each step rescales the O^T accumulators
  * (a load, multiply and store per tile), which at 16 keys was ~19% of the P.V work. */
 #define EXT_KEYS 64

@@ -178,6 +178,8 @@ class CpuGraph:
         starts = meta.query_start_loc.data_ptr()
         tables_p = tables.data_ptr()
         int_bytes = 4
+        # What the decode and extend kernels take after their per-call arguments, before scale.
+        attn_shape = (heads, kv_heads, head_dim, block_size, table_stride, num_blocks)
         lora = batch.lora
 
         norm, linear, rope, kv_write = k["add_rms_norm"], k["linear"], k["rope_neox"], k["kv_write"]
@@ -210,24 +212,7 @@ class CpuGraph:
                 raise IndexError(f"KV slots outside the cache's {num_slots} slots")
             bad = 0
             if nd:
-                bad += decode(
-                    qkv_p,
-                    kc,
-                    vc,
-                    tables_p,
-                    seq_lens,
-                    ao_p,
-                    qkv_w,
-                    nd,
-                    heads,
-                    kv_heads,
-                    head_dim,
-                    block_size,
-                    table_stride,
-                    num_blocks,
-                    scale,
-                    nt,
-                )
+                bad += decode(qkv_p, kc, vc, tables_p, seq_lens, ao_p, qkv_w, nd, *attn_shape, scale, nt)
             if ns > nd:
                 bad += extend(
                     qkv_p,
@@ -240,14 +225,9 @@ class CpuGraph:
                     qkv_w,
                     n,
                     ns - nd,
-                    heads,
-                    kv_heads,
-                    head_dim,
-                    block_size,
-                    table_stride,
-                    num_blocks,
+                    *attn_shape,
                     scale,
-                    0,
+                    0,  # max row vectors: the kernel's choice
                     nt,
                 )
             if bad:
