@@ -20,11 +20,11 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from loraplex.platform.api.gateway import build_gateway
-from loraplex.platform.api.settings import GatewaySettings
+from loraplex.platform.api.app import build_app
 from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.engine.config import EngineConfig
 from loraplex.platform.engine.engine import LLMEngine
+from loraplex.platform.settings import ServerSettings
 
 ADMIN_TOKEN = "admin-token-for-tests-0123456789"
 BASE = "tiny"
@@ -47,6 +47,13 @@ def gateway_engine(tiny_dirs: dict[str, Path]) -> Iterator[AsyncEngine]:
     engine.shutdown()
 
 
+def engine_of(engine: AsyncEngine) -> LLMEngine:
+    """The engine behind the door, for tests that check its state (the server never does this)."""
+    inner = engine._engine
+    assert isinstance(inner, LLMEngine)
+    return inner
+
+
 @pytest.fixture(scope="module")
 def peft_adapter_dir(tiny_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     from helpers import make_peft_adapter
@@ -58,7 +65,7 @@ def peft_adapter_dir(tiny_dirs: dict[str, Path], tmp_path_factory: pytest.TempPa
 
 def settings_for(
     tmp_path: Path, database_url: str, redis_url: str | None = None, **kw: Any
-) -> GatewaySettings:
+) -> ServerSettings:
     """Settings of a test gateway: its own store under ``tmp_path``, the admin token above."""
     values: dict[str, Any] = dict(
         data_dir=tmp_path / "data",
@@ -66,13 +73,14 @@ def settings_for(
         database_url=database_url,
         redis_url=redis_url,
         admin_token=ADMIN_TOKEN,
+        served_model_name=BASE,
     )
     values.update(kw)
-    return GatewaySettings(**values)
+    return ServerSettings(**values)
 
 
-def make_gateway(engine: AsyncEngine, settings: GatewaySettings) -> FastAPI:
-    return build_gateway(engine, settings, BASE)
+def make_gateway(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+    return build_app(engine, settings)
 
 
 @asynccontextmanager

@@ -3,7 +3,8 @@
 - ``spec``: the base model's LoRA-able layers and the stacking groups (qkv, o, gate_up, down);
 - ``peft_config`` / ``peft_weights`` / ``loader``: read ``adapter_config.json`` and
   ``adapter_model.safetensors``, reject what cannot be served, fold PEFT's scaling into B;
-- ``archive`` / ``store``: safe extraction of uploads into the disk tier;
+- ``archive``: safe extraction of archives; ``store``: the content-addressed store (the disk tier,
+  shared with the gateway's uploads); ``uploads``: checking an upload before it is stored;
 - ``host_cache``: the host LRU; ``slot_table`` / ``slot_buffers``: the device slots;
 - ``manager``: ``AdapterManager``, what the engine talks to.
 
@@ -29,6 +30,7 @@ from loraplex.adapters.registry import AdapterInfo
 from loraplex.adapters.request import LoRARequest
 from loraplex.adapters.slot_buffers import SlotBuffers
 from loraplex.adapters.spec import GROUPS, MODULE_NAMES, BaseModelSpec, GroupName, ModuleName
+from loraplex.adapters.store import StagedAdapter
 
 __all__ = [
     "GROUPS",
@@ -52,6 +54,7 @@ __all__ = [
     "NoFreeSlotError",
     "ParsedAdapter",
     "SlotBuffers",
+    "StagedAdapter",
     "ValidationReason",
     "content_version",
     "read_adapter",

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -44,12 +45,34 @@ from loraplex.adapters.request import LoRARequest
 from loraplex.adapters.slot_buffers import LoRASlotBuffers, SlotBuffers
 from loraplex.adapters.slot_table import SlotTable
 from loraplex.adapters.spec import BaseModelSpec, GroupName
-from loraplex.adapters.store import AdapterStore
+from loraplex.adapters.store import AdapterStore, StagedAdapter
 from loraplex.kernels.lora_layout import LOGICAL_LAYOUT, LoRAWeightLayout
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AdapterInfo", "AdapterManager"]
+__all__ = ["AdapterInfo", "AdapterManager", "AdapterStats"]
+
+
+@dataclass(frozen=True)
+class AdapterStats:
+    """The adapter tiers at one moment: how many adapters each holds, and cumulative moves."""
+
+    num_registered: int
+    """Adapters registered (every one is on disk, in the store)."""
+    num_slots: int
+    num_on_device: int
+    """Adapters loaded in a device slot."""
+    num_pinned_slots: int
+    """Slots a running sequence uses."""
+    num_in_host: int
+    """Registered adapters whose weights are in host memory."""
+    host_capacity: int
+    num_slot_loads: int
+    """Adapters written into a device slot since start-up."""
+    num_disk_reads: int
+    """Adapters read from the store into host memory since start-up (host-cache misses)."""
+    num_loading: int
+    """Background reads in flight."""
 
 
 class AdapterManager:
@@ -73,6 +96,8 @@ class AdapterManager:
         self._store = AdapterStore(
             self.config.store_dir, self.config.archive_limits, self.config.copy_directories
         )
+        if self.config.store_dir is not None:
+            self._store.open()  # leftovers of a crash
         self._host = HostAdapterCache(self.config.max_cpu_loras)
         self._slots = SlotTable(self.config.max_loras)
         self._buffers = LoRASlotBuffers(
@@ -88,6 +113,8 @@ class AdapterManager:
         self._load_errors: dict[str, BaseException] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.RLock()
+        self._num_slot_loads = 0  # adapters written into a device slot
+        self._num_disk_reads = 0  # adapters read back from the store into host memory
 
     # -- registry ----------------------------------------------------------------------
 
@@ -98,16 +125,34 @@ class AdapterManager:
         ``AdapterExistsError`` if the id or ``(owner, name)`` is taken by other content.
         Adding the very same adapter again returns the existing entry.
         """
+        return self.register(request, self.stage(request), owner)
+
+    def stage(self, request: LoRARequest) -> StagedAdapter:
+        """The slow half of ``add_adapter``: validate and store the files (any thread, no lock held).
+
+        Changes nothing the scheduler sees; hand the result to ``register`` (or ``discard_staged``).
+        """
         max_rank = self.config.max_lora_rank
-        staged = self._store.stage(Path(request.path).expanduser(), self.spec, max_rank, self.dtype)
+        return self._store.stage(Path(request.path).expanduser(), self.spec, max_rank, self.dtype)
+
+    def discard_staged(self, staged: StagedAdapter) -> None:
+        """Give up a ``stage`` result that will not be registered (its store folder is released)."""
+        if staged.owned:
+            self._store.release(staged.folder)
+
+    def register(self, request: LoRARequest, staged: StagedAdapter, owner: str | None = None) -> AdapterInfo:
+        """The fast half of ``add_adapter``: register validated files under ``request.int_id``.
+
+        Raises ``AdapterExistsError`` if the id or ``(owner, name)`` is taken by other content
+        (``staged`` is released then); the very same adapter again returns the existing entry.
+        """
         try:
             parsed = staged.parsed
             identity = AdapterIdentity(request.int_id, request.name, owner, parsed.version)
             with self._lock:
                 existing = self._registry.existing(identity)
                 if existing is not None:
-                    if staged.owned:
-                        self._store.release(staged.folder)
+                    self.discard_staged(staged)
                     return self._info(existing)
                 weights = self._maybe_pin(parsed.weights)
                 entry = AdapterEntry(
@@ -122,8 +167,7 @@ class AdapterManager:
                 self._registry.add(entry)
                 self._host.put(parsed.version, weights)
         except BaseException:
-            if staged.owned:
-                self._store.release(staged.folder)
+            self.discard_staged(staged)
             raise
         logger.info(
             "added adapter %d %r (owner %s, rank %d, %s, version %s)",
@@ -263,6 +307,7 @@ class AdapterManager:
                 slot_idx, evicted = self._slots.choose_slot()
                 self._buffers.write(slot_idx, weights)
                 self._slots.assign(slot_idx, adapter_id)
+                self._num_slot_loads += 1
                 logger.debug("loaded adapter %d into slot %d (evicted %s)", adapter_id, slot_idx, evicted)
             self._slots.pin(slot_idx, request_id)
             return slot_idx
@@ -291,6 +336,24 @@ class AdapterManager:
         with self._lock:
             counts = (self._slots.pin_count(i) for i in range(self.config.max_loras))
             return {i: c for i, c in enumerate(counts) if c > 0}
+
+    def stats(self) -> AdapterStats:
+        """Where the adapters are now, and how often they moved (a snapshot, for ``EngineStats``)."""
+        with self._lock:
+            entries = self._registry.entries()
+            on_device = sum(self._slots.slot_of(e.identity.adapter_id) is not None for e in entries)
+            in_host = sum(e.identity.version in self._host for e in entries)
+            return AdapterStats(
+                num_registered=len(entries),
+                num_slots=self.config.max_loras,
+                num_on_device=on_device,
+                num_pinned_slots=sum(self._slots.pin_count(i) > 0 for i in range(self.config.max_loras)),
+                num_in_host=in_host,
+                host_capacity=self.config.max_cpu_loras,
+                num_slot_loads=self._num_slot_loads,
+                num_disk_reads=self._num_disk_reads,
+                num_loading=len(self._loads),
+            )
 
     # -- model runner ----------------------------------------------------------------------
 
@@ -414,6 +477,7 @@ class AdapterManager:
                 self._load_errors[version] = error
             else:
                 self._host.put(version, future.result())
+                self._num_disk_reads += 1
 
     def _host_weights(self, entry: AdapterEntry) -> AdapterWeights:
         """The adapter's host weights, reading them from disk now on a miss (caller holds the lock)."""
@@ -424,6 +488,7 @@ class AdapterManager:
         future = self._loads.pop(version, None)
         # The loader thread never takes the manager lock, so waiting here cannot deadlock.
         weights = future.result() if future is not None else self._read_from_disk(entry)
+        self._num_disk_reads += 1
         self._load_errors.pop(version, None)
         self._host.put(version, weights)
         return weights

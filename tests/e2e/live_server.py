@@ -21,10 +21,10 @@ from safetensors.torch import save_file
 
 from loraplex.adapters import LoRARequest
 from loraplex.platform.api.app import build_app
-from loraplex.platform.api.limits import ServerLimits
 from loraplex.platform.api.server import Server
 from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.engine.engine import LLMEngine
+from loraplex.platform.settings import ServerLimits, ServerSettings
 
 
 def free_port() -> int:
@@ -65,7 +65,8 @@ def start_server(
     limits: ServerLimits | None = None,
 ) -> LiveServer:
     async_engine = AsyncEngine(engine)
-    app = build_app(async_engine, name, loras, limits)
+    settings = ServerSettings(served_model_name=name, single_tenant=True, limits=limits or ServerLimits())
+    app = build_app(async_engine, settings, loras)
     port = free_port()
     server = Server(app, "127.0.0.1", port, log_level="warning")
     live = LiveServer(f"http://127.0.0.1:{port}", engine, async_engine, server, threading.Thread())

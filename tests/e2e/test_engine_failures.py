@@ -22,6 +22,7 @@ from loraplex.platform.api.app import build_app
 from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.engine.config import EngineConfig
 from loraplex.platform.engine.engine import LLMEngine
+from loraplex.platform.settings import ServerSettings
 
 POISON_SEED = 4242
 BODY = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -96,7 +97,10 @@ def test_health_is_503_once_the_engine_died(tiny_dirs: dict[str, Path]) -> None:
         raise RuntimeError("injected scheduler bug")
 
     engine.scheduler.schedule = broken  # type: ignore[method-assign]
-    with TestClient(build_app(aeng, "tiny"), raise_server_exceptions=False) as c:
+    with TestClient(
+        build_app(aeng, ServerSettings(served_model_name="tiny", single_tenant=True)),
+        raise_server_exceptions=False,
+    ) as c:
         assert c.get("/health").status_code == 200
         r = c.post("/v1/completions", json=BODY)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
@@ -142,14 +146,17 @@ def test_disconnects_abort_running_and_queued_at_once(tiny_dirs: dict[str, Path]
 _SERVE_SCRIPT = """
 import sys
 from loraplex.platform.api.app import build_app
-from loraplex.platform.api.limits import ServerLimits
+from loraplex.platform.settings import ServerLimits, ServerSettings
 from loraplex.platform.api.server import serve
 from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.engine.config import EngineConfig
 from loraplex.platform.engine.engine import LLMEngine
 
 engine = LLMEngine(EngineConfig(model=sys.argv[1], dtype="float32", num_kv_blocks=256))
-app = build_app(AsyncEngine(engine), "tiny", limits=ServerLimits(graceful_shutdown_s=2))
+app = build_app(
+    AsyncEngine(engine),
+    ServerSettings(served_model_name="tiny", single_tenant=True, limits=ServerLimits(graceful_shutdown_s=2)),
+)
 print("serving", flush=True)
 sys.exit(serve(app, "127.0.0.1", int(sys.argv[2]), "warning"))
 """

@@ -64,7 +64,9 @@ def gateway(gateway_engine: AsyncEngine, tmp_path_factory: pytest.TempPathFactor
     with httpx.Client(base_url=url, headers=ADMIN) as admin:
         assert admin.post("/admin/api/tenants", json={"name": "acme"}).status_code == 201
         key = admin.post("/admin/api/tenants/acme/keys", json={"name": "e2e"}).json()["key"]
-    yield Gateway(url, settings.database_url_or_default, settings.adapter_store_dir, key, gateway_engine)
+    yield Gateway(
+        url, settings.gateway.database_url_or_default, settings.gateway.adapter_store_dir, key, gateway_engine
+    )
     server.stop()
     thread.join(60)
 

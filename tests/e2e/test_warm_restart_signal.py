@@ -23,7 +23,7 @@ BODY = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "i
 _SERVE = """
 import sys
 from loraplex.platform.api.app import build_app
-from loraplex.platform.api.limits import ServerLimits
+from loraplex.platform.settings import ServerLimits, ServerSettings
 from loraplex.platform.api.server import serve
 from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.engine.config import EngineConfig
@@ -33,7 +33,10 @@ config = EngineConfig(
     model=sys.argv[1], dtype="float32", num_kv_blocks=64, block_size=16,
     host_kv_cache_bytes=1 << 20, disk_kv_path=sys.argv[3], disk_kv_cache_bytes=4 << 20,
 )
-app = build_app(AsyncEngine(LLMEngine(config)), "tiny", limits=ServerLimits(graceful_shutdown_s=2))
+app = build_app(
+    AsyncEngine(LLMEngine(config)),
+    ServerSettings(served_model_name="tiny", single_tenant=True, limits=ServerLimits(graceful_shutdown_s=2)),
+)
 sys.exit(serve(app, "127.0.0.1", int(sys.argv[2]), "warning"))
 """
 

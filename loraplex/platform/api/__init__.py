@@ -1,21 +1,22 @@
-"""The HTTP layer: the OpenAI-compatible FastAPI app over ``AsyncEngine``.
+"""The HTTP layer: one OpenAI-compatible FastAPI app over ``AsyncEngine``, with tenants or without.
 
-It imports the engine, never the reverse. The multi-tenant gateway (API keys,
-quotas, the admin UI) grows here.
+It reaches the engine only through ``AsyncEngine`` (an import-linter contract forbids the
+engine's internals, the model and the KV storage here).
 
 | module | owns |
 |---|---|
-| ``app`` | ``build_app``: the app, its state, error handlers, middleware and routes |
+| ``app`` | ``build_app``: the one app factory (single-tenant = a static gate and no database) |
+| ``state`` | ``AppState``: the engine, the settings, the gate and the gateway every route shares |
+| ``deps`` | every dependency the routes declare (``StateDep``, ``CallDep``, ``SessionDep``, ...) |
+| ``errors`` | ``APIError`` and OpenAI's error body for every error, all handlers in one place |
+| ``middleware`` | the request body size limit (per path: uploads have their own) |
+| ``gateway`` | ``Gateway``: database, quotas, adapter store and catalog; tenant deletion, cache reset |
+| ``schemas`` | request and response bodies of the gateway's own APIs (admin, adapters) |
+| ``background`` | work that must finish after a response (settling quotas, usage records) |
 | ``server`` | ``Server`` / ``serve``: uvicorn until a signal or the engine dies (exit code 1) |
-| ``routes/`` | ``completions``, ``chat``, ``models`` (with ``/health``): one module per resource |
-| ``deps`` | ``ServerState`` and the ``StateDep`` dependency the routes share |
-| ``limits`` | ``ServerLimits``: per-request limits, each a ``loraplex serve`` flag |
-| ``body`` | reading a body: the size limit, strict UTF-8 / JSON, no lone surrogates |
-| ``protocol`` | the request bodies, and the OpenAI fields refused as unsupported |
-| ``params`` | request body -> ``SamplingParams`` under the limits |
-| ``submission`` | the engine side of a request: submit its prompts, collect, abort |
-| ``serving`` | the client side: run while the client is connected, answer whole or streamed |
-| ``streaming`` | SSE chunks, error events, and a response that watches the client |
-| ``responses`` / ``logprobs`` | response bodies and OpenAI's two logprobs shapes |
-| ``errors`` | OpenAI's error body for every error, and which exception maps to which status |
+| ``openai/`` | the OpenAI surface: request bodies, params, the request pipeline, responses, SSE |
+| ``tenancy/`` | the request gate, API keys and the admin token, quotas, usage accounting |
+| ``catalog/`` | tenants' adapters: uploads, deletions, versions registered in the engine |
+| ``services/`` | what the routes, the admin UI and the CLI do to the metadata database |
+| ``routes/`` | one router per resource: completions, chat, models, health, adapters, admin |
 """

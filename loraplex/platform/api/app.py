@@ -1,83 +1,90 @@
-"""The OpenAI-compatible FastAPI application over the async engine.
+"""``build_app``: the one FastAPI application over the async engine, with tenants or without.
 
 ``/v1/completions``, ``/v1/chat/completions`` (both streamed with SSE, with
-``stream_options.include_usage``), ``/v1/models``, ``/health``. Every error is OpenAI's
-error body (``errors``); request limits are ``ServerLimits`` (``limits``). Who may call and
-what (API keys, per-tenant adapters, quotas) is the ``gate``: ``StaticGate`` here, the
-gateway's ``TenantGate`` from ``build_gateway``.
+``stream_options.include_usage``), ``/v1/models`` and ``/health`` always; with tenants (the
+default) also ``/v1/adapters`` (tenant uploads) and ``/admin/api`` (operators). Every error is
+OpenAI's error body (``errors``); per-request limits are ``ServerLimits``. Who may call and what
+is the ``gate``: a single-tenant server has a ``StaticGate`` (no auth, the ``lora_modules``
+names, no quotas, no database); with tenants the ``Gateway``'s ``TenantGate`` (API keys,
+per-tenant adapters, quotas, usage) and the gateway's start-up and shutdown run in the
+app's lifespan.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from importlib.metadata import version
 
 from fastapi import FastAPI
-from starlette.types import ASGIApp, Lifespan, Receive, Scope, Send
 
 from loraplex.adapters import LoRARequest
-from loraplex.platform.api.body import BodySizeLimit
-from loraplex.platform.api.deps import ServerState
 from loraplex.platform.api.errors import install_error_handlers
-from loraplex.platform.api.gating import RequestGate, StaticGate
-from loraplex.platform.api.limits import ServerLimits
-from loraplex.platform.api.logprobs import TokenText
-from loraplex.platform.api.routes import chat, completions, models
+from loraplex.platform.api.gateway import Gateway
+from loraplex.platform.api.middleware import BodyLimits
+from loraplex.platform.api.openai.logprobs import TokenText
+from loraplex.platform.api.routes import adapters, admin, chat, completions, health, models
+from loraplex.platform.api.state import AppState
+from loraplex.platform.api.tenancy.gate import StaticGate
 from loraplex.platform.engine.async_engine import AsyncEngine
+from loraplex.platform.settings import ServerSettings
 
-
-class BodyLimits:
-    """ASGI middleware: ``BodySizeLimit``, with a limit of their own for some paths (uploads)."""
-
-    def __init__(self, app: ASGIApp, default_bytes: int, by_path: Mapping[str, int]) -> None:
-        self.default = BodySizeLimit(app, default_bytes)
-        self.by_path = {path: BodySizeLimit(app, limit) for path, limit in by_path.items()}
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        limiter = self.by_path.get(scope.get("path", ""), self.default) if scope["type"] == "http" else None
-        await (limiter or self.default)(scope, receive, send)
+_MULTIPART_SLACK_BYTES = 1 << 20
+"""Room for the multipart framing and text fields on top of ``max_upload_bytes`` of files."""
 
 
 def build_app(
     engine: AsyncEngine,
-    served_model_name: str,
+    settings: ServerSettings,
     loras: Mapping[str, LoRARequest] | None = None,
-    limits: ServerLimits | None = None,
-    *,
-    gate: RequestGate | None = None,
-    lifespan: Lifespan[Any] | None = None,
-    body_limits: Mapping[str, int] | None = None,
 ) -> FastAPI:
-    """The FastAPI application serving ``engine`` under ``served_model_name``.
+    """The application serving ``engine`` with ``settings`` (see the module docstring).
 
-    ``loras`` maps model ids to ``LoRARequest``s: a request whose ``model`` names an
-    adapter runs on it (vLLM's ``--lora-modules`` semantics). ``gate`` replaces that
-    single-tenant ``StaticGate`` (the gateway passes its own), ``lifespan`` runs around
-    the server's life, and ``body_limits`` raises the request body limit for some paths.
+    ``loras`` maps model ids to registered ``LoRARequest``s on a single-tenant server: a
+    request whose ``model`` names one runs on it (vLLM's ``--lora-modules``).
     """
-    adapters = dict(loras or {})
-    if served_model_name in adapters:
+    name = settings.serving.served_model_name or engine.limits.model_name
+    named = dict(loras or {})
+    if name in named:
         raise ValueError(
-            f"adapter name {served_model_name!r} is also the served model name, so the adapter could never "
+            f"adapter name {name!r} is also the served model name, so the adapter could never "
             "be selected; rename the adapter or pass another --served-model-name"
         )
-    app = FastAPI(title="loraplex", version="0.1.0", lifespan=lifespan)
-    app.state.loraplex = ServerState(
+    if named and not settings.serving.single_tenant:
+        raise ValueError("lora_modules are served by a single-tenant server (--single-tenant)")
+    gateway = None if settings.serving.single_tenant else Gateway(engine, settings.gateway, name)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if gateway is None:
+            yield
+            return
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.stop()
+
+    app = FastAPI(title="loraplex", version=version("loraplex"), lifespan=lifespan)
+    app.state.loraplex = AppState(
         engine=engine,
-        served_model_name=served_model_name,
-        loras=adapters,
-        limits=limits or ServerLimits(),
+        settings=settings,
+        served_model_name=name,
+        loras=named,
         created=int(time.time()),
-        text_of=TokenText(engine.engine.tokenizer),
-        gate=gate or StaticGate(served_model_name, adapters),
+        text_of=TokenText(engine.tokenizer),
+        gate=StaticGate(name, named) if gateway is None else gateway.gate,
+        gateway=gateway,
     )
     install_error_handlers(app)
-    app.add_middleware(
-        BodyLimits,
-        default_bytes=app.state.loraplex.limits.max_request_body_bytes,
-        by_path=dict(body_limits or {}),
-    )
-    for module in (completions, chat, models):
+    by_path = {}
+    if gateway is not None:
+        by_path[adapters.UPLOAD_PATH] = settings.gateway.max_upload_bytes + _MULTIPART_SLACK_BYTES
+    app.add_middleware(BodyLimits, default_bytes=settings.limits.max_request_body_bytes, by_path=by_path)
+    for module in (completions, chat, models, health):
         app.include_router(module.router)
+    if gateway is not None:
+        app.include_router(adapters.router)
+        app.include_router(admin.router)
     return app

@@ -1,55 +1,40 @@
-"""What every route shares: the server's state (``StateDep``) and the gate's caller (``CallDep``)."""
+"""Every dependency the routes declare, as ``Annotated`` aliases (the FastAPI template's ``deps``).
+
+| alias | gives | refuses |
+|---|---|---|
+| ``StateDep`` | the app's ``AppState`` (engine, settings, gate) | |
+| ``CallDep`` | the caller, authenticated by the gate (a tenant, or anyone single-tenant) | 401 |
+| ``GatewayDep`` | the ``Gateway`` (database, quotas, adapter catalog) | |
+| ``SessionDep`` | a session in a transaction, committed before the response is sent | |
+| ``CurrentTenant`` | the tenant of the request's API key (``local`` with auth="open") | 401 |
+| ``require_admin`` | nothing: the request carries the admin token (once, on the admin router) | 401, 403 |
+
+``SessionDep`` opens a write transaction (``BEGIN IMMEDIATE`` on SQLite) for methods other than
+GET, since those read and then write. Long work (an upload) opens its own short transaction
+instead of holding one for the whole request. The gateway's dependencies exist only on a
+server with tenants: its routers are not mounted on a single-tenant one.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Annotated, Any
+from collections.abc import AsyncIterator
+from typing import Annotated
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, Request
+from sqlalchemy.ext.asyncio import AsyncSession
 
-from loraplex.adapters import LoRARequest
-from loraplex.platform.api.gating import GatedCall, RequestGate
-from loraplex.platform.api.limits import ServerLimits
-from loraplex.platform.api.logprobs import TokenText
-from loraplex.platform.engine.async_engine import AsyncEngine
-
-
-@dataclass(frozen=True)
-class ServerState:
-    """The engine, what it serves under which names, the request limits, and who may call."""
-
-    engine: AsyncEngine
-    served_model_name: str
-    loras: Mapping[str, LoRARequest]
-    limits: ServerLimits
-    created: int
-    """Unix time the server started (``created`` of the /v1/models entries)."""
-    text_of: TokenText
-    """Single-token texts for logprobs, cached across requests."""
-    gate: RequestGate
-    """Authenticates callers, resolves ``model`` per caller, admits requests (``gating``)."""
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.engine.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.engine.info.max_model_len
+from loraplex.platform.api.gateway import Gateway
+from loraplex.platform.api.state import AppState, app_state
+from loraplex.platform.api.tenancy.auth import authenticate_tenant, check_admin
+from loraplex.platform.api.tenancy.gate import GatedCall
+from loraplex.storage.db import Tenant
 
 
-def app_state(app: FastAPI) -> ServerState:
-    state = app.state.loraplex
-    assert isinstance(state, ServerState), "build_app sets app.state.loraplex"
-    return state
-
-
-def get_state(request: Request) -> ServerState:
+def get_state(request: Request) -> AppState:
     return app_state(request.app)
 
 
-StateDep = Annotated[ServerState, Depends(get_state)]
+StateDep = Annotated[AppState, Depends(get_state)]
 
 
 async def open_call(request: Request) -> GatedCall:
@@ -58,3 +43,35 @@ async def open_call(request: Request) -> GatedCall:
 
 
 CallDep = Annotated[GatedCall, Depends(open_call)]
+
+
+def get_gateway(request: Request) -> Gateway:
+    gateway = get_state(request).gateway
+    assert gateway is not None, "the gateway's routes are only mounted on a server with tenants"
+    return gateway
+
+
+GatewayDep = Annotated[Gateway, Depends(get_gateway)]
+
+
+async def get_session(request: Request) -> AsyncIterator[AsyncSession]:
+    async with get_gateway(request).db.transaction(write=request.method != "GET") as session:
+        yield session
+
+
+# scope="function": the transaction commits before the response goes out, so a failed commit
+# is the client's error response and never a success followed by a lost write.
+SessionDep = Annotated[AsyncSession, Depends(get_session, scope="function")]
+
+
+async def current_tenant(request: Request) -> Tenant:
+    gateway = get_gateway(request)
+    return await authenticate_tenant(gateway.db, gateway.settings.auth, request)
+
+
+CurrentTenant = Annotated[Tenant, Depends(current_tenant)]
+
+
+def require_admin(request: Request) -> None:
+    """Pass when the request carries the admin token (401 otherwise; 403 when none is set)."""
+    check_admin(get_gateway(request).settings.admin_token, request)

@@ -1,23 +1,33 @@
-"""Every error the server returns, in OpenAI's body: ``{"error": {message, type, param, code}}``.
+"""Every error the server returns, in OpenAI's body ``{"error": {message, type, param, code}}``.
 
-Only the engine's own errors (``loraplex.platform.engine.errors``) and this layer's
-``APIError`` become client errors; anything else is a bug and a 500.
+One exception class, ``APIError`` (status, message, code, param, headers), and one place that
+maps everything else to it (``to_api_error``), installed on the app by ``install_error_handlers``.
+Invalid input is always 400 (FastAPI's own 422 included), never 422.
 
-| raised | status | ``type`` / ``code`` |
+| raised | status | ``code`` |
 |---|---|---|
-| ``APIError`` | its own | its own (400 bad input, 413 body too large, ...) |
-| ``InvalidParameterError`` | 400 | invalid_request_error / invalid_value |
-| ``UnknownAdapterError`` | 404 | invalid_request_error / model_not_found |
-| ``EngineDeadError`` | 503 | server_error / engine_dead |
-| FastAPI's own: unknown route, wrong method, bad parameter (422) | 404, 405, 400 | invalid_request_error |
-| anything else | 500 | server_error / internal_error |
+| ``APIError`` | its own, with its headers | its own |
+| ``InvalidParameterError`` (engine) | 400 | invalid_value |
+| ``UnknownAdapterError`` (engine) | 404 | model_not_found |
+| ``EngineDeadError`` | 503 | engine_dead |
+| ``unauthorized``: no, wrong, revoked, expired key | 401, ``WWW-Authenticate: Bearer`` | invalid_api_key |
+| ``quota_refusal``: rpm, tpm, concurrency | 429, ``Retry-After`` | rate_limit_exceeded |
+| ``quota_refusal``: request_over_tpm (never fits) | 429 | rate_limit_exceeded |
+| ``quota_refusal``: unavailable (Redis down, fail_closed) | 503, ``Retry-After`` | quota_unavailable |
+| ``NotFound`` (services) | 404 | not_found (model_not_found for a model) |
+| ``Conflict`` (services) | 409 | conflict |
+| ``EngineBusy`` (services) | 409, ``Retry-After`` | engine_busy |
+| ``QuotaExceeded`` (services) | max_adapters 403, max_adapter_bytes 413 | quota_exceeded |
+| ``InvalidInput`` (services) | 400 | invalid_value |
+| ``AdapterValidationError`` | 400 | the validation reason (unsafe_archive, pickle_format, ...) |
+| FastAPI's own: unknown route, wrong method, bad parameter | 404, 405, 400 | not_found, ... |
+| anything else | 500 (logged once by the server) | internal_error |
 
 ``RequestTooLargeError`` and ``AdapterUnavailableError`` are ``InvalidParameterError``s.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -25,13 +35,21 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from loraplex.adapters import AdapterValidationError
+from loraplex.platform.api.services.errors import (
+    Conflict,
+    EngineBusy,
+    InvalidInput,
+    NotFound,
+    QuotaExceeded,
+    ServiceError,
+)
+from loraplex.platform.api.tenancy.quotas import QuotaDecision
 from loraplex.platform.engine.errors import (
     EngineDeadError,
     InvalidParameterError,
     UnknownAdapterError,
 )
-
-logger = logging.getLogger(__name__)
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
@@ -45,7 +63,7 @@ def error_body(
 
 
 class APIError(Exception):
-    """An error the HTTP layer itself decides on (bad body, a limit, an unsupported field)."""
+    """An error answered to the client: status, OpenAI's body, and response headers."""
 
     def __init__(
         self,
@@ -54,6 +72,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         err_type: str = INVALID_REQUEST,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -61,14 +80,24 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.err_type = err_type
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.err_type, self.param, self.code)
 
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
 
+
+# -- the errors the HTTP layer decides on itself --------------------------------------
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     """A 400 naming the offending field."""
     return APIError(400, message, param=param, code=code)
+
+
+def bad_field(param: str, message: str) -> APIError:
+    """A 400 for an invalid value of ``param``."""
+    return APIError(400, message, param=param, code="invalid_value")
 
 
 def unsupported(param: str, what: str = "") -> APIError:
@@ -77,6 +106,53 @@ def unsupported(param: str, what: str = "") -> APIError:
     return APIError(
         400, f"'{param}' is not supported by this server{detail}.", param=param, code="unsupported_parameter"
     )
+
+
+def unauthorized(message: str, code: str = "invalid_api_key") -> APIError:
+    """401 for a missing, malformed, wrong, revoked or expired credential (one message per cause
+    the caller can fix: never which of wrong / revoked / expired it was)."""
+    return APIError(401, message, code=code, headers={"WWW-Authenticate": "Bearer"})
+
+
+def forbidden(message: str, code: str = "forbidden") -> APIError:
+    return APIError(403, message, code=code)
+
+
+def quota_refusal(decision: QuotaDecision) -> APIError:
+    """The answer to a refused admission: 429 for a full limit, 503 while quotas cannot be checked."""
+    headers = {} if decision.retry_after_header is None else {"Retry-After": decision.retry_after_header}
+    if decision.reason == "unavailable":
+        return APIError(
+            503, decision.detail, code="quota_unavailable", err_type=SERVER_ERROR, headers=headers
+        )
+    kind = "tokens" if decision.reason in ("tpm", "request_over_tpm") else "requests"
+    return APIError(429, decision.detail, code="rate_limit_exceeded", err_type=kind, headers=headers)
+
+
+def rejected_adapter(exc: AdapterValidationError, hide: tuple[str, ...] = ()) -> APIError:
+    """400 naming the rule an uploaded adapter broke; ``hide``: server paths to cut from the message."""
+    message = exc.detail
+    for path in hide:
+        message = message.replace(path + "/", "").replace(path, "upload")
+    return APIError(400, f"The adapter was rejected ({exc.reason}): {message}", param="file", code=exc.reason)
+
+
+# -- everything else, mapped ----------------------------------------------------------
+def _service_error(exc: ServiceError) -> APIError:
+    if isinstance(exc, NotFound):
+        if exc.kind == "model":
+            return APIError(404, f"The model '{exc.name}' does not exist.", code="model_not_found")
+        return APIError(404, f"The {exc.kind} '{exc.name}' does not exist.", code="not_found")
+    if isinstance(exc, EngineBusy):
+        return APIError(409, str(exc), code="engine_busy", headers={"Retry-After": str(exc.retry_after_s)})
+    if isinstance(exc, Conflict):
+        return APIError(409, str(exc), code="conflict")
+    if isinstance(exc, QuotaExceeded):
+        status = 413 if exc.quota == "max_adapter_bytes" else 403
+        return APIError(status, f"Tenant quota exceeded: {exc}.", param=exc.quota, code="quota_exceeded")
+    if isinstance(exc, InvalidInput):
+        return bad_field(exc.field, f"Invalid value for '{exc.field}': {exc.detail}.")
+    return APIError(500, "internal server error", code="internal_error", err_type=SERVER_ERROR)
 
 
 def to_api_error(exc: BaseException) -> APIError:
@@ -89,6 +165,10 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc) or "the engine has stopped", code="engine_dead", err_type=SERVER_ERROR)
+    if isinstance(exc, ServiceError):
+        return _service_error(exc)
+    if isinstance(exc, AdapterValidationError):
+        return rejected_adapter(exc)
     return APIError(500, "internal server error", code="internal_error", err_type=SERVER_ERROR)
 
 
@@ -111,42 +191,40 @@ def validation_error(errors: list[Any]) -> APIError:
     return bad_request(message, param)
 
 
+_MAPPED: tuple[type[Exception], ...] = (
+    APIError,
+    InvalidParameterError,
+    UnknownAdapterError,
+    EngineDeadError,
+    ServiceError,
+    AdapterValidationError,
+)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Route every exception the app can raise to OpenAI's error body."""
 
-    def respond(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    async def _mapped(_: Request, exc: Exception) -> JSONResponse:
+        return to_api_error(exc).response()
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return respond(exc)
-
-    @app.exception_handler(InvalidParameterError)
-    async def _invalid(_: Request, exc: InvalidParameterError) -> JSONResponse:
-        return respond(to_api_error(exc))
-
-    @app.exception_handler(UnknownAdapterError)
-    async def _unknown_model(_: Request, exc: UnknownAdapterError) -> JSONResponse:
-        return respond(to_api_error(exc))
-
-    @app.exception_handler(EngineDeadError)
-    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return respond(to_api_error(exc))
+    for error_class in _MAPPED:
+        app.add_exception_handler(error_class, _mapped)
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return respond(validation_error(list(exc.errors())))
+        return validation_error(list(exc.errors())).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         codes = {404: "not_found", 405: "method_not_allowed"}
         detail = exc.detail if isinstance(exc.detail, str) else "error"
         message = f"{detail}: {request.method} {request.url.path}"
-        err = APIError(exc.status_code, message, code=codes.get(exc.status_code))
-        return respond(err, dict(exc.headers or {}))
+        return APIError(
+            exc.status_code, message, code=codes.get(exc.status_code), headers=dict(exc.headers or {})
+        ).response()
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
         # Starlette re-raises the exception after this response is sent, so the
         # server (uvicorn) logs its trace once; logging it here too would double it.
-        return respond(to_api_error(exc))
+        return to_api_error(exc).response()

@@ -1,110 +1,130 @@
-"""``build_gateway``: the OpenAI server with tenants, API keys, per-tenant adapters and quotas.
+"""``Gateway``: the multi-tenant services one app holds, and the operations that span them.
 
-It is ``build_app`` with the gateway's pieces plugged in:
+    database     tenants, keys, adapter rows, usage (SQLite or PostgreSQL; migrated at start-up)
+    limiter      quotas: through Redis when ``redis_url`` is set (every replica), else in process
+    store        the content-addressed adapter store, shared with the engine (served in place)
+    catalog      uploads and deletions, keeping files, rows and the engine in step
+    gate         ``TenantGate``: API keys, per-tenant models, quotas, usage records
 
-- the ``TenantGate`` (``tenant_gate``): every ``/v1`` call authenticates with a tenant's API key,
-  ``model`` resolves per caller, requests pass the tenant's quotas, usage is recorded;
-- the routers ``/v1/adapters`` (tenant uploads) and ``/admin/api`` (operators);
-- at start-up (lifespan): database migrations under a lock (replicas may start together), the
-  adapter store opened, the ``local`` tenant when auth="open"; at shutdown: pending usage
-  written, the limiter and the database closed. The engine belongs to the caller.
+Operations the routes (and the admin UI) call, so none of them lives in a route:
 
-Quotas go through Redis when ``redis_url`` is set (one limit for every replica), else through an
-in-process limiter. ``GatewaySettings`` refuses unsafe bindings before any of this runs.
+    delete_tenant(name)       rows, the adapter files nobody else uses, its engine adapters, its KV
+    reset_prefix_cache()      every cached KV block on every tier (``EngineBusy`` while requests run)
+
+At start-up (``start``): migrations under a lock (replicas may start together), the store opened,
+the ``local`` tenant when auth="open". At shutdown (``stop``): pending usage written, the limiter
+and the database closed. The engine belongs to the caller.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
-from fastapi import FastAPI
-
-from loraplex.adapters import BaseModelSpec
-from loraplex.platform.api.adapter_catalog import AdapterCatalog
-from loraplex.platform.api.adapter_files import AdapterFileStore, AdapterValidator
-from loraplex.platform.api.app import build_app
-from loraplex.platform.api.auth import local_tenant
+from loraplex.adapters.store import AdapterStore
+from loraplex.adapters.uploads import AdapterValidator
 from loraplex.platform.api.background import BackgroundWork
-from loraplex.platform.api.engine_adapters import EngineAdapters
-from loraplex.platform.api.gateway_errors import install_gateway_error_handlers
-from loraplex.platform.api.limits import ServerLimits
-from loraplex.platform.api.quotas import make_quota_limiter
-from loraplex.platform.api.routes import adapters, admin
-from loraplex.platform.api.settings import GatewaySettings
-from loraplex.platform.api.tenancy import GatewayState
-from loraplex.platform.api.tenant_gate import TenantGate
+from loraplex.platform.api.catalog.catalog import AdapterCatalog
+from loraplex.platform.api.catalog.engine_adapters import EngineAdapters
+from loraplex.platform.api.services import tenants
+from loraplex.platform.api.services.errors import EngineBusy
+from loraplex.platform.api.tenancy.auth import local_tenant
+from loraplex.platform.api.tenancy.quotas import QuotaSettings, make_quota_limiter
+from loraplex.platform.api.tenancy.tenant_gate import TenantGate
 from loraplex.platform.engine.async_engine import AsyncEngine
+from loraplex.platform.settings import GatewaySettings
 from loraplex.storage.db import Database, upgrade_to_head
 
 logger = logging.getLogger(__name__)
 
-UPLOAD_PATH = "/v1/adapters"
-_MULTIPART_SLACK_BYTES = 1 << 20
-"""Room for the multipart framing and text fields on top of ``max_upload_bytes`` of files."""
 _DRAIN_S = 10.0
 
 
-def build_gateway(
-    engine: AsyncEngine,
-    settings: GatewaySettings,
-    served_model_name: str,
-    limits: ServerLimits | None = None,
-) -> FastAPI:
-    """The multi-tenant gateway over ``engine`` (see the module docstring)."""
-    llm = engine.engine
-    files = AdapterFileStore(settings.adapter_store_dir)
-    validator = AdapterValidator(
-        BaseModelSpec.from_hf_config(llm.hf_config), llm.config.max_lora_rank, llm.info.dtype
+def quota_settings(settings: GatewaySettings) -> QuotaSettings:
+    """The limiter's settings (the rest keep ``QuotaSettings``' defaults)."""
+    return QuotaSettings(
+        window_s=settings.quota_window_s,
+        failure_policy=settings.quota_failure_policy,
+        key_prefix=settings.quota_key_prefix,
     )
-    db = Database(settings.database_url_or_default)
-    limiter = make_quota_limiter(settings.redis_url, settings.quota_settings())
-    engine_adapters = EngineAdapters(llm, files)
-    background = BackgroundWork()
-    state = GatewayState(
-        settings=settings,
-        db=db,
-        limiter=limiter,
-        files=files,
-        engine_adapters=engine_adapters,
-        catalog=AdapterCatalog(db, files, validator, served_model_name, engine_adapters),
-        background=background,
-        served_model_name=served_model_name,
-    )
-    gate = TenantGate(db, settings.auth, limiter, engine, engine_adapters, served_model_name, background)
 
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        revision = await upgrade_to_head(db.engine)
-        files.open()
-        if settings.auth == "open":
-            await local_tenant(db)
+
+@dataclass(frozen=True)
+class TenantDeleted:
+    """What deleting a tenant removed."""
+
+    name: str
+    adapters_removed: int
+    kv_blocks_purged: int
+
+
+class Gateway:
+    """The database, quotas, adapter store and catalog of one multi-tenant app."""
+
+    def __init__(self, engine: AsyncEngine, settings: GatewaySettings, served_model_name: str) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.db = Database(settings.database_url_or_default)
+        self.limiter = make_quota_limiter(settings.redis_url, quota_settings(settings))
+        self.store = AdapterStore(settings.adapter_store_dir)
+        self.engine_adapters = EngineAdapters(engine, self.store)
+        limits = engine.limits
+        self.catalog = AdapterCatalog(
+            self.db,
+            self.store,
+            AdapterValidator(engine.adapter_spec, limits.max_lora_rank, limits.dtype),
+            served_model_name,
+            self.engine_adapters,
+        )
+        self.background = BackgroundWork()
+        self.gate = TenantGate(
+            self.db,
+            settings.auth,
+            self.limiter,
+            engine,
+            self.engine_adapters,
+            served_model_name,
+            self.background,
+        )
+
+    async def start(self) -> None:
+        """Migrate the database, open the store, create ``local`` in open mode."""
+        revision = await upgrade_to_head(self.db.engine)
+        self.store.open()
+        if self.settings.auth == "open":
+            await local_tenant(self.db)
         logger.info(
             "gateway ready: database at revision %s, adapter store %s, quotas %s, auth %s",
             revision,
-            files.root,
-            "in Redis" if settings.redis_url else "in process",
-            settings.auth,
+            self.store.root,
+            "in Redis" if self.settings.redis_url else "in process",
+            self.settings.auth,
         )
-        try:
-            yield
-        finally:
-            await background.drain(_DRAIN_S)
-            await limiter.aclose()
-            await db.dispose()
 
-    app = build_app(
-        engine,
-        served_model_name,
-        None,
-        limits,
-        gate=gate,
-        lifespan=lifespan,
-        body_limits={UPLOAD_PATH: settings.max_upload_bytes + _MULTIPART_SLACK_BYTES},
-    )
-    app.state.gateway = state
-    install_gateway_error_handlers(app)
-    app.include_router(adapters.router)
-    app.include_router(admin.router)
-    return app
+    async def stop(self) -> None:
+        """Write pending usage, close the limiter and the database."""
+        await self.background.drain(_DRAIN_S)
+        await self.limiter.aclose()
+        await self.db.dispose()
+
+    # -- operations ----------------------------------------------------------------------
+    async def delete_tenant(self, name: str) -> TenantDeleted:
+        """Delete a tenant with its keys, adapters (files too), usage and cached KV on every tier.
+
+        Its cached KV can never be hit again (a tenant created again gets another salt), but the
+        disk tier's records are data derived from its prompts: they are erased now.
+        """
+        async with self.db.transaction(write=True) as session:
+            engine_id = tenants.engine_tenant_id(await tenants.get_tenant(session, name))
+            refs = await tenants.delete_tenant(session, name)
+        await self.catalog.forget(refs)
+        device, host, disk = await self.engine.purge_tenant(engine_id)
+        return TenantDeleted(name, len(refs), device + host + disk)
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop every cached KV block (device, host, disk records erased). The engine does it only
+        when idle: ``EngineBusy`` while requests run (new ones keep coming; retry)."""
+        if not await self.engine.reset_prefix_cache():
+            raise EngineBusy(
+                "Requests are running; the prefix cache can be reset only while the engine is idle. Retry."
+            )

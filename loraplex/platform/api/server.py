@@ -9,7 +9,7 @@ from collections.abc import Callable
 import uvicorn
 from fastapi import FastAPI
 
-from loraplex.platform.api.deps import app_state
+from loraplex.platform.api.state import app_state
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,13 @@
 """Runs an ``LLMEngine`` in its own thread and streams outputs to asyncio callers.
 
-Only the engine thread ever touches the engine. Callers post commands (add, abort,
-reset the prefix cache)
-to an inbox that the thread drains before every step; each request's outputs travel
-back through its own ``asyncio.Queue``, fed with ``call_soon_threadsafe``.
+``AsyncEngine`` is the only door into the engine from the server: the HTTP layer reads
+what it needs through typed accessors (``tokenizer``, ``limits``, ``adapter_spec``) and
+changes the engine only through commands (add, abort, adapters added and removed, the
+prefix cache reset, a tenant's KV purged). Only the engine thread ever touches the engine's
+state: commands go to an inbox that the thread drains before every step; each request's
+outputs travel back through its own ``asyncio.Queue``, fed with ``call_soon_threadsafe``.
+The one exception is reading (staging) an adapter's files, which changes nothing the engine
+serves and runs in a worker thread so the engine never waits for a disk read.
 
 Why an inbox rather than a lock around the engine: an abort must work from a
 ``finally`` that runs inside a cancelled task (the client went away), where nothing
@@ -28,14 +32,21 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from loraplex.adapters import LoRARequest
+from loraplex.adapters import BaseModelSpec, LoRARequest
 from loraplex.platform.engine.engine import LLMEngine
 from loraplex.platform.engine.errors import EngineDeadError
+from loraplex.platform.engine.limits import EngineLimits
 from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.engine.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _IDLE_WAIT_S = 1.0
 """How long the idle engine thread sleeps between checks when nothing wakes it."""
@@ -67,8 +78,8 @@ class _Abort:
 class _Call:
     """Run ``fn(engine)`` on the engine thread between steps; its result (or error) goes to ``done``."""
 
-    fn: Callable[[LLMEngine], object]
-    done: concurrent.futures.Future[object]
+    fn: Callable[[LLMEngine], Any]
+    done: concurrent.futures.Future[Any]
 
 
 _Command = _Add | _Abort | _Call
@@ -111,10 +122,13 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Thread-backed async facade over ``LLMEngine``."""
+    """Thread-backed async facade over ``LLMEngine``: the server's only way to the engine."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+        self._engine = engine
+        # Read once, before the engine thread starts: none of these change while it runs.
+        self._limits = EngineLimits.of(engine)
+        self._adapter_spec = BaseModelSpec.from_hf_config(engine.hf_config)
         self._inbox: collections.deque[_Command] = collections.deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -126,6 +140,29 @@ class AsyncEngine:
         """What stopped the engine loop (None while it runs, and after a clean shutdown)."""
         self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
         self._thread.start()
+
+    # -- what the server reads -------------------------------------------------------
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The model's tokenizer (read-only: templating and token texts, on any thread)."""
+        return self._engine.tokenizer
+
+    @property
+    def limits(self) -> EngineLimits:
+        """The model's and the engine's limits (context length, ``max_num_seqs``, LoRA rank, ...)."""
+        return self._limits
+
+    @property
+    def adapter_spec(self) -> BaseModelSpec:
+        """The base model's LoRA-able layers: what an uploaded adapter is checked against."""
+        return self._adapter_spec
+
+    async def tokenize(self, prompt: str) -> list[int]:
+        """Token ids of a text prompt, as the engine counts them (in a worker thread)."""
+        return await asyncio.to_thread(self._engine.tokenize, prompt)
+
+    def next_request_id(self) -> str:
+        return self._engine.next_request_id()
 
     # -- caller side -----------------------------------------------------------------
     @property
@@ -156,7 +193,7 @@ class AsyncEngine:
         """
         self._check_alive()
         if isinstance(prompt, str):
-            prompt = await asyncio.to_thread(self.engine.tokenize, prompt)
+            prompt = await self.tokenize(prompt)
         loop = asyncio.get_running_loop()
         stream = RequestStream(self, request_id, loop)
         with self._streams_lock:
@@ -191,7 +228,7 @@ class AsyncEngine:
 
         If the caller stops iterating (or is cancelled), the request is aborted.
         """
-        rid = request_id or f"req-{self.engine.next_request_id()}"
+        rid = request_id or f"req-{self.next_request_id()}"
         stream = await self.add_request(rid, prompt, params, lora_request, tenant_id=tenant_id)
         try:
             async for out in stream:
@@ -207,22 +244,44 @@ class AsyncEngine:
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached KV block on every tier (``LLMEngine.reset_prefix_cache``), between
         steps; False while requests are unfinished (commands posted before it run first)."""
-        return bool(await self._call(lambda engine: engine.reset_prefix_cache()))
+        return await self._call(lambda engine: engine.reset_prefix_cache())
 
     async def purge_tenant(self, tenant_id: str) -> tuple[int, int, int]:
-        """Forget one tenant's cached KV on every tier (``LLMEngine.purge_tenant``), between steps."""
-        result = await self._call(lambda engine: engine.purge_tenant(tenant_id))
-        assert isinstance(result, tuple)
-        return result
+        """Forget one tenant's cached KV on every tier (``LLMEngine.purge_tenant``), between steps;
+        (device, host, disk) blocks forgotten."""
+        return await self._call(lambda engine: engine.purge_tenant(tenant_id))
 
-    async def _call(self, fn: Callable[[LLMEngine], object]) -> object:
+    async def add_lora(self, lora: LoRARequest, owner: str | None = None) -> None:
+        """Validate and register an adapter: its files are read in a worker thread, then the
+        engine thread registers it between steps. Raises the adapter's typed errors
+        (``AdapterValidationError``, ``AdapterExistsError`` for an id or name taken by other content)."""
         self._check_alive()
-        done: concurrent.futures.Future[object] = concurrent.futures.Future()
+        staged = await asyncio.to_thread(self._engine.stage_lora, lora)
+        try:
+            await self._call(lambda engine: engine.register_lora(lora, staged, owner))
+        except EngineDeadError:
+            self._engine.discard_staged_lora(staged)
+            raise
+
+    async def remove_lora(self, int_id: int) -> None:
+        """Refuse new requests for adapter ``int_id`` (running ones finish on its weights), between
+        steps; raises ``AdapterError`` if it is not registered."""
+        await self._call(lambda engine: engine.remove_lora(int_id))
+
+    async def list_loras(self) -> list[int]:
+        """Ids of the registered adapters."""
+        return await self._call(lambda engine: engine.list_loras())
+
+    async def _call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps; its result or its error."""
+        self._check_alive()
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._post(_Call(fn, done))
         if self.error is not None or self._stop.is_set():
             done.cancel()  # stopped meanwhile: the inbox may never be drained
             raise self._dead_error()
-        return await asyncio.wrap_future(done)
+        result: T = await asyncio.wrap_future(done)
+        return result
 
     def shutdown(self) -> None:
         """Stop the engine loop; open requests fail with ``EngineDeadError``."""
@@ -231,7 +290,7 @@ class AsyncEngine:
         self._thread.join(timeout=30)
         self._fail_everything(EngineDeadError("the server is shutting down"))
         if not self._thread.is_alive():
-            self.engine.shutdown()  # persist cached KV to the disk tier for a warm restart
+            self._engine.shutdown()  # persist cached KV to the disk tier for a warm restart
 
     def _check_alive(self) -> None:
         if self.error is not None or self._stop.is_set():
@@ -258,11 +317,11 @@ class AsyncEngine:
                 if self._drain_inbox():
                     time.sleep(_ABORT_SETTLE_S)
                     self._drain_inbox()
-                if not self.engine.has_unfinished_requests():
+                if not self._engine.has_unfinished_requests():
                     self._wake.wait(timeout=_IDLE_WAIT_S)
                     self._wake.clear()
                     continue
-                self._publish(self.engine.step())
+                self._publish(self._engine.step())
         except BaseException as exc:
             logger.exception("the engine loop failed; no request can be served until a restart")
             self.error = exc
@@ -279,15 +338,15 @@ class AsyncEngine:
         while self._inbox:
             command = self._inbox.popleft()
             if isinstance(command, _Abort):
-                self.engine.abort_request(command.request_id)
+                self._engine.abort_request(command.request_id)
                 num_aborts += 1
                 continue
             if isinstance(command, _Call):
                 if command.done.set_running_or_notify_cancel():
                     try:
-                        command.done.set_result(command.fn(self.engine))
+                        command.done.set_result(command.fn(self._engine))
                     except Exception as exc:  # a failed call is the caller's error, not the loop's
-                        logger.exception("an engine call from the server failed")
+                        logger.debug("an engine command from the server failed: %r", exc)
                         command.done.set_exception(exc)
                 continue
             with self._streams_lock:
@@ -296,7 +355,7 @@ class AsyncEngine:
                 _call_in(command.loop, command.accepted.cancel)
                 continue
             try:
-                self.engine.add_request(
+                self._engine.add_request(
                     command.request_id,
                     command.prompt,
                     command.params,

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from loraplex.adapters import StagedAdapter
 from loraplex.adapters.request import LoRARequest
 from loraplex.kernels.registry import (
     select_attention_backend,
@@ -351,6 +352,21 @@ class LLMEngine:
     def add_lora(self, lora_request: LoRARequest, owner: str | None = None) -> None:
         """Validate and register an adapter (it loads into a slot when first used)."""
         self._lora().add_lora(lora_request, owner=owner)
+
+    def stage_lora(self, lora_request: LoRARequest) -> StagedAdapter:
+        """The slow half of ``add_lora``: validate the files into the adapter store. Safe on any
+        thread (it changes nothing the engine serves); ``register_lora`` follows on the engine's."""
+        return self._lora().stage_lora(lora_request)
+
+    def register_lora(
+        self, lora_request: LoRARequest, staged: StagedAdapter, owner: str | None = None
+    ) -> None:
+        """The fast half of ``add_lora``: register a staged adapter (the engine's thread)."""
+        self._lora().register_lora(lora_request, staged, owner=owner)
+
+    def discard_staged_lora(self, staged: StagedAdapter) -> None:
+        """Release a staged adapter that will not be registered (any thread)."""
+        self._lora().discard_staged(staged)
 
     def remove_lora(self, int_id: int) -> None:
         """Refuse new requests for the adapter; running ones finish with its old weights."""

@@ -33,6 +33,7 @@ from loraplex.adapters import (
     AdapterManagerConfig,
     BaseModelSpec,
     LoRARequest,
+    StagedAdapter,
 )
 from loraplex.kernels.metadata import LoRAMetadata
 from loraplex.kernels.registry import select_lora_backend
@@ -76,18 +77,35 @@ class LoRARuntime:
         self._blocked: dict[int, int] = {}  # adapter id -> step it was first blocked at
         self._draining_slot: int | None = None
         self._removed: set[int] = set()  # ids removed at run time, for clear errors
+        # (int_id, path) of a request naming a registered id from another path -> that path's version.
+        self._same_content: dict[tuple[int, str], str] = {}
         self._step = 0
 
     # -- registry -------------------------------------------------------------------
     def add_lora(self, lora: LoRARequest, owner: str | None = None) -> None:
         """Validate and register ``lora`` (no-op if this exact adapter is registered)."""
-        self.manager.add_adapter(lora, owner=owner)
+        self.register_lora(lora, self.stage_lora(lora), owner)
+
+    def stage_lora(self, lora: LoRARequest) -> StagedAdapter:
+        """Validate ``lora``'s files into the adapter store: slow, safe on any thread, changes
+        nothing the engine serves; ``register_lora`` (on the engine thread) follows."""
+        return self.manager.stage(lora)
+
+    def register_lora(self, lora: LoRARequest, staged: StagedAdapter, owner: str | None = None) -> None:
+        """Register a staged adapter (fast; the engine thread, between steps)."""
+        self.manager.register(lora, staged, owner=owner)
+        self._removed.discard(lora.int_id)
+
+    def discard_staged(self, staged: StagedAdapter) -> None:
+        """Release a staged adapter that will not be registered."""
+        self.manager.discard_staged(staged)
 
     def remove_lora(self, int_id: int) -> None:
         """Refuse new requests for the adapter; running ones finish on its old weights."""
         self.manager.remove_adapter(int_id)
         self._blocked.pop(int_id, None)
         self._removed.add(int_id)
+        self._same_content = {k: v for k, v in self._same_content.items() if k[0] != int_id}
 
     def list_loras(self) -> list[int]:
         return [info.adapter_id for info in self.manager.list_adapters()]
@@ -95,7 +113,9 @@ class LoRARuntime:
     def resolve(self, lora: LoRARequest, owner: str | None = None) -> AdapterIdentity:
         """Make sure ``lora`` is registered (first use loads it, as in vLLM); its identity.
 
-        Raises ``AdapterUnavailableError`` when its files cannot be served.
+        Raises ``AdapterUnavailableError`` when its files cannot be served, or when its id and
+        name are registered from another path with other content (serving the registered
+        weights for it would silently answer with the wrong adapter).
         """
         if not isinstance(lora, LoRARequest):
             raise AdapterUnavailableError(
@@ -114,7 +134,30 @@ class LoRARuntime:
                 f"lora_request int_id {lora.int_id} is registered as {info.name!r}, not {lora.name!r}",
                 param="lora_request",
             )
+        elif info.source != lora.path:
+            self._check_same_content(lora, info.source, info.version)
         return info.identity
+
+    def _check_same_content(self, lora: LoRARequest, registered_path: str, version: str) -> None:
+        """Refuse ``lora`` if its path holds other weights than the ones registered under its id."""
+        key = (lora.int_id, lora.path)
+        found = self._same_content.get(key)
+        if found is None:
+            try:
+                staged = self.manager.stage(lora)
+            except AdapterError as exc:
+                raise AdapterUnavailableError(f"adapter {lora.name!r}: {exc}", param="model") from exc
+            found = staged.parsed.version
+            self.manager.discard_staged(staged)
+            self._same_content[key] = found
+        if found != version:
+            raise AdapterUnavailableError(
+                f"lora_request {lora.name!r} (int_id {lora.int_id}) names {lora.path}, but that id is "
+                f"registered from {registered_path} with other weights (version {version[:12]}, the new "
+                f"path holds {found[:12]}); remove_lora({lora.int_id}) first to serve the new files, or "
+                "give them another int_id",
+                param="lora_request",
+            )
 
     # -- scheduler hooks --------------------------------------------------------------
     @staticmethod

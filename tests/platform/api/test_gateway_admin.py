@@ -16,6 +16,7 @@ from gateway_testlib import (
     Admin,
     bearer,
     completion_body,
+    engine_of,
     make_gateway,
     serving,
     settings_for,
@@ -111,10 +112,10 @@ async def test_tenants_keys_adapters_and_usage(
         assert [(a["owner"], a["name"], a["version"]) for a in adapters] == [("acme", "fr", version)]
 
         # Deleting the tenant takes its keys, adapters (files too) and usage with it.
-        assert (settings.adapter_store_dir / version).is_dir()
+        assert (settings.gateway.adapter_store_dir / version).is_dir()
         deleted = await client.delete("/admin/api/tenants/acme", headers=ADMIN)
         assert deleted.status_code == 200 and deleted.json()["adapters_removed"] == 1
-        assert not (settings.adapter_store_dir / version).exists()
+        assert not (settings.gateway.adapter_store_dir / version).exists()
         assert (await client.get("/v1/models", headers=bearer(key))).status_code == 401
         assert (await client.get("/admin/api/usage", headers=ADMIN)).json()["num_requests"] == 0
 
@@ -132,7 +133,7 @@ async def test_admin_deletes_a_tenants_adapter(
         ).is_success
         deleted = await client.delete("/admin/api/adapters/acme/fr", headers=ADMIN)
         assert deleted.status_code == 200 and deleted.json()["versions"] == [version]
-        assert not (settings.adapter_store_dir / version).exists()
+        assert not (settings.gateway.adapter_store_dir / version).exists()
         gone = await client.post("/v1/completions", json=completion_body("fr"), headers=bearer(key))
         assert gone.status_code == 404
         assert (await client.delete("/admin/api/adapters/acme/fr", headers=ADMIN)).status_code == 404
@@ -162,7 +163,7 @@ async def test_reupload_makes_a_new_version_that_new_requests_run_on(
 ) -> None:
     settings = settings_for(tmp_path, sqlite(tmp_path))
     other = make_small_adapter(tiny_dirs["gqa_tied"], tmp_path / "v2", rank=4, seed=3)
-    engine = gateway_engine.engine
+    engine = engine_of(gateway_engine)
     async with serving(make_gateway(gateway_engine, settings)) as client:
         key = await Admin(client).tenant_with_key("acme")
         v1 = (await upload(client, key, "fr", zip_bytes(peft_adapter_dir))).json()
@@ -185,7 +186,7 @@ async def test_reupload_makes_a_new_version_that_new_requests_run_on(
         dropped = await client.delete(f"/v1/adapters/fr?version={v2['version']}", headers=bearer(key))
         assert dropped.json()["versions"] == [v2["version"]]
         assert (await client.get("/v1/adapters/fr", headers=bearer(key))).json()["version"] == v1["version"]
-        assert not (settings.adapter_store_dir / v2["version"]).exists()
+        assert not (settings.gateway.adapter_store_dir / v2["version"]).exists()
 
 
 @pytest.mark.asyncio
@@ -231,7 +232,7 @@ async def test_admin_resets_the_prefix_cache_only_when_idle(
 
 @pytest.mark.asyncio
 async def test_deleting_a_tenant_purges_its_cached_kv(gateway_engine: AsyncEngine, tmp_path: Path) -> None:
-    from loraplex.platform.api.tenant_gate import engine_tenant_id
+    from loraplex.platform.api.tenancy.tenant_gate import engine_tenant_id
     from loraplex.platform.engine.sequence import tenant_cache_salt
     from loraplex.storage.db import Database
 
@@ -251,7 +252,7 @@ async def test_deleting_a_tenant_purges_its_cached_kv(gateway_engine: AsyncEngin
                 salt = tenant_cache_salt(engine_tenant_id(await tenants.get_tenant(session, "acme")))
         finally:
             await db.dispose()
-        pool = gateway_engine.engine.block_manager.pool
+        pool = engine_of(gateway_engine).block_manager.pool
         assert sum(b.owner == salt for b in pool.blocks if b.key is not None) == 3
 
         deleted = await client.delete("/admin/api/tenants/acme", headers=ADMIN)

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 from pathlib import Path
 
 import pytest
 from e2e.live_server import make_small_adapter
-from pydantic import ValidationError
 
 from loraplex.platform.api.services import keys
-from loraplex.platform.gateway_cli import add_gateway_flags, gateway_settings, main
+from loraplex.platform.cli import main
 from loraplex.storage.db import Database, Tenant
 
 
@@ -84,23 +82,31 @@ def test_tenants_keys_and_adapters(
     assert run(capsys, "tenants", "list")[1].split()[:2] == ["acme", "disabled"]
 
 
-def test_serve_flags_are_the_settings_names(monkeypatch: pytest.MonkeyPatch) -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--host", default=None)
-    parser.add_argument("--port", type=int, default=None)
-    add_gateway_flags(parser, skip=("host", "port"))
+def test_serve_flags_are_the_settings_names(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("LORAPLEX_HOST", "LORAPLEX_ADMIN_TOKEN", "LORAPLEX_CONFIG_FILE", "LORAPLEX_AUTH"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LORAPLEX_QUOTA_WINDOW_S", "7")
-    args = parser.parse_args(
-        ["--redis-url", "redis://r:6379/0", "--auth", "open", "--max-upload-bytes", "4096"]
+    code, out, _ = run(
+        capsys,
+        "serve",
+        "--print-settings",
+        "--redis-url",
+        "redis://r:6379/0",
+        "--auth",
+        "open",
+        "--max-upload-bytes",
+        "4096",
     )
-    settings = gateway_settings(args)
-    assert (settings.redis_url, settings.auth, settings.max_upload_bytes) == (
+    assert code == 0
+    settings = {line.split()[1]: line.split()[2] for line in out.splitlines()[1:]}
+    assert (settings["redis_url"], settings["auth"], settings["max_upload_bytes"]) == (
         "redis://r:6379/0",
         "open",
-        4096,
+        "4KiB",  # 4096 bytes, shown in the largest exact unit
     )
-    assert settings.quota_window_s == 7.0  # a flag left out falls back to the environment
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--auth", "everyone"])
-    with pytest.raises(ValidationError, match="admin_token"):
-        gateway_settings(parser.parse_args(["--host", "0.0.0.0"]))
+    assert settings["quota_window_s"] == "7.0"  # a flag left out falls back to the environment
+    assert run(capsys, "serve", "--print-settings", "--auth", "everyone")[0] == 2
+    code, _, err = run(capsys, "serve", "--print-settings", "--host", "0.0.0.0")
+    assert code == 2 and "admin_token" in err

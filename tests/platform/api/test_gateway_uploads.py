@@ -71,7 +71,7 @@ async def uploads(gateway_engine: AsyncEngine, tmp_path: Path) -> AsyncIterator[
     app = make_gateway(gateway_engine, settings)
     async with serving(app) as client:
         key = await Admin(client).tenant_with_key("acme")
-        yield Uploads(client, key, tmp_path, settings.adapter_store_dir, app)
+        yield Uploads(client, key, tmp_path, settings.gateway.adapter_store_dir, app)
 
 
 def adapter_files(folder: Path) -> dict[str, bytes]:

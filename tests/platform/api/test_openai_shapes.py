@@ -15,6 +15,7 @@ from loraplex.platform.api.app import build_app
 from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.engine.config import EngineConfig
 from loraplex.platform.engine.engine import LLMEngine
+from loraplex.platform.settings import ServerSettings
 
 GREEDY = {"model": "tiny", "temperature": 0, "ignore_eos": True}
 
@@ -23,7 +24,8 @@ GREEDY = {"model": "tiny", "temperature": 0, "ignore_eos": True}
 def client(tiny_dirs: dict[str, Path]) -> Iterator[TestClient]:
     engine = LLMEngine(EngineConfig(model=str(tiny_dirs["gqa_tied"]), dtype="float32", num_kv_blocks=64))
     aeng = AsyncEngine(engine)
-    with TestClient(build_app(aeng, "tiny")) as c:
+    with TestClient(build_app(aeng, ServerSettings(served_model_name="tiny", single_tenant=True))) as c:
+        c.llm_engine = engine  # type: ignore[attr-defined]  # the engine under the door, for checks
         yield c
     aeng.shutdown()
 
@@ -120,7 +122,7 @@ def test_models_have_created(client: TestClient) -> None:
 
 
 def test_a_refused_prompt_in_a_list_refuses_the_request(client: TestClient) -> None:
-    engine = client.app.state.loraplex.engine.engine  # type: ignore[attr-defined]
+    engine = client.llm_engine  # type: ignore[attr-defined]
     free = engine.block_manager.num_free_blocks
     body = {**GREEDY, "prompt": [[5, 6], [10**9], [7, 8]], "max_tokens": 50}
     for stream in (False, True):

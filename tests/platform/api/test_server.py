@@ -14,13 +14,14 @@ from loraplex.platform.api.app import build_app
 from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.engine.config import EngineConfig
 from loraplex.platform.engine.engine import LLMEngine
+from loraplex.platform.settings import ServerSettings
 
 
 @pytest.fixture(scope="module")
 def client(tiny_dirs: dict[str, Path]) -> Iterator[tuple[TestClient, LLMEngine]]:
     engine = LLMEngine(EngineConfig(model=str(tiny_dirs["gqa_tied"]), dtype="float32", num_kv_blocks=64))
     aeng = AsyncEngine(engine)
-    with TestClient(build_app(aeng, "tiny")) as c:
+    with TestClient(build_app(aeng, ServerSettings(served_model_name="tiny", single_tenant=True))) as c:
         yield c, engine
     aeng.shutdown()
 

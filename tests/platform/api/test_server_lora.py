@@ -9,10 +9,11 @@ from fastapi.testclient import TestClient
 
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.platform.api.app import build_app
-from loraplex.platform.cli import _register_loras
+from loraplex.platform.cli.serve import register_lora_modules
 from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.engine.config import EngineConfig
 from loraplex.platform.engine.engine import LLMEngine
+from loraplex.platform.settings import ServerSettings
 
 
 def test_adapter_selected_by_model_name(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
@@ -24,12 +25,20 @@ def test_adapter_selected_by_model_name(tiny_dirs: dict[str, Path], tmp_path: Pa
     )
     cfg = EngineConfig(model=str(base), dtype="float32", num_kv_blocks=64, enable_lora=True, max_lora_rank=8)
     engine = LLMEngine(cfg)
-    loras = _register_loras(engine, [f"french={tmp_path / 'fr'}"], "tiny")
+    settings = ServerSettings(
+        served_model_name="tiny", single_tenant=True, lora_modules=[f"french={tmp_path / 'fr'}"]
+    )
+    loras = register_lora_modules(engine, settings)
     with pytest.raises(ValueError, match="NAME=PATH"):
-        _register_loras(engine, ["broken"], "tiny")
+        register_lora_modules(
+            engine,
+            settings.model_copy(
+                update={"serving": settings.serving.model_copy(update={"lora_modules": ["broken"]})}
+            ),
+        )
     aeng = AsyncEngine(engine)
     try:
-        with TestClient(build_app(aeng, "tiny", loras)) as c:
+        with TestClient(build_app(aeng, settings, loras)) as c:
             ids = [m["id"] for m in c.get("/v1/models").json()["data"]]
             assert ids == ["tiny", "french"]
             body = {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "ignore_eos": True}

@@ -1,1 +1,11 @@
-"""One module per resource: ``completions``, ``chat``, ``models`` (with ``/health``)."""
+"""The routers, one module per resource.
+
+| module | serves |
+|---|---|
+| ``completions`` | ``POST /v1/completions`` |
+| ``chat`` | ``POST /v1/chat/completions`` |
+| ``models`` | ``GET /v1/models``, ``GET /v1/models/{id}`` |
+| ``health`` | ``GET /health`` |
+| ``adapters`` | ``/v1/adapters``: a tenant's own adapters (with tenants only) |
+| ``admin`` | ``/admin/api``: tenants, keys, adapters, usage, the prefix cache (admin token, once) |
+"""

@@ -2,9 +2,10 @@
 
 ``POST /v1/adapters`` is multipart: ``name``, ``visibility`` (private by default), and either
 ``file`` (a .zip / .tar.gz of the PEFT folder) or ``adapter_config`` + ``adapter_model``. The
-body streams to a staging folder inside the adapter store (``upload_form``), is validated
-against the base model, and becomes the newest version of ``name`` (``adapter_catalog``). Only
-the caller's own adapters are visible here: another tenant's is a 404 like a missing one.
+body streams to a staging folder inside the adapter store (``catalog.upload_form``), is
+validated against the base model, and becomes the newest version of ``name``
+(``catalog.catalog``). Only the caller's own adapters are visible here: another tenant's is a
+404 like a missing one.
 """
 
 from __future__ import annotations
@@ -12,42 +13,42 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from loraplex.adapters import AdapterValidationError
-from loraplex.platform.api.adapter_catalog import parse_visibility
-from loraplex.platform.api.gateway_errors import bad_request_field, rejected_adapter
+from loraplex.platform.api.catalog.catalog import parse_visibility
+from loraplex.platform.api.catalog.upload_form import read_upload_form
+from loraplex.platform.api.deps import CurrentTenant, GatewayDep, SessionDep
+from loraplex.platform.api.errors import bad_field, rejected_adapter
 from loraplex.platform.api.schemas import AdapterDeleted, AdapterPublic, ListOf
 from loraplex.platform.api.services import adapters
-from loraplex.platform.api.tenancy import CurrentTenant, GatewayDep, SessionDep
-from loraplex.platform.api.upload_form import read_upload_form
 
-router = APIRouter(prefix="/v1/adapters", tags=["adapters"])
+UPLOAD_PATH = "/v1/adapters"
+router = APIRouter(prefix=UPLOAD_PATH, tags=["adapters"])
 
 
 @router.post("", status_code=201)
 async def upload_adapter(request: Request, tenant: CurrentTenant, gateway: GatewayDep) -> AdapterPublic:
     """Store a new version of one of the caller's adapters."""
-    staging = gateway.files.new_staging()
+    staging = gateway.store.new_staging()
     try:
         form = await read_upload_form(request, staging, gateway.settings.max_upload_bytes)
         name = form.fields.get("name")
         if not name:
-            raise bad_request_field("name", "Missing required field 'name' (the adapter's name).")
+            raise bad_field("name", "Missing required field 'name' (the adapter's name).")
         visibility = parse_visibility(form.fields.get("visibility") or "private")
         try:
             adapter = await gateway.catalog.upload(tenant, form.files, staging, name, visibility)
         except AdapterValidationError as exc:
             raise rejected_adapter(exc, hide=(str(staging),)) from None
     finally:
-        gateway.files.discard(staging)
+        gateway.store.discard(staging)
     return AdapterPublic.of(adapter)
 
 
 @router.get("")
 async def list_adapters(tenant: CurrentTenant, session: SessionDep) -> ListOf[AdapterPublic]:
     """The newest version of each of the caller's adapters, by name."""
-    newest: dict[str, AdapterPublic] = {}
-    for adapter in await adapters.list_adapters(session, tenant):  # oldest first: newer ones win
-        newest[adapter.name] = AdapterPublic.of(adapter)
-    return ListOf[AdapterPublic](data=[newest[name] for name in sorted(newest)])
+    return ListOf[AdapterPublic](
+        data=[AdapterPublic.of(a) for a in await adapters.list_newest(session, tenant)]
+    )
 
 
 @router.get("/{name}")

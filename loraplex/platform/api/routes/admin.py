@@ -17,11 +17,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Depends, Query
 from pydantic import AwareDatetime
 
-from loraplex.platform.api.deps import StateDep
-from loraplex.platform.api.gateway_errors import GatewayError
+from loraplex.platform.api.deps import GatewayDep, SessionDep, require_admin
 from loraplex.platform.api.schemas import (
     AdapterDeleted,
     AdapterPublic,
@@ -36,15 +35,14 @@ from loraplex.platform.api.schemas import (
 )
 from loraplex.platform.api.services import adapters, keys, tenants, usage
 from loraplex.platform.api.services.tenants import TenantQuotas
-from loraplex.platform.api.tenancy import AdminDep, GatewayDep, SessionDep
-from loraplex.platform.api.tenant_gate import engine_tenant_id
 from loraplex.storage.db import UsageStatus
 
-router = APIRouter(prefix="/admin/api", tags=["admin"])
+# The admin token is checked once, for every route of this router.
+router = APIRouter(prefix="/admin/api", tags=["admin"], dependencies=[Depends(require_admin)])
 
 
 @router.post("/tenants", status_code=201)
-async def create_tenant(body: TenantCreate, _: AdminDep, session: SessionDep) -> TenantPublic:
+async def create_tenant(body: TenantCreate, session: SessionDep) -> TenantPublic:
     quotas = TenantQuotas(
         rpm=body.rpm,
         tpm=body.tpm,
@@ -56,17 +54,17 @@ async def create_tenant(body: TenantCreate, _: AdminDep, session: SessionDep) ->
 
 
 @router.get("/tenants")
-async def list_tenants(_: AdminDep, session: SessionDep) -> ListOf[TenantPublic]:
+async def list_tenants(session: SessionDep) -> ListOf[TenantPublic]:
     return ListOf[TenantPublic](data=[TenantPublic.of(t) for t in await tenants.list_tenants(session)])
 
 
 @router.get("/tenants/{name}")
-async def get_tenant(name: str, _: AdminDep, session: SessionDep) -> TenantPublic:
+async def get_tenant(name: str, session: SessionDep) -> TenantPublic:
     return TenantPublic.of(await tenants.get_tenant(session, name))
 
 
 @router.patch("/tenants/{name}")
-async def update_tenant(name: str, body: TenantUpdate, _: AdminDep, session: SessionDep) -> TenantPublic:
+async def update_tenant(name: str, body: TenantUpdate, session: SessionDep) -> TenantPublic:
     tenant = await tenants.update_quotas(session, name, body.quota_changes())
     if body.disabled is not None:
         tenant = await tenants.set_disabled(session, name, body.disabled)
@@ -74,25 +72,19 @@ async def update_tenant(name: str, body: TenantUpdate, _: AdminDep, session: Ses
 
 
 @router.delete("/tenants/{name}")
-async def delete_tenant(name: str, _: AdminDep, gateway: GatewayDep, state: StateDep) -> dict[str, object]:
-    async with gateway.db.transaction(write=True) as session:
-        engine_id = engine_tenant_id(await tenants.get_tenant(session, name))
-        refs = await tenants.delete_tenant(session, name)
-    await gateway.catalog.forget(refs)
-    # Its cached KV can never be hit again (a re-created tenant gets another salt), but the
-    # disk tier's records are data derived from its prompts: erase them now.
-    device, host, disk = await state.engine.purge_tenant(engine_id)
+async def delete_tenant(name: str, gateway: GatewayDep) -> dict[str, object]:
+    deleted = await gateway.delete_tenant(name)
     return {
         "object": "tenant.deleted",
-        "name": name,
+        "name": deleted.name,
         "deleted": True,
-        "adapters_removed": len(refs),
-        "kv_blocks_purged": device + host + disk,
+        "adapters_removed": deleted.adapters_removed,
+        "kv_blocks_purged": deleted.kv_blocks_purged,
     }
 
 
 @router.post("/tenants/{name}/keys", status_code=201)
-async def create_key(name: str, body: KeyCreate, _: AdminDep, session: SessionDep) -> KeyCreated:
+async def create_key(name: str, body: KeyCreate, session: SessionDep) -> KeyCreated:
     tenant = await tenants.get_tenant(session, name)
     return KeyCreated.created(
         await keys.create_key(session, tenant, name=body.name, expires_at=body.expires_at)
@@ -100,18 +92,18 @@ async def create_key(name: str, body: KeyCreate, _: AdminDep, session: SessionDe
 
 
 @router.get("/tenants/{name}/keys")
-async def list_keys(name: str, _: AdminDep, session: SessionDep) -> ListOf[KeyPublic]:
+async def list_keys(name: str, session: SessionDep) -> ListOf[KeyPublic]:
     tenant = await tenants.get_tenant(session, name)
     return ListOf[KeyPublic](data=[KeyPublic.of(k) for k in await keys.list_keys(session, tenant)])
 
 
 @router.delete("/keys/{key_id}")
-async def revoke_key(key_id: int, _: AdminDep, session: SessionDep) -> KeyPublic:
+async def revoke_key(key_id: int, session: SessionDep) -> KeyPublic:
     return KeyPublic.of(await keys.revoke_key(session, key_id))
 
 
 @router.get("/adapters")
-async def list_adapters(_: AdminDep, session: SessionDep, tenant: str | None = None) -> ListOf[AdapterPublic]:
+async def list_adapters(session: SessionDep, tenant: str | None = None) -> ListOf[AdapterPublic]:
     owner = None if tenant is None else await tenants.get_tenant(session, tenant)
     return ListOf[AdapterPublic](
         data=[AdapterPublic.of(a) for a in await adapters.list_adapters(session, owner)]
@@ -120,7 +112,7 @@ async def list_adapters(_: AdminDep, session: SessionDep, tenant: str | None = N
 
 @router.delete("/adapters/{tenant}/{name}")
 async def delete_adapter(
-    tenant: str, name: str, _: AdminDep, gateway: GatewayDep, version: str | None = None
+    tenant: str, name: str, gateway: GatewayDep, version: str | None = None
 ) -> AdapterDeleted:
     async with gateway.db.transaction() as session:
         owner = await tenants.get_tenant(session, tenant)
@@ -130,7 +122,6 @@ async def delete_adapter(
 
 @router.get("/usage")
 async def usage_report(
-    _: AdminDep,
     session: SessionDep,
     tenant: str | None = None,
     adapter: str | None = None,
@@ -146,14 +137,8 @@ async def usage_report(
 
 
 @router.post("/prefix-cache/reset")
-async def reset_prefix_cache(_: AdminDep, state: StateDep) -> dict[str, object]:
+async def reset_prefix_cache(gateway: GatewayDep) -> dict[str, object]:
     """Drop every cached KV block (device, host, disk records erased). The engine does it only
     when idle, so a busy server answers 409 with ``Retry-After``: new requests keep coming."""
-    if not await state.engine.reset_prefix_cache():
-        raise GatewayError(
-            409,
-            "Requests are running; the prefix cache can be reset only while the engine is idle. Retry.",
-            code="engine_busy",
-            headers={"Retry-After": "1"},
-        )
+    await gateway.reset_prefix_cache()
     return {"object": "prefix_cache.reset", "reset": True}

@@ -10,18 +10,19 @@ import jinja2
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from loraplex.platform.api.body import read_json
-from loraplex.platform.api.deps import CallDep, ServerState, StateDep
+from loraplex.platform.api.deps import CallDep, StateDep
 from loraplex.platform.api.errors import bad_request
-from loraplex.platform.api.params import chat_params, check_prompt_chars
-from loraplex.platform.api.protocol import ChatCompletionRequest
-from loraplex.platform.api.responses import ResponseShape
-from loraplex.platform.api.serving import respond
+from loraplex.platform.api.openai.json_body import read_json
+from loraplex.platform.api.openai.params import chat_params, check_prompt_chars
+from loraplex.platform.api.openai.protocol import ChatCompletionRequest
+from loraplex.platform.api.openai.responses import ResponseShape
+from loraplex.platform.api.openai.serving import respond
+from loraplex.platform.api.state import AppState
 
 router = APIRouter(tags=["chat"])
 
 
-def _render(state: ServerState, messages: list[dict[str, str]]) -> list[int]:
+def _render(state: AppState, messages: list[dict[str, str]]) -> list[int]:
     """Template and tokenize (CPU work: runs in a worker thread, never on the event loop)."""
     tokenizer = state.tokenizer
     try:

@@ -8,12 +8,12 @@ import uuid
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from loraplex.platform.api.body import read_json
 from loraplex.platform.api.deps import CallDep, StateDep
-from loraplex.platform.api.params import check_prompt_chars, completion_params
-from loraplex.platform.api.protocol import CompletionRequest
-from loraplex.platform.api.responses import ResponseShape
-from loraplex.platform.api.serving import respond
+from loraplex.platform.api.openai.json_body import read_json
+from loraplex.platform.api.openai.params import check_prompt_chars, completion_params
+from loraplex.platform.api.openai.protocol import CompletionRequest
+from loraplex.platform.api.openai.responses import ResponseShape
+from loraplex.platform.api.openai.serving import respond
 
 router = APIRouter(tags=["completions"])
 

@@ -1,21 +1,20 @@
-"""``GET /v1/models``, ``GET /v1/models/{id}`` and ``GET /health``."""
+"""``GET /v1/models`` and ``GET /v1/models/{id}``: the base model and the adapters a caller may name."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse
 
-from loraplex.platform.api.deps import CallDep, ServerState, StateDep
-from loraplex.platform.api.errors import to_api_error
-from loraplex.platform.api.gating import ModelCard
-from loraplex.platform.engine.errors import EngineDeadError, UnknownAdapterError
+from loraplex.platform.api.deps import CallDep, StateDep
+from loraplex.platform.api.state import AppState
+from loraplex.platform.api.tenancy.gate import ModelCard
+from loraplex.platform.engine.errors import UnknownAdapterError
 
 router = APIRouter(tags=["models"])
 
 
-def _entry(state: ServerState, card: ModelCard) -> dict[str, Any]:
+def _entry(state: AppState, card: ModelCard) -> dict[str, Any]:
     return {
         "id": card.id,
         "object": "model",
@@ -39,12 +38,3 @@ async def retrieve_model(model_id: str, state: StateDep, call: CallDep) -> dict[
         if card.id == model_id:
             return _entry(state, card)
     raise UnknownAdapterError(model_id)
-
-
-@router.get("/health", response_model=None)
-async def health(state: StateDep) -> dict[str, str] | JSONResponse:
-    """200 while the engine serves; 503 once it has stopped (the process is exiting)."""
-    if not state.engine.is_alive:
-        err = to_api_error(EngineDeadError("the engine has stopped; the server is exiting"))
-        return JSONResponse(err.body(), status_code=err.status)
-    return {"status": "ok"}

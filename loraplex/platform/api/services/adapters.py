@@ -198,6 +198,14 @@ async def list_adapters(session: AsyncSession, owner: Tenant | None = None) -> l
     return list(await session.scalars(query))
 
 
+async def list_newest(session: AsyncSession, owner: Tenant) -> list[Adapter]:
+    """The newest version of each of ``owner``'s adapters, ordered by name."""
+    newest: dict[str, Adapter] = {}
+    for adapter in await list_adapters(session, owner):  # oldest first: newer ones win
+        newest[adapter.name] = adapter
+    return [newest[name] for name in sorted(newest)]
+
+
 async def set_visibility(session: AsyncSession, owner: Tenant, name: str, visibility: Visibility) -> Adapter:
     """Make ``owner``'s adapter ``name`` (every version) private or public; returns the newest."""
     _check_visibility(visibility)

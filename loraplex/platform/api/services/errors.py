@@ -5,7 +5,8 @@
 | ``NotFound`` | no such tenant, key or adapter, *or* one the caller may not see | 404 |
 | ``Conflict`` | the name (or adapter version) is taken | 409 |
 | ``QuotaExceeded`` | the tenant's ``max_adapters`` / ``max_adapter_bytes`` would be exceeded | 403 or 413 |
-| ``InvalidInput`` | a name, quota or date the services refuse; ``field`` names it | 422 |
+| ``InvalidInput`` | a name, quota or date the services refuse; ``field`` names it | 400 |
+| ``EngineBusy`` | the engine must be idle for this (a prefix-cache reset); retry | 409 |
 
 Messages name the kind and the name the caller gave, never a key, hash or prompt.
 """
@@ -57,3 +58,11 @@ class InvalidInput(ServiceError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.detail = message
+
+
+class EngineBusy(ServiceError):
+    """The engine must be idle for this and is not; ``retry_after_s`` is a hint."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -78,6 +78,12 @@ def _check_quota(field: QuotaField, value: int | None) -> None:
         raise InvalidInput(field, f"must be an integer from {low} to {high}, or null for unlimited")
 
 
+def engine_tenant_id(tenant: Tenant) -> str:
+    """The tenant as the engine sees it (the prefix-cache salt): never reused by another tenant,
+    since it binds the row id and the creation time, not only the name."""
+    return f"{tenant.id}:{tenant.name}:{int(tenant.created_at.timestamp() * 1_000_000)}"
+
+
 async def create_tenant(
     session: AsyncSession, name: str, quotas: TenantQuotas | None = None, *, disabled: bool = False
 ) -> Tenant:

@@ -9,7 +9,7 @@ from itertools import count
 import pytest
 import pytest_asyncio
 
-from loraplex.platform.api.quotas import (
+from loraplex.platform.api.tenancy.quotas import (
     LocalQuotaLimiter,
     Quota,
     QuotaDecision,

@@ -16,9 +16,15 @@ import pytest_asyncio
 import redis
 from redis_starter import RedisProcess
 
-from loraplex.platform.api.quotas import FailurePolicy, Quota, QuotaDecision, QuotaSettings, RedisQuotaLimiter
+from loraplex.platform.api.tenancy.quotas import (
+    FailurePolicy,
+    Quota,
+    QuotaDecision,
+    QuotaSettings,
+    RedisQuotaLimiter,
+)
 
-OUTAGE_LOGGER = "loraplex.platform.api.quotas.outage"
+OUTAGE_LOGGER = "loraplex.platform.api.tenancy.quotas.outage"
 _ids = count()
 
 

@@ -11,7 +11,13 @@ import pytest_asyncio
 import redis
 from redis.crc import key_slot
 
-from loraplex.platform.api.quotas import Quota, QuotaDecision, QuotaSettings, RedisQuotaLimiter, Reservation
+from loraplex.platform.api.tenancy.quotas import (
+    Quota,
+    QuotaDecision,
+    QuotaSettings,
+    RedisQuotaLimiter,
+    Reservation,
+)
 
 MakeReplica = Callable[..., RedisQuotaLimiter]
 _ids = count()

@@ -1,0 +1,12 @@
+"""The OpenAI surface: request bodies, their parameters, the request pipeline, responses and SSE.
+
+| module | owns |
+|---|---|
+| ``protocol`` | the request bodies, and the OpenAI fields refused as unsupported |
+| ``json_body`` | reading a body: strict UTF-8 / JSON, no lone surrogates, then the pydantic model |
+| ``params`` | request body -> ``SamplingParams`` under the server's limits |
+| ``submission`` | the engine side of a request: submit its prompts, collect, abort |
+| ``serving`` | the client side: admit through the gate, run while the client is connected, answer |
+| ``streaming`` | SSE chunks, error events, and a response that watches the client |
+| ``responses`` / ``logprobs`` | response bodies and OpenAI's two logprobs shapes |
+"""

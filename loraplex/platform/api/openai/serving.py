@@ -1,0 +1,124 @@
+"""The client side of one HTTP request: run it while the client is there, answer it.
+
+A client that goes away is noticed at once, streaming or not, queued or running:
+the work for it is cancelled and everything it submitted is aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from fastapi.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import Response
+
+from loraplex.platform.api.openai.protocol import Prompt
+from loraplex.platform.api.openai.responses import ResponseShape
+from loraplex.platform.api.openai.streaming import SSEResponse, sse_events
+from loraplex.platform.api.openai.submission import MeteredStream, abort_all, collect, submit
+from loraplex.platform.api.state import AppState
+from loraplex.platform.api.tenancy.gate import GatedCall, ModelTarget, RequestEnd
+from loraplex.platform.engine.async_engine import RequestStream
+from loraplex.platform.engine.outputs import RequestOutput
+from loraplex.platform.engine.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+CLIENT_CLOSED = 499
+"""Status logged for a request whose client left before the answer (nginx's convention)."""
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection.
+
+    Once the body is read, the server's ``receive`` only answers ``http.disconnect``
+    (uvicorn when the socket closes, test transports when the response completes).
+    """
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+    """Run ``work``; if the client leaves first, cancel it and return None."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        return None
+    finally:
+        # Cancelling runs ``work``'s own finally (its aborts) even if nobody awaits it.
+        task.cancel()
+        watcher.cancel()
+
+
+def _end_of(streams: list[MeteredStream]) -> RequestEnd:
+    """How a set of streams ended, from the last output read from each."""
+    lasts = [s.last for s in streams]
+    if any(out is not None and out.error is not None for out in lasts):
+        return "error"
+    if lasts and all(out is not None and out.finished for out in lasts):
+        return "ok"
+    return "aborted"
+
+
+async def respond(
+    request: Request,
+    state: AppState,
+    call: GatedCall,
+    shape: ResponseShape,
+    prompts: list[Prompt],
+    params: SamplingParams,
+    target: ModelTarget,
+    stream: bool,
+) -> Response:
+    """Admit ``prompts`` through the caller's gate, run them, answer whole or as an SSE stream.
+
+    From admission on, every way out closes the admission once, with what the streams read.
+    """
+    admission = await call.admit(shape.request_id, target, prompts, params)
+    streams: list[MeteredStream] = []
+
+    async def run_submit() -> list[MeteredStream]:
+        streams.extend(
+            await submit(state, shape.request_id, admission.prompts, params, target.lora, admission.tenant_id)
+        )
+        return streams
+
+    if stream:
+        try:
+            submitted = await until_disconnected(request, run_submit())
+        except BaseException:
+            admission.close([], "error")
+            raise
+        if submitted is None:
+            admission.close([], "aborted")
+            return Response(status_code=CLIENT_CLOSED)
+
+        def on_close() -> None:
+            abort_all(submitted)
+            admission.close([s.last for s in submitted], _end_of(submitted))
+
+        readers: list[RequestStream] = [*submitted]
+        return SSEResponse(sse_events(shape, readers, params.stop_strings), on_close=on_close)
+
+    async def run() -> list[RequestOutput]:
+        try:
+            return await collect(await run_submit())
+        finally:
+            abort_all(streams)
+
+    end: RequestEnd = "error"
+    try:
+        finals = await until_disconnected(request, run())
+        end = "ok" if finals is not None else "aborted"
+    finally:
+        admission.close([s.last for s in streams], end)
+    if finals is None:
+        return Response(status_code=CLIENT_CLOSED)
+    return JSONResponse(shape.response(finals))

@@ -1,0 +1,127 @@
+"""Server-sent events: the chunks of a streamed response, and a response that watches the client.
+
+A stream always ends with ``data: [DONE]``. A failure after the stream started
+(a failed step, the engine dying) is sent as one event holding OpenAI's error body,
+``data: {"error": {...}}``, before ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from loraplex.platform.api.errors import APIError, to_api_error
+from loraplex.platform.api.openai.responses import ResponseShape
+from loraplex.platform.api.openai.submission import abort_all, merged, step_failure
+from loraplex.platform.engine.async_engine import RequestStream
+from loraplex.platform.engine.errors import EngineError
+from loraplex.platform.engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+DONE = "data: [DONE]\n\n"
+
+
+def event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, allow_nan=False)}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A streamed response that stops (and calls ``on_close``) as soon as the client leaves.
+
+    Starlette only listens for the disconnect on servers older than ASGI 2.4 and
+    otherwise notices it at the next write, which for a queued request may be
+    minutes away; this always listens. ``on_close`` runs however the response ends,
+    even if the body iterator never started (so its ``finally`` never ran).
+    """
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        except* OSError:  # the socket closed under a write: the client left
+            pass
+        finally:
+            self._on_close()
+
+
+async def sse_events(
+    shape: ResponseShape, streams: list[RequestStream], stop_strings: list[str]
+) -> AsyncIterator[str]:
+    """The events of a streamed request: deltas, the usage chunk if asked, then ``[DONE]``."""
+    try:
+        async for chunk in _chunks(shape, streams, stop_strings):
+            yield chunk
+    except (APIError, EngineError) as exc:
+        yield event(to_api_error(exc).body())
+    except Exception:
+        logger.exception("stream %s failed", shape.request_id)
+        yield event(to_api_error(RuntimeError()).body())
+    finally:
+        abort_all(streams)
+    yield DONE
+
+
+class _Progress:
+    """What one choice has sent: characters, tokens, their logprobs' text offset, its end."""
+
+    def __init__(self) -> None:
+        self.chars = 0
+        self.tokens = 0
+        self.text_offset = 0
+        self.started = False
+        self.finished = False
+
+
+async def _chunks(
+    shape: ResponseShape, streams: list[RequestStream], stop_strings: list[str]
+) -> AsyncIterator[str]:
+    # Hold back a possible stop-string prefix until the completion ends, so a stop
+    # string split across tokens is never half-sent.
+    hold = max(map(len, stop_strings), default=1) - 1
+    progress: dict[int, _Progress] = {}
+    finals: dict[int, RequestOutput] = {}
+    async for p, out in merged(streams):
+        if out.error is not None:
+            raise step_failure(out)
+        if out.finished:
+            finals[p] = out
+        choices = []
+        for c in out.outputs:
+            index = shape.choice_index(p, c)
+            sent = progress.setdefault(index, _Progress())
+            if sent.finished:  # its finish_reason went out already (siblings still run)
+                continue
+            end = max(sent.chars, len(c.text) - (0 if c.finished() else hold))
+            if end == sent.chars and not c.finished():
+                continue
+            logprobs, sent.text_offset = shape.logprobs(c, sent.tokens, len(c.token_ids), sent.text_offset)
+            delta = c.text[sent.chars : end]
+            choices.append(shape.delta_choice(index, delta, not sent.started, c.finish_reason, logprobs))
+            sent.chars, sent.tokens, sent.started = end, len(c.token_ids), True
+            sent.finished = c.finished()
+        if choices:
+            yield event(shape.chunk(choices))
+    if shape.include_usage and len(finals) == len(streams):
+        yield event(shape.chunk([], usage_of=[finals[p] for p in range(len(streams))]))

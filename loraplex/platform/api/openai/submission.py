@@ -1,0 +1,135 @@
+"""The engine side of one HTTP request: submit its prompts, read their outputs, abort.
+
+Every path out of a request (finished, refused, failed, client gone, server
+stopping) aborts what it submitted: ``RequestStream.abort`` is synchronous, so it
+also runs in the ``finally`` of a cancelled task. ``submit`` hands back ``MeteredStream``s,
+which remember the last output read, so the gate can account for what a request used
+however it ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+from loraplex.adapters import LoRARequest
+from loraplex.platform.api.errors import SERVER_ERROR, APIError
+from loraplex.platform.api.openai.protocol import Prompt
+from loraplex.platform.api.state import AppState
+from loraplex.platform.engine.async_engine import RequestStream
+from loraplex.platform.engine.outputs import RequestOutput
+from loraplex.platform.engine.sampling_params import SamplingParams
+
+
+def step_failure(out: RequestOutput) -> APIError:
+    """The error of a request the engine finished with ``error`` set (its step failed)."""
+    return APIError(
+        500, f"The request failed in the engine: {out.error}", code="internal_error", err_type=SERVER_ERROR
+    )
+
+
+class MeteredStream(RequestStream):
+    """A ``RequestStream`` that remembers the last output read from it (what its request used).
+
+    It reads through ``inner``, the stream the engine feeds and aborts; everything else
+    delegates to it, so this is a ``RequestStream`` wherever one is expected.
+    """
+
+    def __init__(self, inner: RequestStream) -> None:
+        # No super().__init__(): the queue and the engine stay the inner stream's own.
+        self.inner = inner
+        self.request_id = inner.request_id
+        self.loop = inner.loop
+        self.last: RequestOutput | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.inner.finished
+
+    @finished.setter
+    def finished(self, value: bool) -> None:
+        self.inner.finished = value
+
+    async def __anext__(self) -> RequestOutput:
+        out = await self.inner.__anext__()
+        self.last = out
+        return out
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+
+async def submit(
+    state: AppState,
+    request_id: str,
+    prompts: list[Prompt],
+    params: SamplingParams,
+    lora: LoRARequest | None,
+    tenant_id: str | None = None,
+) -> list[MeteredStream]:
+    """Add one engine request per prompt, concurrently, as ``tenant_id``; all or none (a refusal,
+    or the caller being cancelled, aborts the ones already accepted)."""
+    engine = state.engine
+    if len(prompts) == 1:
+        stream = await engine.add_request(
+            request_id, prompts[0], params, lora_request=lora, tenant_id=tenant_id
+        )
+        return [MeteredStream(stream)]
+    tasks = [
+        asyncio.ensure_future(
+            engine.add_request(f"{request_id}-{i}", p, params, lora_request=lora, tenant_id=tenant_id)
+        )
+        for i, p in enumerate(prompts)
+    ]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()  # a submission still in flight aborts itself when cancelled
+            if task.done() and not task.cancelled() and task.exception() is None:
+                task.result().abort()
+        raise
+    return [MeteredStream(task.result()) for task in tasks]
+
+
+def abort_all(streams: Sequence[RequestStream]) -> None:
+    for stream in streams:
+        stream.abort()
+
+
+async def collect(streams: Sequence[RequestStream]) -> list[RequestOutput]:
+    """The final output of every stream (they run concurrently in the engine)."""
+    finals: list[RequestOutput] = []
+    for stream in streams:
+        final: RequestOutput | None = None
+        async for out in stream:
+            final = out
+        if final is None:
+            raise RuntimeError(f"request {stream.request_id} ended without an output")
+        if final.error is not None:
+            raise step_failure(final)
+        finals.append(final)
+    return finals
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(stream index, output) from all streams, in the order the outputs arrive."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    out = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+                yield i, out
+    finally:
+        for task in pending:
+            task.cancel()

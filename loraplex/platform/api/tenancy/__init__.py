@@ -1,0 +1,9 @@
+"""Tenancy: who is calling, what they may name, whether their quotas admit the request, what it cost.
+
+| module | owns |
+|---|---|
+| ``gate`` | the ``RequestGate`` contract (open, resolve, admit, close); the single-tenant ``StaticGate`` |
+| ``tenant_gate`` | ``TenantGate``: API keys, per-tenant models, quota admission, usage records |
+| ``auth`` | bearer credentials: a tenant's API key, the admin token |
+| ``quotas/`` | the limiter contract, Redis (Lua) and in-process implementations |
+"""

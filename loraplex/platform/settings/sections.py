@@ -1,0 +1,163 @@
+"""The sections of the server's settings, other than the engine's (``EngineConfig``).
+
+| section | class | what |
+|---|---|---|
+| ``serving`` | ``ServingSettings`` | the process: address, port, served model name, tenancy, logs |
+| ``engine`` | ``EngineConfig`` (``platform.engine.config``) | the model and the engine (vLLM's names) |
+| ``limits`` | ``ServerLimits`` | what one HTTP request may ask for |
+| ``gateway`` | ``GatewaySettings`` | tenants: the database, Redis, the adapter store, auth, quotas |
+
+Each field has a docstring: it becomes the flag's help, and ``--print-settings`` and
+``docs/operations.md`` describe the setting with it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
+AuthMode = Literal["keys", "open"]
+FailurePolicy = Literal["fail_closed", "fail_open"]
+LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
+
+MIN_ADMIN_TOKEN_CHARS = 16
+_PLACEHOLDER_TOKENS = frozenset({"changeme", "changethis", "admin", "secret", "password", "token", "test"})
+
+
+def default_data_dir() -> Path:
+    """``$XDG_DATA_HOME/loraplex``, else ``~/.local/share/loraplex``: state that must survive restarts
+    (the gateway's database and adapter store), unlike ``loraplex.paths.cache_root``."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "loraplex"
+
+
+class ServingSettings(BaseModel):
+    """The server process: where it listens and how it presents the model."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    host: str = "127.0.0.1"
+    """Address the server binds."""
+    port: int = Field(default=8000, ge=0, le=65535)
+    """Port the server binds."""
+    served_model_name: str | None = None
+    """Model id clients send; default: the model folder's (or GGUF file's) name."""
+    single_tenant: bool = False
+    """The OpenAI-compatible server without tenants, keys, quotas or a database (needed for
+    lora_modules)."""
+    lora_modules: list[str] = Field(default_factory=list)
+    """Adapters to serve in single-tenant mode, as NAME=PATH: clients select one with model=NAME."""
+    log_level: LogLevel = "info"
+    """Log level of the server."""
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _split(cls, value: object) -> object:
+        # From the environment: one string, entries separated by spaces or commas.
+        if isinstance(value, str):
+            return value.replace(",", " ").split()
+        return value
+
+
+class GatewaySettings(BaseModel):
+    """The multi-tenant gateway: its database, quotas, adapter store and who may call."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    data_dir: Path = Field(default_factory=default_data_dir)
+    """Where the default database and adapter store live."""
+    database_url: str | None = None
+    """SQLAlchemy URL of the metadata database (sqlite+aiosqlite:///... or postgresql+asyncpg://...);
+    default: the SQLite file gateway.db in data_dir."""
+    redis_url: str | None = None
+    """Redis shared by every replica for quotas; unset: an in-process limiter (one replica)."""
+    admin_token: SecretStr | None = None
+    """Bearer token of the admin API (/admin/api); required on a non-loopback host."""
+    adapter_store: Path | None = None
+    """Folder of the content-addressed adapter store; default: data_dir/adapters."""
+    auth: AuthMode = "keys"
+    """keys: every /v1 call needs a tenant's API key; open: calls run as the built-in tenant
+    'local' (loopback hosts only)."""
+    quota_failure_policy: FailurePolicy = "fail_closed"
+    """When Redis is unreachable: refuse limited requests (503), or admit them uncounted."""
+    quota_window_s: float = Field(default=60.0, gt=0)
+    """Length of the rpm / tpm sliding window in seconds."""
+    quota_key_prefix: str = "lpx"
+    """Prefix of the quota keys in Redis (several deployments can share one Redis)."""
+    max_upload_bytes: int = Field(default=1 << 30, ge=1024)
+    """Largest adapter upload (all files of one request together)."""
+
+    @field_validator("admin_token")
+    @classmethod
+    def _real_secret(cls, token: SecretStr | None) -> SecretStr | None:
+        if token is None:
+            return None
+        value = token.get_secret_value()
+        if value.strip().lower() in _PLACEHOLDER_TOKENS or len(value) < MIN_ADMIN_TOKEN_CHARS:
+            raise ValueError(
+                f"admin_token must be a real secret of at least {MIN_ADMIN_TOKEN_CHARS} characters, not a "
+                'placeholder; generate one with: python -c "import secrets; print(secrets.token_urlsafe(32))"'
+            )
+        return token
+
+    @property
+    def database_url_or_default(self) -> str:
+        """``database_url``, or the SQLite file ``gateway.db`` in ``data_dir``."""
+        return self.database_url or f"sqlite+aiosqlite:///{self.data_dir / 'gateway.db'}"
+
+    @property
+    def adapter_store_dir(self) -> Path:
+        """``adapter_store``, or ``data_dir/adapters``."""
+        return self.adapter_store or self.data_dir / "adapters"
+
+
+_ZERO_ALLOWED = ("max_completion_logprobs", "max_top_logprobs", "graceful_shutdown_s")
+"""A logprobs cap of 0 still returns the sampled token's own logprob; 0 s means no grace."""
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Per-request limits of the OpenAI-compatible server (HTTP 413 / 400 when exceeded).
+
+    The defaults are meant to be kept by a public deployment: they bound the work a single
+    request can make the server do before the engine sees it (reading, parsing and
+    tokenizing the body) and the size of what it asks the engine for. Limits the engine
+    derives from its own configuration (context length, ``max_num_seqs``, the KV pool) are
+    checked by the engine, not here.
+    """
+
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    """Largest request body in bytes; larger bodies get 413 before they are read in full."""
+    max_prompt_chars: int = 1_000_000
+    """Most characters of prompt text per request (all prompts, or all chat messages),
+    checked before tokenization; token-id prompts are bounded by the context length."""
+    max_stop_strings: int = 16
+    """Most entries in stop."""
+    max_stop_string_chars: int = 256
+    """Longest single stop string, in characters."""
+    max_stop_token_ids: int = 64
+    """Most entries in stop_token_ids."""
+    max_n: int = 16
+    """Most completions per request: n times the number of prompts."""
+    max_completion_logprobs: int = 5
+    """Largest logprobs on /v1/completions (OpenAI's cap is 5)."""
+    max_top_logprobs: int = 20
+    """Largest top_logprobs on /v1/chat/completions (OpenAI's cap is 20)."""
+    graceful_shutdown_s: int = 10
+    """On SIGTERM/SIGINT, how long open requests may run before they are cancelled."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            lowest = 0 if f.name in _ZERO_ALLOWED else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+                raise ValueError(f"{f.name} must be an integer >= {lowest}, got {value!r}")
+        if self.max_request_body_bytes < 1024:
+            raise ValueError(
+                "max_request_body_bytes must be >= 1024 (a minimal request), "
+                f"got {self.max_request_body_bytes}"
+            )
