@@ -2,8 +2,8 @@
 
 The layers: entry points (CLI) -> HTTP layer / offline API -> engine -> model -> kernels,
 adapters, storage; kernels and storage never import upward; no cycles among the kernel
-modules. The second test adds a forbidden import to a copy of the package and checks
-that the same command then fails, so the first cannot pass vacuously.
+modules, nor among the KV storage modules. The second test adds a forbidden import to a copy
+of the package and checks that the same command then fails, so the first cannot pass vacuously.
 """
 
 from __future__ import annotations
@@ -45,6 +45,11 @@ def test_import_contracts_are_kept() -> None:
         ("loraplex/storage/kv/block_pool.py", "import loraplex.adapters.request", "Storage imports nothing"),
         ("loraplex/platform/engine/engine.py", "import loraplex.platform.api.app", "Platform layers"),
         ("loraplex/kernels/contracts.py", "import loraplex.kernels.registry", "No import cycles"),
+        (
+            "loraplex/storage/kv/tier_transfers.py",
+            "import loraplex.storage.kv.tier_manager",
+            "No import cycles between the KV storage modules",
+        ),
     ],
 )
 def test_a_forbidden_import_breaks_a_contract(

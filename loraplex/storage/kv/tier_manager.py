@@ -238,8 +238,10 @@ class TierManager:
                 self._moving.add(key)
             return Promotion(self, sources, len(keys), keep_unloaded)
 
-    def _copy_host_sources(self, promotion: Promotion) -> None:
-        """Issue the host -> device copies of an assigned promotion (they overlap planning on CUDA)."""
+    def copy_host_sources(self, promotion: Promotion) -> None:
+        """Issue the host -> device copies of an assigned promotion (they overlap planning on CUDA).
+
+        ``Promotion.assign`` calls it (``PromotionMover``); nothing else should."""
         assert promotion.block_ids is not None
         with self._lock:
             pairs = [
@@ -252,7 +254,12 @@ class TierManager:
             views = [self.host.get(source.key) for source, _ in pairs]  # counted, marked recently used
             self.device.write_blocks([b for _, b in pairs], [v for v in views if v is not None])
 
-    def _finish(self, promotion: Promotion, timeout_s: float | None, cancel: bool) -> PromotionResult:
+    def complete_promotion(
+        self, promotion: Promotion, timeout_s: float | None, cancel: bool
+    ) -> PromotionResult:
+        """End ``promotion``: loaded blocks leave host/disk, the rest stay (a swap-in's are freed).
+
+        ``Promotion.wait`` / ``cancel`` call it (``PromotionMover``); nothing else should."""
         sources = promotion.sources
         block_ids = [] if cancel or promotion.block_ids is None else promotion.block_ids
         assigned = sources[: len(block_ids)]
