@@ -405,3 +405,24 @@ def test_the_owner_is_recorded_once_by_the_lookup_that_starts_the_chain() -> Non
         m.get_computed_blocks(3, tokens, (b"", b""), a)  # an owner its keys do not bind
     assert m.pool.blocks[m.block_table(1)[0]].owner == a
     m.check_integrity()
+
+
+def test_on_cache_sees_each_block_that_becomes_findable_once() -> None:
+    """The pool's ``on_cache`` hook (the tiers drop their copy of the key) runs when a key
+    enters the index: computed or promoted, not when refused or cached already."""
+    m = manager(8, 2)
+    seen: list[BlockKey] = []
+    m.pool.on_cache = seen.append
+    tokens = [1, 2, 3, 4, 5]
+    k0, k1 = keys_of(tokens, 2)
+    admit(m, 1, tokens)
+    assert seen == [k0, k1]
+    m.cache_full_blocks(1, tokens, len(tokens))  # idempotent: nothing new
+    admit(m, 2, [9, 9, 9])
+    twin = m.pool.allocate(1)[0].block_id
+    assert not m.pool.cache_block(twin, k0)  # another block holds k0: stays keyless, no call
+    assert m.pool.purge_owner(b"A" * 32) == 0
+    assert not m.pool.cache_block(twin, keys_of([7, 7], 2)[0], b"A" * 32)  # a purged owner
+    promoted = m.pool.allocate_for_key(keys_of([8, 8], 2)[0])
+    assert promoted is not None and m.pool.publish_promoted(promoted)
+    assert seen == [k0, k1, keys_of([9, 9, 9], 2)[0], keys_of([8, 8], 2)[0]]

@@ -11,7 +11,8 @@ doubles as the prefix cache's LRU eviction order (vLLM v1):
                            runs before the block is handed out (demotion hook)
     lookup(key)            the cached block for ``key`` or None (no state change)
     take(block_id)         a hit: ref 0 -> 1 leaves the free queue, else ref += 1
-    cache_block(id, key, owner)  register a full block under ``key`` (first one wins)
+    cache_block(id, key, owner)  register a full block under ``key`` (first one wins);
+                           ``on_cache(key)`` then runs (the tiers drop their copies of ``key``)
     decref(block_id)       at ref 0 the block joins the free queue's tail, key kept
     uncache_free()         forget every free block's key (a prefix-cache reset)
     purge_owner(owner)     forget the free blocks ``owner`` owns; never cache its blocks again
@@ -36,6 +37,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from loraplex.storage.kv.block_hash import BlockKey
+
+CacheCallback = Callable[[BlockKey], None]
+"""``on_cache(key)``: a block just became findable under ``key`` (computed here, or promoted).
+
+Whatever a lower tier still holds under ``key`` is now a second copy (the device computed
+it again, e.g. after a failed read); the hook lets the tiers drop it, so every cached block
+keeps one location. Runs after the index holds the block; it must not raise.
+"""
 
 EvictCallback = Callable[[int, BlockKey, bytes], None]
 """``on_evict(block_id, key, owner)``: a cached block is about to be reused; copy its data out now.
@@ -74,6 +83,7 @@ class BlockPool:
         self._promoting: dict[int, tuple[BlockKey, bytes]] = {}  # block -> (key, owner)
         self._purged: set[bytes] = set()  # owners whose blocks are never cached again
         self.on_evict: EvictCallback | None = None
+        self.on_cache: CacheCallback | None = None
         self.num_evicted_blocks = 0
 
     # -- queries ---------------------------------------------------------------
@@ -179,6 +189,8 @@ class BlockPool:
             return False
         block.key, block.owner = key, owner
         self._index[key] = block_id
+        if self.on_cache is not None:
+            self.on_cache(key)
         return True
 
     def uncache_free(self) -> int:
