@@ -575,7 +575,7 @@ class LLMEngine:
             # it down (host, then disk) so a restarted engine on the same path finds it.
             start = time.perf_counter()
             cached = self.block_manager.pool.cached_blocks()
-            kept = sum(self.tiers.demote(block_id, key) is not None for block_id, key in cached)
+            kept = sum(self.tiers.demote(b.block_id, b.key, b.owner) is not None for b in cached)
             spilled = self.tiers.spill_to_disk()
             self.tiers.close()
             self.tiers = None

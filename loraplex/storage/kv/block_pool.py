@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from loraplex.storage.kv.block_hash import BlockKey
 
@@ -53,6 +54,14 @@ Runs before the block is handed out, so its KV is still intact; the copy (or a
 transfer enqueued by it) must complete before the next forward writes the block.
 It must not raise: the pool has already dropped the key from its index.
 """
+
+
+class CachedBlock(NamedTuple):
+    """A findable block: where it is, its key and whose it is (b"": nobody's)."""
+
+    block_id: int
+    key: BlockKey
+    owner: bytes
 
 
 @dataclass
@@ -226,12 +235,17 @@ class BlockPool:
             block.key, block.owner = None, b""
         return len(block_ids)
 
+    def cached_blocks(self) -> list[CachedBlock]:
+        """Every findable block, its key and owner; least recently used first among the free ones."""
+        free = [self.blocks[b] for b in self._free if self.blocks[b].key is not None]
+        used = [self.blocks[b] for b in self._index.values() if self.blocks[b].ref_cnt > 0]
+        return [CachedBlock(b.block_id, k, b.owner) for b in free + used if (k := b.key) is not None]
+
+    def cached_keys(self) -> set[BlockKey]:
+        """The keys findable now (blocks in use or free); what the tiers must not hold too."""
+        return set(self._index)
+
     # -- promotion from a lower tier -------------------------------------------
-    def cached_blocks(self) -> list[tuple[int, BlockKey]]:
-        """Every findable block and its key, least recently used first among the free ones."""
-        free = [(b, self.blocks[b].key) for b in self._free if self.blocks[b].key is not None]
-        used = [(b, k) for k, b in self._index.items() if self.blocks[b].ref_cnt > 0]
-        return [(b, k) for b, k in free if k is not None] + used
 
     def allocate_for_key(self, key: BlockKey, owner: bytes = b"") -> int | None:
         """A fresh block to copy ``key``'s data into, or None (already cached here, or no free block).
