@@ -232,9 +232,9 @@ def run_batch(
 
 def tier_counters(engine: Any) -> dict[str, dict[str, int]]:
     """Per-tier counters now (``{}`` without tiers)."""
-    if engine.tiers is None:
+    if engine.kv.tiers is None:
         return {}
-    return {m.tier: asdict(m) for m in engine.tiers.metrics()}
+    return {m.tier: asdict(m) for m in engine.kv.tiers.metrics()}
 
 
 def counter_delta(
@@ -450,8 +450,8 @@ class TieredRestore:
 
     def timed(self, tail: int, variant: str) -> dict[str, Any]:
         """Re-request the evicted prefix + ``tail``; TTFT, where its cached tokens came from."""
-        if self.engine.tiers is not None:
-            self.engine.tiers.flush()  # reads must come from the tier, not a write still in flight
+        if self.engine.kv.tiers is not None:
+            self.engine.kv.tiers.flush()  # reads must come from the tier, not a write still in flight
         page_cache: dict[str, int | None] = {}
         if variant == "disk_cold" and self.disk_dir is not None:
             files = slot_files(self.disk_dir)

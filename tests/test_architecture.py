@@ -2,9 +2,9 @@
 
 The layers: entry points (CLI) -> HTTP layer / offline API -> settings -> engine -> model ->
 kernels, adapters, storage; kernels and storage never import upward; no cycles among the kernel
-modules; the HTTP layer reaches the engine only through ``AsyncEngine`` and its public values.
-The second test adds a forbidden import to a copy of the package and checks that the same
-command then fails, so the first cannot pass vacuously.
+modules, nor among the KV storage modules; the HTTP layer reaches the engine only through
+``AsyncEngine`` and its public values. The second test adds a forbidden import to a copy of the
+package and checks that the same command then fails, so the first cannot pass vacuously.
 """
 
 from __future__ import annotations
@@ -52,6 +52,11 @@ def test_import_contracts_are_kept() -> None:
             "The HTTP layer",
         ),
         ("loraplex/platform/api/deps.py", "import loraplex.storage.kv.block_pool", "The HTTP layer"),
+        (
+            "loraplex/storage/kv/tier_transfers.py",
+            "import loraplex.storage.kv.tier_manager",
+            "No import cycles between the KV storage modules",
+        ),
     ],
 )
 def test_a_forbidden_import_breaks_a_contract(

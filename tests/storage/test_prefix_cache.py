@@ -382,3 +382,47 @@ def test_purge_owner_forgets_its_free_blocks_and_refuses_its_blocks_later() -> N
     assert not m.pool.cache_block(0, keys_of(p1, 2)[0], a)
     with pytest.raises(ValueError, match="needs an owner"):
         m.pool.purge_owner(b"")
+
+
+def test_the_owner_is_recorded_once_by_the_lookup_that_starts_the_chain() -> None:
+    """Whose blocks a sequence caches comes from its key chain: set by the first lookup, kept
+    through later lookups and forks, never changed, and always one of the hashed extra keys."""
+    a, b = b"A" * 32, b"B" * 32
+    m = manager(12, 2)
+    tokens = [1, 2, 3, 4, 5]
+    hit = m.get_computed_blocks(1, tokens, (b"", a), a)
+    with pytest.raises(ValueError, match="another owner"):
+        m.get_computed_blocks(1, tokens, (b"", a), b)  # the same keys, another owner: refused
+    assert m.get_computed_blocks(1, tokens, (b"", a), a) == hit  # looking again changes nothing
+    m.allocate_slots(1, 0, len(tokens), hit)
+    m.cache_full_blocks(1, tokens, len(tokens))
+    m.fork(1, 2)
+    child = [*tokens, 6, 7, 8]  # the child's own full blocks are its parent's owner's too
+    m.allocate_slots(2, len(tokens), 3)
+    m.cache_full_blocks(2, child, len(child))
+    assert [m.pool.blocks[i].owner for i in m.block_table(2)] == [a, a, a, a]
+    with pytest.raises(ValueError, match="one of its extra keys"):
+        m.get_computed_blocks(3, tokens, (b"", b""), a)  # an owner its keys do not bind
+    assert m.pool.blocks[m.block_table(1)[0]].owner == a
+    m.check_integrity()
+
+
+def test_on_cache_sees_each_block_that_becomes_findable_once() -> None:
+    """The pool's ``on_cache`` hook (the tiers drop their copy of the key) runs when a key
+    enters the index: computed or promoted, not when refused or cached already."""
+    m = manager(8, 2)
+    seen: list[BlockKey] = []
+    m.pool.on_cache = seen.append
+    tokens = [1, 2, 3, 4, 5]
+    k0, k1 = keys_of(tokens, 2)
+    admit(m, 1, tokens)
+    assert seen == [k0, k1]
+    m.cache_full_blocks(1, tokens, len(tokens))  # idempotent: nothing new
+    admit(m, 2, [9, 9, 9])
+    twin = m.pool.allocate(1)[0].block_id
+    assert not m.pool.cache_block(twin, k0)  # another block holds k0: stays keyless, no call
+    assert m.pool.purge_owner(b"A" * 32) == 0
+    assert not m.pool.cache_block(twin, keys_of([7, 7], 2)[0], b"A" * 32)  # a purged owner
+    promoted = m.pool.allocate_for_key(keys_of([8, 8], 2)[0])
+    assert promoted is not None and m.pool.publish_promoted(promoted)
+    assert seen == [k0, k1, keys_of([9, 9, 9], 2)[0], keys_of([8, 8], 2)[0]]

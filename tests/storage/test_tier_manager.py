@@ -549,3 +549,67 @@ def test_owners_go_down_and_come_back_and_a_purged_owner_is_stored_nowhere(
         assert restarted.disk is not None and sorted(restarted.disk.held_keys()) == sorted([key(1), key(3)])
     finally:
         restarted.close()
+
+
+def test_a_key_the_device_caches_leaves_host_and_disk_even_mid_write(tmp_path: Path, cache: KVCache) -> None:
+    """One location per block: when the device caches a key again (it recomputed the block),
+    ``on_device_cache`` drops the copy below; a disk write still in flight is never published."""
+    tiers = make_tiers(tmp_path, cache, host_blocks=1, disk_blocks=2)
+    assert tiers.disk is not None
+    files = tiers.disk._files
+    write_record, gate = files.write_record, threading.Event()
+
+    def held_write(slot: int, header: bytes, payload: memoryview, fsync: bool) -> None:
+        gate.wait(timeout=30)  # latency injected into the real file write
+        write_record(slot, header, payload, fsync)
+
+    files.write_record = held_write  # type: ignore[method-assign]
+    try:
+        evict(tiers, cache, 0)
+        evict(tiers, cache, 1)  # host full: 0 goes to disk, its write held in flight
+        assert tiers.location(key(0)) == Location(DISK, 0) and not tiers.disk.is_published(key(0))
+        with pytest.raises(AssertionError, match="device blocks also live below"):
+            tiers.check_integrity(device_keys=[key(0), key(1)])
+        tiers.on_device_cache(key(0))
+        tiers.on_device_cache(key(1))
+        tiers.on_device_cache(key(7))  # held nowhere: nothing to do
+        assert tiers.num_discarded_blocks == 2
+        tiers.check_integrity(device_keys=[key(0), key(1)])
+        gate.set()
+        tiers.flush()
+        assert where(tiers, range(2)) == {0: None, 1: None}  # the write finished unpublished
+        assert tiers.disk.metrics().used_blocks == 0
+        tiers.check_integrity(device_keys=[key(0), key(1)])
+    finally:
+        gate.set()
+        tiers.close()
+
+
+def test_a_key_a_promotion_moves_is_superseded_until_the_promotion_ends(
+    tiers: TierManager, cache: KVCache
+) -> None:
+    """The device caches keys a promotion holds (another sequence computed them): they stay
+    below while pinned (allowed by the check only as superseded), and go when the promotion
+    ends without loading them, unless the device evicted its copy meanwhile."""
+    for i in range(3):
+        evict(tiers, cache, i)  # 0 on disk, 1 and 2 in host
+    tiers.flush()
+    promotion = tiers.prefetch([key(0), key(1), key(2)])
+    assert promotion.num_started == 3
+    with pytest.raises(AssertionError, match="device blocks also live below"):
+        tiers.check_integrity(device_keys=[key(1)])  # moving alone is no excuse
+    for i in range(3):
+        tiers.on_device_cache(key(i))
+    assert tiers.num_discarded_blocks == 0  # pinned or being read: nothing can go yet
+    tiers.check_integrity(device_keys=[key(0), key(1), key(2)])
+    set_device_block(cache, 3, block(2))
+    assert tiers.demote(3, key(2)) == Location(HOST, 0)  # the device evicts 2: below is its copy
+    tiers.check_integrity(device_keys=[key(0), key(1)])
+    with pytest.raises(AssertionError, match="device blocks also live below"):
+        tiers.check_integrity(device_keys=[key(2)])  # no longer superseded
+    promotion.assign([])  # no device block for any of them (a partial promotion)
+    assert promotion.wait().num_loaded == 0
+    assert where(tiers, range(3)) == {0: None, 1: None, 2: Location(HOST, 0)}
+    assert tiers.num_discarded_blocks == 2
+    tiers.check_integrity(device_keys=[key(0), key(1)])
+    assert tiers.lookup([key(2)]) == [(key(2), Location(HOST, 0))]

@@ -44,9 +44,8 @@ from loraplex.platform.engine.sequence import Request, SeqStatus, Sequence, tena
 from loraplex.platform.engine.validation import RequestLimits, check_request_limits, prompt_token_ids
 from loraplex.platform.model.loader import load_hf_config, load_model
 from loraplex.platform.model.source import resolve_model_dir
-from loraplex.storage.kv.block_manager import KVBlockManager
 from loraplex.storage.kv.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_budget
-from loraplex.storage.kv.tier_manager import TierManager
+from loraplex.storage.kv.tiered_kv import TieredKV
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -127,12 +126,6 @@ class LLMEngine:
             arch.num_layers, num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim, dtype, device
         )
         fingerprint = _kv_fingerprint(hf_config.to_json_string(), dtype, config.block_size)
-        self.block_manager = KVBlockManager(
-            num_blocks,
-            config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
-            fingerprint=fingerprint,
-        )
         self.runner = ModelRunner(
             self.model,
             kv_cache,
@@ -151,24 +144,18 @@ class LLMEngine:
         if config.enable_lora:
             self.lora_manager = LoRARuntime(config, self.hf_config, device, dtype)
             admit_hook, release_hook = self.lora_manager.admit, self.lora_manager.release
-        self.tiers: TierManager | None = None
-        if config.host_kv_cache_bytes or config.disk_kv_cache_bytes:
-            self.tiers = TierManager.create(
-                kv_cache,
-                kv_cache.layout,
-                fingerprint,
-                host_kv_cache_bytes=config.host_kv_cache_bytes,
-                disk_kv_path=config.disk_kv_path,
-                disk_kv_cache_bytes=config.disk_kv_cache_bytes,
-            )
-            # A cached block the pool is about to reuse is copied down a tier first.
-            self.block_manager.pool.on_evict = self.tiers.on_device_evict
-        self.preemption = PreemptionPolicy(
-            config.preemption_mode, per_block, can_swap=self.tiers is not None and self.tiers.can_hold_blocks
+        # The device pool's blocks and the host/disk tiers below it, wired by TieredKV itself.
+        self.kv = TieredKV.create(
+            kv_cache,
+            fingerprint,
+            enable_prefix_caching=config.enable_prefix_caching,
+            host_kv_cache_bytes=config.host_kv_cache_bytes,
+            disk_kv_path=config.disk_kv_path,
+            disk_kv_cache_bytes=config.disk_kv_cache_bytes,
         )
-        self.scheduler = Scheduler(
-            limits, self.block_manager, admit_hook, release_hook, self.tiers, self.preemption
-        )
+        self.block_manager = self.kv.block_manager  # what steps allocate from (owned by self.kv)
+        self.preemption = PreemptionPolicy(config.preemption_mode, per_block, can_swap=self.kv.can_swap)
+        self.scheduler = Scheduler(limits, self.kv, admit_hook, release_hook, self.preemption)
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -303,19 +290,8 @@ class LLMEngine:
                 self.scheduler.num_unfinished,
             )
             return False
-        start = time.perf_counter()
         self.scheduler.drain()  # promotions of aborted sequences land first, then go with the rest
-        device = self.block_manager.pool.uncache_free()
-        host = disk = 0
-        if self.tiers is not None:
-            host, disk = self.tiers.clear()
-        logger.info(
-            "prefix cache reset in %.2f s: %d device, %d host and %d disk blocks forgotten",
-            time.perf_counter() - start,
-            device,
-            host,
-            disk,
-        )
+        self.kv.reset()
         return True
 
     def purge_tenant(self, tenant_id: str) -> tuple[int, int, int]:
@@ -328,20 +304,7 @@ class LLMEngine:
         free slot files. Runs while requests run (on the engine thread, between steps): its
         blocks in use keep their keys until freed, then are reused without a demotion.
         """
-        owner = tenant_cache_salt(tenant_id)
-        start = time.perf_counter()
-        device = self.block_manager.pool.purge_owner(owner)
-        host = disk = 0
-        if self.tiers is not None:
-            host, disk = self.tiers.purge(owner)
-        logger.info(
-            "purged a tenant's cached KV in %.2f s: %d device, %d host and %d disk blocks",
-            time.perf_counter() - start,
-            device,
-            host,
-            disk,
-        )
-        return device, host, disk
+        return self.kv.purge(tenant_cache_salt(tenant_id))
 
     # -- adapters -------------------------------------------------------------------
     def _lora(self) -> LoRARuntime:
@@ -584,35 +547,21 @@ class LLMEngine:
         Cached device and host blocks are written to disk (up to its cap) and every write in
         flight completes, so a later engine on the same ``disk_kv_path`` finds them again.
         """
-        if self.tiers is not None:
+        if self.kv.tiers is not None:
             # Reads in flight land first (their blocks are cached like the rest).
             self.scheduler.drain()
-            # What the accelerator pool still caches would be lost with the process: copy
-            # it down (host, then disk) so a restarted engine on the same path finds it.
-            start = time.perf_counter()
-            cached = self.block_manager.pool.cached_blocks()
-            kept = sum(self.tiers.demote(block_id, key) is not None for block_id, key in cached)
-            spilled = self.tiers.spill_to_disk()
-            self.tiers.close()
-            self.tiers = None
-            logger.info(
-                "KV tiers closed in %.1f s: %d of %d cached device blocks kept in a tier, "
-                "%d host blocks written to disk",
-                time.perf_counter() - start,
-                kept,
-                len(cached),
-                spilled,
-            )
+        # What the accelerator pool still caches would be lost with the process: copied
+        # down (host, then disk) so a restarted engine on the same path finds it.
+        self.kv.persist()
 
     # -- invariants ----------------------------------------------------------------
     def check_integrity(self) -> None:
-        """KV blocks conserved and ref counts consistent (and adapter slots, with LoRA)."""
-        self.block_manager.check_integrity()
+        """KV blocks conserved, ref counts consistent, one location per cached block across the
+        tiers (``TieredKV.check_integrity``); and adapter slots, with LoRA."""
+        self.kv.check_integrity()
         live = {s.seq_id for s in self.scheduler.running} | {s.seq_id for s in self.scheduler.waiting}
         for seq_id in self.block_manager.seq_ids():
             if seq_id not in live:
                 raise AssertionError(f"seq {seq_id} holds KV blocks but is neither running nor waiting")
         if self.lora_manager is not None:
             self.lora_manager.check_integrity()
-        if self.tiers is not None:
-            self.tiers.check_integrity()

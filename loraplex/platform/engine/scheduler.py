@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from loraplex.platform.engine.preemption import PreemptionPolicy
 from loraplex.platform.engine.sequence import SeqStatus, Sequence
 from loraplex.platform.engine.tier_admission import TierAdmission, Wait
-from loraplex.storage.kv.block_manager import AllocStatus, BlockCopy, KVBlockManager
+from loraplex.storage.kv.block_manager import AllocStatus, BlockCopy
 from loraplex.storage.kv.prefix_cache import NO_HIT
-from loraplex.storage.kv.tier_manager import TierManager
+from loraplex.storage.kv.tiered_kv import TieredKV
 
 logger = logging.getLogger(__name__)
 
@@ -94,23 +94,21 @@ class SchedulerLimits:
 
 
 class Scheduler:
-    """Owns the waiting and running queues and the KV block manager."""
+    """Owns the waiting and running queues; allocates from the KV cache's block manager."""
 
     def __init__(
         self,
         limits: SchedulerLimits,
-        block_manager: KVBlockManager,
+        cache: TieredKV,
         admit_hook: Callable[[Sequence], AdmitDecision] | None = None,
         release_hook: Callable[[Sequence], None] | None = None,
-        tiers: TierManager | None = None,
         preemption: PreemptionPolicy | None = None,
     ) -> None:
         self.limits = limits
-        self.kv = block_manager
-        # Host/disk KV tiers below the pool: prefix hits continue there (promotion), and
-        # preempted sequences' partial tails may be swapped there.
-        self.tiers = tiers
-        self.tier_io = TierAdmission(block_manager, tiers, preemption, limits.max_num_batched_tokens)
+        self.kv = cache.block_manager
+        # The host/disk tiers below the pool (if any): prefix hits continue there (promotion),
+        # and preempted sequences' partial tails may be swapped there.
+        self.tier_io = TierAdmission(cache, preemption, limits.max_num_batched_tokens)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         # Hooks let the adapter manager veto admission (no free slot) and learn

@@ -26,9 +26,10 @@ from collections.abc import Iterable
 
 from loraplex.platform.engine.preemption import PreemptionPolicy, SwappedTail
 from loraplex.platform.engine.sequence import Sequence
-from loraplex.storage.kv.block_manager import AllocStatus, KVBlockManager
+from loraplex.storage.kv.block_manager import AllocStatus
 from loraplex.storage.kv.prefix_cache import PrefixHit
 from loraplex.storage.kv.tier_manager import TierManager
+from loraplex.storage.kv.tiered_kv import TieredKV
 from loraplex.storage.kv.tiered_prefix import (
     PendingPromotion,
     finish_promotion,
@@ -47,14 +48,10 @@ class TierAdmission:
     """The scheduler's view of the tiers below the accelerator pool (see the module docstring)."""
 
     def __init__(
-        self,
-        kv: KVBlockManager,
-        tiers: TierManager | None,
-        preemption: PreemptionPolicy | None,
-        max_num_batched_tokens: int,
+        self, cache: TieredKV, preemption: PreemptionPolicy | None, max_num_batched_tokens: int
     ) -> None:
-        self.kv = kv
-        self.tiers = tiers
+        self._cache = cache
+        self.kv = cache.block_manager
         self.preemption = preemption
         self.max_num_batched_tokens = max_num_batched_tokens
         # Promotions in flight for waiting sequences (by seq_id), and those whose
@@ -64,6 +61,11 @@ class TierAdmission:
         self.num_swapped_out = 0  # preemptions whose partial tail went to the tiers
         self.num_swapped_in = 0  # ... and came back without recomputation
         self.num_swaps_lost = 0  # ... and were discarded (a block lost, a failed read)
+
+    @property
+    def tiers(self) -> TierManager | None:
+        """The cache's host/disk tiers; None without them, or once ``TieredKV.persist`` closed them."""
+        return self._cache.tiers
 
     @property
     def num_promotions_in_flight(self) -> int:

@@ -2,19 +2,21 @@
 
 | module | owns |
 |---|---|
+| ``tiered_kv`` | ``TieredKV``: block manager + tiers as one cache, wired; reset, purge, persist, checks |
 | ``kv_cache`` | the accelerator pool's per-layer K/V tensors; block reads and writes for the tiers |
-| ``block_pool`` | block ids, ref counts, the LRU free queue, the key -> block index of cached blocks |
-| ``block_hash`` | prefix-cache keys: a sha256 chain over token ids and extra keys, length-prefixed |
+| ``block_pool`` | block ids, ref counts, the LRU free queue, the key index; ``on_evict`` / ``on_cache`` |
+| ``block_hash`` | prefix-cache keys: a sha256 chain over token ids and extra keys; the chain's owner |
 | ``prefix_cache`` | lookups of a prompt's longest cached prefix (``PrefixHit``), hit/miss counters |
 | ``block_manager`` | ``KVBlockManager``: block tables, admission, copy-on-write, prefix-cache hits |
-| ``kv_tier`` | tier contracts: ``Tier``, ``Location``, the device block I/O protocol |
+| ``kv_tier`` | tier contracts: ``Tier``, ``Location``, the device block I/O protocol; the one-location rule |
 | ``host_pool`` | ``HostKVPool``: block slots in host RAM (pinned on CUDA), LRU |
 | ``disk_pool`` | ``DiskKVPool``: capped, checksummed block files, async I/O, warm restart |
 | ``disk_slots`` / ``disk_files`` / ``block_codec`` | the disk slot states, slot files, record format |
-| ``tier_manager`` | ``TierManager``: one location per cached block; demotion, promotion, swap |
-| ``tier_transfers`` / ``tier_metrics`` | promotion and swap handles; per-tier counters |
+| ``tier_manager`` | ``TierManager``: demotion, promotion, swap, discard: one location per cached block |
+| ``tier_transfers`` / ``tier_metrics`` | promotion and swap handles (``PromotionMover``); per-tier counters |
 | ``tiered_prefix`` | ``start_promotion`` / ``finish_promotion``: a prefix hit continued from host/disk |
 
-This package imports nothing from ``loraplex.platform`` or ``loraplex.adapters`` (checked by
-import-linter): extra keys (adapter version, tenant salt) arrive as opaque bytes.
+This package imports nothing from ``loraplex.platform`` or ``loraplex.adapters``, and its modules
+import each other without cycles (both checked by import-linter): extra keys (adapter version,
+tenant salt) arrive as opaque bytes.
 """

@@ -98,19 +98,31 @@ def block_keys(
 
 
 class BlockKeyChain:
-    """The keys of a growing token list's full blocks, each computed once.
+    """The keys of a growing token list's full blocks, each computed once, and whose they are.
 
     A sequence only ever appends tokens (decode, or a prompt seen again after
     preemption), so ``update`` hashes just the blocks that became full since the
     last call. One chain per sequence; ``copy`` gives a forked sibling its own.
+
+    ``owner`` (the tenant's cache salt, b"": nobody's) is the one record of whose blocks
+    these keys name: the prefix cache tags every block it caches from this chain with it,
+    so a purge finds them. It is not hashed again: it must be one of ``extra_keys``,
+    which are, so a tenant's blocks are always keyed on its salt.
     """
 
-    def __init__(self, root: BlockKey, block_size: int, extra_keys: ExtraKeys = ()) -> None:
+    def __init__(
+        self, root: BlockKey, block_size: int, extra_keys: ExtraKeys = (), owner: bytes = b""
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
+        if owner and owner not in extra_keys:
+            # An owner not bound into the keys would tag blocks that any other owner with the
+            # same extra keys could hit. Raise even under python -O: this guards tenants.
+            raise ValueError("a chain's owner must be one of its extra keys (the tenant salt is hashed)")
         self.root = root
         self.block_size = block_size
         self.extra_keys = tuple(extra_keys)
+        self.owner = owner
         self._encoded_extra = encode_extra_keys(self.extra_keys)
         self._keys: list[BlockKey] = []
 
@@ -144,11 +156,12 @@ class BlockKeyChain:
         return self._keys
 
     def copy(self) -> BlockKeyChain:
-        """An independent chain with the same keys (for a forked sequence)."""
+        """An independent chain with the same keys and owner (for a forked sequence)."""
         twin = BlockKeyChain.__new__(BlockKeyChain)
         twin.root = self.root
         twin.block_size = self.block_size
         twin.extra_keys = self.extra_keys
+        twin.owner = self.owner
         twin._encoded_extra = self._encoded_extra
         twin._keys = list(self._keys)
         return twin

@@ -120,8 +120,9 @@ class KVBlockManager:
         to ``can_allocate`` / ``num_new_blocks_needed`` / ``allocate_slots`` with
         ``num_computed = hit.num_cached_tokens``. The hit stays valid until the next
         call that allocates blocks. ``extra_keys`` (adapter content, tenant salt)
-        must be the same every time for one sequence. ``owner`` (the tenant's salt) is
-        recorded with the blocks it caches, for a purge. NO_HIT when caching is off.
+        must be the same every time for one sequence. ``owner`` (the tenant's salt, one of
+        ``extra_keys``) is recorded in the sequence's key chain and tagged on every block it
+        caches, for a purge. NO_HIT when caching is off.
         """
         if not self.enable_prefix_caching:
             return NO_HIT

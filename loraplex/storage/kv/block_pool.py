@@ -11,7 +11,8 @@ doubles as the prefix cache's LRU eviction order (vLLM v1):
                            runs before the block is handed out (demotion hook)
     lookup(key)            the cached block for ``key`` or None (no state change)
     take(block_id)         a hit: ref 0 -> 1 leaves the free queue, else ref += 1
-    cache_block(id, key, owner)  register a full block under ``key`` (first one wins)
+    cache_block(id, key, owner)  register a full block under ``key`` (first one wins);
+                           ``on_cache(key)`` then runs (the tiers drop their copies of ``key``)
     decref(block_id)       at ref 0 the block joins the free queue's tail, key kept
     uncache_free()         forget every free block's key (a prefix-cache reset)
     purge_owner(owner)     forget the free blocks ``owner`` owns; never cache its blocks again
@@ -34,8 +35,17 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from loraplex.storage.kv.block_hash import BlockKey
+
+CacheCallback = Callable[[BlockKey], None]
+"""``on_cache(key)``: a block just became findable under ``key`` (computed here, or promoted).
+
+Whatever a lower tier still holds under ``key`` is now a second copy (the device computed
+it again, e.g. after a failed read); the hook lets the tiers drop it, so every cached block
+keeps one location. Runs after the index holds the block; it must not raise.
+"""
 
 EvictCallback = Callable[[int, BlockKey, bytes], None]
 """``on_evict(block_id, key, owner)``: a cached block is about to be reused; copy its data out now.
@@ -44,6 +54,14 @@ Runs before the block is handed out, so its KV is still intact; the copy (or a
 transfer enqueued by it) must complete before the next forward writes the block.
 It must not raise: the pool has already dropped the key from its index.
 """
+
+
+class CachedBlock(NamedTuple):
+    """A findable block: where it is, its key and whose it is (b"": nobody's)."""
+
+    block_id: int
+    key: BlockKey
+    owner: bytes
 
 
 @dataclass
@@ -74,6 +92,7 @@ class BlockPool:
         self._promoting: dict[int, tuple[BlockKey, bytes]] = {}  # block -> (key, owner)
         self._purged: set[bytes] = set()  # owners whose blocks are never cached again
         self.on_evict: EvictCallback | None = None
+        self.on_cache: CacheCallback | None = None
         self.num_evicted_blocks = 0
 
     # -- queries ---------------------------------------------------------------
@@ -179,6 +198,8 @@ class BlockPool:
             return False
         block.key, block.owner = key, owner
         self._index[key] = block_id
+        if self.on_cache is not None:
+            self.on_cache(key)
         return True
 
     def uncache_free(self) -> int:
@@ -214,12 +235,17 @@ class BlockPool:
             block.key, block.owner = None, b""
         return len(block_ids)
 
+    def cached_blocks(self) -> list[CachedBlock]:
+        """Every findable block, its key and owner; least recently used first among the free ones."""
+        free = [self.blocks[b] for b in self._free if self.blocks[b].key is not None]
+        used = [self.blocks[b] for b in self._index.values() if self.blocks[b].ref_cnt > 0]
+        return [CachedBlock(b.block_id, k, b.owner) for b in free + used if (k := b.key) is not None]
+
+    def cached_keys(self) -> set[BlockKey]:
+        """The keys findable now (blocks in use or free); what the tiers must not hold too."""
+        return set(self._index)
+
     # -- promotion from a lower tier -------------------------------------------
-    def cached_blocks(self) -> list[tuple[int, BlockKey]]:
-        """Every findable block and its key, least recently used first among the free ones."""
-        free = [(b, self.blocks[b].key) for b in self._free if self.blocks[b].key is not None]
-        used = [(b, k) for k, b in self._index.items() if self.blocks[b].ref_cnt > 0]
-        return [(b, k) for b, k in free if k is not None] + used
 
     def allocate_for_key(self, key: BlockKey, owner: bytes = b"") -> int | None:
         """A fresh block to copy ``key``'s data into, or None (already cached here, or no free block).

@@ -1,14 +1,22 @@
 """Contracts of the KV tiers below the accelerator pool: where a block lives, and the device side.
 
-Every cached block has exactly one authoritative location at a time::
+Every cached block has exactly one location at a time (the one-location rule)::
 
     DEVICE(block_id)   in the accelerator pool (the prefix cache's index says which block)
     HOST(slot)         in a slot of the host pool (``HostKVPool``, pinned RAM on CUDA)
     DISK(slot)         in a slot file of the disk pool (``DiskKVPool``), or on its way there
 
 Blocks move down on eviction (device -> host -> disk -> gone) and up on a hit
-(host or disk -> a fresh device block); ``TierManager`` enforces the rule. Outside
-the accelerator a block travels as one tensor ``KVBlockLayout.block_shape``:
+(host or disk -> a fresh device block). When the device caches a key that host or disk
+still holds (it computed the block again: after a failed read, a partial promotion, or
+beside a copy demoted meanwhile), the copy below is dropped (``BlockPool.on_cache`` ->
+``TierManager.on_device_cache``, wired by ``TieredKV``). The one transient exception: a
+key a promotion is moving, which the device cached meanwhile, is *superseded* and leaves
+its tier when the promotion ends, unless the device evicted its copy first (``tier_manager``).
+``TieredKV.check_integrity`` checks the rule with the device's keys; ``TieredKV.persist``
+copies the device's blocks down at shutdown and closes the tiers, ending it.
+
+Outside the accelerator a block travels as one tensor ``KVBlockLayout.block_shape``:
 ``[num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]``.
 """
 

@@ -3,9 +3,11 @@
 The block pool holds the index ``key -> block_id`` and the LRU free queue; this
 module walks a sequence's chain of block keys (``block_hash``) against it:
 
-    lookup(seq_id, tokens, extra)   the longest run of cached head blocks (no refs taken)
+    lookup(seq_id, tokens, extra, owner)  the longest run of cached head blocks (no refs taken);
+                                    the first lookup starts the sequence's key chain
     admitted(seq_id, hit)           the hit became the head of the sequence's table
-    register(seq_id, table, ...)    full, computed blocks become findable (idempotent)
+    register(seq_id, table, ...)    full, computed blocks become findable, tagged with the
+                                    chain's owner (idempotent; no chain: an error)
     fork(parent_id, child_id)       the child continues the parent's chain
     forget(seq_id)                  the sequence dropped its blocks
 
@@ -71,7 +73,6 @@ class PrefixCache:
         self.block_size = block_size
         self.root = root_key(fingerprint)
         self._chains: dict[int, BlockKeyChain] = {}
-        self._owners: dict[int, bytes] = {}  # whose blocks a sequence caches (when someone's)
         # How many head blocks of each table were already handled by ``register``.
         self._num_registered: dict[int, int] = {}
         self._num_queries = 0
@@ -79,15 +80,16 @@ class PrefixCache:
         self._num_hit_blocks = 0
         self._num_miss_blocks = 0
 
-    def _chain(self, seq_id: int, extra_keys: ExtraKeys) -> BlockKeyChain:
+    def _chain(self, seq_id: int, extra_keys: ExtraKeys, owner: bytes) -> BlockKeyChain:
         chain = self._chains.get(seq_id)
         if chain is None:
-            chain = self._chains[seq_id] = BlockKeyChain(self.root, self.block_size, extra_keys)
-        elif chain.extra_keys != tuple(extra_keys):
+            chain = self._chains[seq_id] = BlockKeyChain(self.root, self.block_size, extra_keys, owner)
+        elif chain.extra_keys != tuple(extra_keys) or chain.owner != owner:
             # The extra keys carry the adapter and tenant: a change here would hand one
             # tenant's (or adapter's) KV to another. Raise even under python -O.
             raise ValueError(
-                f"sequence {seq_id} was keyed with other extra keys (adapter/tenant) than now given"
+                f"sequence {seq_id} was keyed with other extra keys (adapter/tenant) or another "
+                "owner than now given"
             )
         return chain
 
@@ -99,10 +101,12 @@ class PrefixCache:
     def lookup(
         self, seq_id: int, token_ids: Sequence[int], extra_keys: ExtraKeys, owner: bytes = b""
     ) -> PrefixHit:
-        """Walk the prompt's full blocks and stop at the first key not cached."""
-        keys = self._chain(seq_id, extra_keys).update(token_ids)
-        if owner:
-            self._owners[seq_id] = owner
+        """Walk the prompt's full blocks and stop at the first key not cached.
+
+        The first lookup of ``seq_id`` starts its key chain, which records ``owner`` (the
+        tenant's cache salt, one of ``extra_keys``) for every block it later caches.
+        """
+        keys = self._chain(seq_id, extra_keys, owner).update(token_ids)
         num_cacheable = max(0, (len(token_ids) - 1) // self.block_size)
         block_ids: list[int] = []
         for key in keys[:num_cacheable]:
@@ -134,6 +138,8 @@ class PrefixCache:
     def register(self, seq_id: int, table: Sequence[int], token_ids: Sequence[int], num_computed: int) -> int:
         """Make the blocks fully covered by ``num_computed`` tokens findable; return how many.
 
+        Each is tagged with the owner the sequence's chain recorded at its first lookup.
+
         Only blocks not handled before are visited, so this is cheap to call after
         every step. A block whose key another block already holds stays keyless (see
         ``BlockPool.cache_block``: no de-duplication, tables stay append-only).
@@ -161,7 +167,7 @@ class PrefixCache:
                         f"sequence {seq_id} block {idx} (id {block.block_id}) is cached under another key"
                     )
                 continue
-            num_cached += self.pool.cache_block(block.block_id, keys[idx], self._owners.get(seq_id, b""))
+            num_cached += self.pool.cache_block(block.block_id, keys[idx], chain.owner)
         self._num_registered[seq_id] = num_full
         return num_cached
 
@@ -170,13 +176,10 @@ class PrefixCache:
         if chain is not None:
             self._chains[child_id] = chain.copy()
             self._num_registered[child_id] = self._num_registered.get(parent_id, 0)
-            if parent_id in self._owners:
-                self._owners[child_id] = self._owners[parent_id]
 
     def forget(self, seq_id: int) -> None:
         self._chains.pop(seq_id, None)
         self._num_registered.pop(seq_id, None)
-        self._owners.pop(seq_id, None)
 
     def num_registered(self, seq_id: int) -> int:
         return self._num_registered.get(seq_id, 0)

@@ -5,6 +5,9 @@ accelerator pool (its prefix-cache index), a host slot, or a disk slot. The mana
 owns the host and disk pools and moves blocks between them and the device::
 
     device evicts a cached block  -> on_device_evict(block_id, key, owner): copy to a host slot (demote)
+    device caches a block         -> on_device_cache(key): drop the copy below, if any (the
+                                     device computed it again: after a failed read, a partial
+                                     promotion, or beside another sequence that computed it)
     host full                     -> its LRU block is demoted to disk (async write)
     disk full                     -> its LRU record is overwritten (dropped)
     prefix continues below device -> lookup(keys): the run of keys held by host or disk
@@ -26,6 +29,14 @@ A key being promoted is pinned where it is and hidden from ``lookup`` until ``wa
 decides: loaded blocks leave the lower tier, blocks after a failure stay there
 (findable again). The caller publishes the loaded device blocks in its prefix cache
 only after ``wait``, so nothing reads a block before its data landed.
+
+The one transient exception to one location: the device may cache a key while a
+promotion moves it (another sequence computed it meanwhile). The copy below cannot go
+then (pinned, or read by a disk worker), so it is marked *superseded* and dropped when
+the promotion ends, unless it loaded (then it leaves anyway, and the promoted block
+stays keyless on the device). If the device evicts the key before that, the mark is
+lifted: the copy below is the only one again. ``check_integrity(device_keys)`` allows
+exactly the superseded keys on both sides.
 
 Thread safety: every public method takes one lock; disk I/O runs on the disk pool's
 workers, which never take this lock (lock order: manager, then disk pool), and
@@ -73,10 +84,13 @@ class TierManager:
         self.layout = host.layout
         self._lock = threading.RLock()
         self._moving: set[bytes] = set()  # keys a promotion holds: pinned, hidden from lookup
+        # Moving keys the device cached meanwhile: dropped below when their promotion ends.
+        self._superseded: set[bytes] = set()
         self._swaps: dict[int, list[bytes]] = {}
         self._swap_ids = itertools.count()
         self._purged: set[bytes] = set()  # owners whose blocks are never stored again
         self.num_dropped_blocks = 0  # left the device and landed nowhere
+        self.num_discarded_blocks = 0  # copies below dropped because the device cached the key
 
     @classmethod
     def create(
@@ -123,6 +137,9 @@ class TierManager:
         with self._lock:
             held = self._locate(key)
             if held is not None:  # content-addressed: the copy below is the same data
+                # Superseded while a promotion moves it: the device copy goes now, so the
+                # one below is the block's only location again and must stay.
+                self._superseded.discard(key)
                 return held
             location = None if owner in self._purged else self._store_from_device(key, block_id, owner)
             if location is None:
@@ -238,8 +255,10 @@ class TierManager:
                 self._moving.add(key)
             return Promotion(self, sources, len(keys), keep_unloaded)
 
-    def _copy_host_sources(self, promotion: Promotion) -> None:
-        """Issue the host -> device copies of an assigned promotion (they overlap planning on CUDA)."""
+    def copy_host_sources(self, promotion: Promotion) -> None:
+        """Issue the host -> device copies of an assigned promotion (they overlap planning on CUDA).
+
+        ``Promotion.assign`` calls it (``PromotionMover``); nothing else should."""
         assert promotion.block_ids is not None
         with self._lock:
             pairs = [
@@ -252,7 +271,12 @@ class TierManager:
             views = [self.host.get(source.key) for source, _ in pairs]  # counted, marked recently used
             self.device.write_blocks([b for _, b in pairs], [v for v in views if v is not None])
 
-    def _finish(self, promotion: Promotion, timeout_s: float | None, cancel: bool) -> PromotionResult:
+    def complete_promotion(
+        self, promotion: Promotion, timeout_s: float | None, cancel: bool
+    ) -> PromotionResult:
+        """End ``promotion``: loaded blocks leave host/disk, the rest stay (a swap-in's are freed).
+
+        ``Promotion.wait`` / ``cancel`` call it (``PromotionMover``); nothing else should."""
         sources = promotion.sources
         block_ids = [] if cancel or promotion.block_ids is None else promotion.block_ids
         assigned = sources[: len(block_ids)]
@@ -279,12 +303,20 @@ class TierManager:
             for position, source in enumerate(sources):
                 self._moving.discard(source.key)
                 loaded = position < num_loaded
+                superseded = source.key in self._superseded
+                self._superseded.discard(source.key)
+                # Not loaded but superseded: the device cached the key meanwhile, so the
+                # copy below would be a second location.
+                drop = loaded or not promotion.keep_unloaded or superseded
+                removed = False
                 if source.host_slot is not None:
                     self.host.unpin(source.key)
-                    if loaded or not promotion.keep_unloaded:
-                        self.host.remove(source.key, promoted=loaded)
-                elif self.disk is not None and (loaded or not promotion.keep_unloaded):
-                    self.disk.remove(source.key, promoted=loaded)
+                    if drop:
+                        removed = self.host.remove(source.key, promoted=loaded)
+                elif self.disk is not None and drop:
+                    removed = self.disk.remove(source.key, promoted=loaded)
+                if removed and superseded and not loaded:
+                    self.num_discarded_blocks += 1
         return PromotionResult(
             num_loaded=num_loaded,
             num_requested=promotion.num_requested,
@@ -292,13 +324,26 @@ class TierManager:
             block_ids=block_ids[:num_loaded],
         )
 
+    def on_device_cache(self, key: bytes) -> None:
+        """The block pool's ``on_cache`` hook: the device now caches ``key``; drop the copy below."""
+        self.discard((key,))
+
     def discard(self, keys: Collection[bytes]) -> int:
-        """Drop lower-tier copies of ``keys`` (e.g. the device computed them afresh); how many."""
+        """Drop the host/disk copies of ``keys``, which the device holds now (one location per
+        block); how many went now.
+
+        A disk write in flight for a key is cancelled (never published). A key a promotion
+        is moving is marked superseded instead and goes when the promotion ends (module
+        docstring).
+        """
         with self._lock:
             dropped = 0
             for key in keys:
-                if key not in self._moving and self._forget(key):
+                if key in self._moving:
+                    self._superseded.add(key)
+                elif self._forget(key):
                     dropped += 1
+            self.num_discarded_blocks += dropped
             return dropped
 
     def clear(self) -> tuple[int, int]:
@@ -406,7 +451,9 @@ class TierManager:
     def check_integrity(self, device_keys: Collection[bytes] = ()) -> None:
         """Each key lives in at most one tier; each pool conserves its slots; disk stays capped.
 
-        ``device_keys``: the keys the accelerator pool's prefix cache holds now.
+        ``device_keys``: the keys the accelerator pool's prefix cache holds now; none may be
+        held here too, but for the superseded keys of promotions in flight (module
+        docstring). Without them only host against disk is checked.
         """
         with self._lock:
             pools: list[KVTierPool] = [self.host] if self.disk is None else [self.host, self.disk]
@@ -420,7 +467,10 @@ class TierManager:
                 raise AssertionError(
                     f"{len(both)} blocks are in host and disk, e.g. {next(iter(both)).hex()}"
                 )
-            on_device = set(device_keys) & (host_keys | disk_keys)
+            if not self._superseded <= self._moving:
+                stale = next(iter(self._superseded - self._moving))
+                raise AssertionError(f"block {stale.hex()} is marked superseded but no promotion moves it")
+            on_device = (set(device_keys) & (host_keys | disk_keys)) - self._superseded
             if on_device:
                 raise AssertionError(
                     f"{len(on_device)} device blocks also live below, e.g. {next(iter(on_device)).hex()}"

@@ -26,12 +26,9 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from loraplex.storage.kv.tier_manager import TierManager
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +83,29 @@ class PromotionSource(NamedTuple):
     owner: bytes = b""  # whose block (the tenant's cache salt), kept on the device too
 
 
+class PromotionMover(Protocol):
+    """What a ``Promotion`` calls back to move its blocks (``TierManager`` implements it).
+
+    A protocol rather than an import of the manager, so that ``tier_manager`` imports this
+    module and not the other way round (no import cycle inside ``storage.kv``).
+    """
+
+    def copy_host_sources(self, promotion: Promotion) -> None:
+        """Issue the host -> device copies of ``promotion``'s assigned blocks."""
+        ...
+
+    def complete_promotion(
+        self, promotion: Promotion, timeout_s: float | None, cancel: bool
+    ) -> PromotionResult:
+        """Wait for the disk reads, write the blocks that loaded, settle what stays below."""
+        ...
+
+
 class Promotion:
     """Blocks on their way up; ``assign`` device blocks, then ``wait`` (or ``cancel``) once."""
 
     def __init__(
-        self, manager: TierManager, sources: list[PromotionSource], num_requested: int, keep_unloaded: bool
+        self, manager: PromotionMover, sources: list[PromotionSource], num_requested: int, keep_unloaded: bool
     ) -> None:
         self._manager = manager
         self.sources = sources
@@ -120,7 +135,7 @@ class Promotion:
         if len(block_ids) > self.num_started:
             raise ValueError(f"{len(block_ids)} device blocks for {self.num_started} started keys")
         self.block_ids = list(block_ids)
-        self._manager._copy_host_sources(self)
+        self._manager.copy_host_sources(self)
 
     def done(self) -> bool:
         """True if ``wait`` would not block on disk reads."""
@@ -145,10 +160,10 @@ class Promotion:
         if self._result is None:
             if self.block_ids is None:
                 raise RuntimeError("assign device blocks before waiting for a promotion")
-            self._result = self._manager._finish(self, timeout_s, cancel=False)
+            self._result = self._manager.complete_promotion(self, timeout_s, cancel=False)
         return self._result
 
     def cancel(self) -> None:
         """Load nothing: every block stays in its tier (a swap-in's blocks are freed)."""
         if self._result is None:
-            self._result = self._manager._finish(self, None, cancel=True)
+            self._result = self._manager.complete_promotion(self, None, cancel=True)

@@ -55,8 +55,8 @@ def reference(tiny_dirs: dict[str, Path]) -> list[int]:
 
 
 def _metrics(engine: LLMEngine, tier: str) -> dict[str, int]:
-    assert engine.tiers is not None
-    for m in engine.tiers.metrics():
+    assert engine.kv.tiers is not None
+    for m in engine.kv.tiers.metrics():
         if m.tier == tier:
             return {k: v for k, v in vars(m).items() if isinstance(v, int)}
     raise AssertionError(f"no {tier} tier")
@@ -156,7 +156,7 @@ def test_a_host_pool_of_size_zero_only_drops(tiny_dirs: dict[str, Path], referen
     _evict_everything(engine)
     out = _run(engine, "again", PROMPT)
     assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference
-    assert engine.tiers is not None and engine.tiers.num_dropped_blocks >= 10
+    assert engine.kv.tiers is not None and engine.kv.tiers.num_dropped_blocks >= 10
     engine.check_integrity()
 
 
@@ -204,8 +204,8 @@ def test_reset_prefix_cache_forgets_every_tier_and_survives_no_restart(
     """vLLM's ``reset_prefix_cache``: refused while a request is unfinished; when idle, the
     prompt's blocks on the device, in host RAM and on disk are all gone, also for a restart."""
     probe = _engine(tiny_dirs, host_kv_cache_bytes=1 << 20)
-    assert probe.tiers is not None
-    host_bytes = 3 * probe.tiers.layout.bytes_per_block  # 3 host slots: the rest goes to disk
+    assert probe.kv.tiers is not None
+    host_bytes = 3 * probe.kv.tiers.layout.bytes_per_block  # 3 host slots: the rest goes to disk
     tiers = dict(
         host_kv_cache_bytes=host_bytes, disk_kv_path=str(tmp_path / "kv"), disk_kv_cache_bytes=4 << 20
     )
@@ -233,8 +233,8 @@ def test_reset_prefix_cache_forgets_every_tier_and_survives_no_restart(
     engine.shutdown()  # writes what the device still caches (nothing) to disk
 
     restarted = _engine(tiny_dirs, **tiers)
-    assert restarted.tiers is not None and restarted.tiers.disk is not None
-    assert restarted.tiers.disk.restart.restored == 0
+    assert restarted.kv.tiers is not None and restarted.kv.tiers.disk is not None
+    assert restarted.kv.tiers.disk.restart.restored == 0
     out = _run(restarted, "after-restart", PROMPT)
     assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference
     restarted.shutdown()
@@ -246,9 +246,9 @@ def test_purge_tenant_erases_its_blocks_on_every_tier_and_keeps_the_others(
     """A deleted tenant's cached KV leaves the device, host RAM and disk (also for a restart),
     while another tenant's copy of the same prompt keeps hitting; purged while busy."""
     probe = _engine(tiny_dirs, host_kv_cache_bytes=1 << 20)
-    assert probe.tiers is not None
+    assert probe.kv.tiers is not None
     tiers = dict(
-        host_kv_cache_bytes=12 * probe.tiers.layout.bytes_per_block,
+        host_kv_cache_bytes=12 * probe.kv.tiers.layout.bytes_per_block,
         disk_kv_path=str(tmp_path / "kv"),
         disk_kv_cache_bytes=4 << 20,
     )

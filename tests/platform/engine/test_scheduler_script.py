@@ -25,6 +25,7 @@ from loraplex.platform.engine.sampling_params import SamplingParams
 from loraplex.platform.engine.scheduler import Scheduler, SchedulerLimits
 from loraplex.platform.engine.sequence import Request, SeqStatus, Sequence
 from loraplex.storage.kv.block_manager import KVBlockManager
+from loraplex.storage.kv.tiered_kv import TieredKV
 
 
 def _seq(name: str, prompt_len: int, arrival: float, max_tokens: int = 100) -> Sequence:
@@ -51,7 +52,7 @@ def _run_step(sched: Scheduler, step: int) -> list[tuple[str, int, tuple[int, ..
 
 def test_scripted_admission_chunks_preemption_and_resumption() -> None:
     kv = KVBlockManager(num_blocks=6, block_size=4)
-    sched = Scheduler(SchedulerLimits(max_num_seqs=3, max_num_batched_tokens=8), kv)
+    sched = Scheduler(SchedulerLimits(max_num_seqs=3, max_num_batched_tokens=8), TieredKV(kv))
     a, b, c = _seq("A", 5, 0.0, max_tokens=5), _seq("B", 6, 1.0), _seq("C", 4, 2.0)
     for seq in (a, b, c):
         sched.add(seq)
@@ -86,7 +87,7 @@ def test_waiting_sequence_that_does_not_fit_blocks_later_ones_fcfs() -> None:
     """Memory admission is strictly FCFS: a waiting sequence that does not fit now stops
     admission, so a later, smaller one cannot overtake it (no starvation of long prompts)."""
     kv = KVBlockManager(num_blocks=4, block_size=4)
-    sched = Scheduler(SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=32), kv)
+    sched = Scheduler(SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=32), TieredKV(kv))
     big, long_, small = _seq("big", 12, 0.0, max_tokens=1), _seq("long", 9, 1.0), _seq("small", 2, 2.0)
     for seq in (big, long_, small):
         sched.add(seq)

@@ -55,7 +55,7 @@ def test_swap_to_host_recomputes_nothing(tiny_dirs: dict[str, Path], expected: l
     assert sched.num_preemptions > 0 and sched.num_swapped_out > 0
     assert sched.num_swapped_in == sched.num_swapped_out and sched.num_swaps_lost == 0
     assert engine.num_batched_tokens == NO_RECOMPUTE  # full blocks by promotion, the tail by swap-in
-    assert engine.tiers is not None and engine.tiers.num_swapped_blocks == 0
+    assert engine.kv.tiers is not None and engine.kv.tiers.num_swapped_blocks == 0
     engine.check_integrity()
 
 
@@ -81,7 +81,7 @@ def test_swap_to_disk_reads_the_tail_back_asynchronously(
     sched = engine.scheduler
     assert sched.num_swapped_out > 0 and sched.num_swapped_in == sched.num_swapped_out
     assert engine.num_batched_tokens == NO_RECOMPUTE
-    disk = {m.tier: m for m in engine.tiers.metrics()}["disk"] if engine.tiers else None
+    disk = {m.tier: m for m in engine.kv.tiers.metrics()}["disk"] if engine.kv.tiers else None
     assert disk is not None and disk.promotions > 0
     engine.check_integrity()
     engine.shutdown()
@@ -112,9 +112,9 @@ def test_a_sequence_aborted_while_swapped_frees_its_tail(tiny_dirs: dict[str, Pa
     while engine.scheduler.num_swapped_out == 0:
         engine.step()
     swapped = [s for s in engine.scheduler.waiting if s.swapped is not None]
-    assert swapped and engine.tiers is not None and engine.tiers.num_swapped_blocks > 0
+    assert swapped and engine.kv.tiers is not None and engine.kv.tiers.num_swapped_blocks > 0
     engine.abort_request(swapped[0].request.request_id)
-    assert engine.tiers.num_swapped_blocks == 0
+    assert engine.kv.tiers.num_swapped_blocks == 0
     engine.check_integrity()
     while engine.has_unfinished_requests():
         engine.step()
@@ -151,8 +151,8 @@ class SlowDisk:
     """The disk tier's reads wait until ``release()`` (latency injected into the real pool)."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        assert engine.tiers is not None and engine.tiers.disk is not None
-        self.files = engine.tiers.disk._files
+        assert engine.kv.tiers is not None and engine.kv.tiers.disk is not None
+        self.files = engine.kv.tiers.disk._files
         self.original = self.files.read_record
         self.event = threading.Event()
 
@@ -181,8 +181,8 @@ def _prefix_on_disk(tiny_dirs: dict[str, Path], tmp_path: Path) -> LLMEngine:
         engine.add_request(rid, prompt, SHORT)
         while engine.has_unfinished_requests():
             engine.step()
-    assert engine.tiers is not None
-    engine.tiers.flush()
+    assert engine.kv.tiers is not None
+    engine.kv.tiers.flush()
     return engine
 
 
@@ -209,8 +209,8 @@ def test_disk_reads_do_not_stall_other_sequences(tiny_dirs: dict[str, Path], tmp
             if out.request_id == "hit" and out.finished:
                 final = out
     assert final is not None and final.num_cached_tokens == 5 * BLOCK
-    assert engine.tiers is not None
-    assert {m.tier: m for m in engine.tiers.metrics()}["disk"].promotions >= 5  # read from disk
+    assert engine.kv.tiers is not None
+    assert {m.tier: m for m in engine.kv.tiers.metrics()}["disk"].promotions >= 5  # read from disk
     reference = LLM(
         model=str(tiny_dirs["gqa_tied"]), dtype="float32", block_size=BLOCK, enable_prefix_caching=False
     )

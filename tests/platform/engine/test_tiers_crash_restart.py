@@ -66,10 +66,10 @@ def test_a_killed_engine_leaves_nothing_wrong_on_disk(
     got, engine = run(
         model, arrivals, True, num_kv_blocks=24, disk_kv_path=str(disk), disk_kv_cache_bytes=1 << 20
     )
-    assert engine.tiers is not None and engine.tiers.disk is not None
-    report = engine.tiers.disk.restart
+    assert engine.kv.tiers is not None and engine.kv.tiers.disk is not None
+    report = engine.kv.tiers.disk.restart
     assert report.restored > 0  # the killed engine's published blocks are found again
     assert got == expected
-    disk_tier = {m.tier: m for m in engine.tiers.metrics()}["disk"]
+    disk_tier = {m.tier: m for m in engine.kv.tiers.metrics()}["disk"]
     assert disk_tier.hits > 0 and disk_tier.promotions > 0  # and served as hits
     engine.shutdown()

@@ -5,8 +5,9 @@ over the first steps, run through a pool far too small for them: prefix hits, ev
 down the tiers, promotions back, preemption by swap (to host, or to disk with reads in
 flight), lost swaps, recompute. Whatever happened, every request must end with the tokens
 the cache-off engine with a pool that never preempts gives it, and ``check_integrity()``
-must hold after every step. The same holds on a disk that fails reads, corrupts records and
-refuses writes (``FlakyDisk``): faults cost hits, never tokens.
+must hold after every step (with the device keys: one location per cached block). The same
+holds on a disk that fails reads, corrupts records and refuses writes (``FlakyDisk``): faults
+cost hits, never tokens; and a copy kept below after a recompute fails the check.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def test_a_drawn_workload_gives_the_uncached_tokens(
     if tiers != "recompute":
         assert sched.num_swapped_out > 0
         assert sched.num_swapped_in + sched.num_swaps_lost <= sched.num_swapped_out
-        tier_metrics = {m.tier: m for m in engine.tiers.metrics()} if engine.tiers else {}
+        tier_metrics = {m.tier: m for m in engine.kv.tiers.metrics()} if engine.kv.tiers else {}
         assert sum(m.promotions for m in tier_metrics.values()) > 0
     engine.shutdown()
 
@@ -129,8 +130,8 @@ class FlakyDisk:
     fail (ENOSPC)."""
 
     def __init__(self, engine: LLMEngine, seed: int) -> None:
-        assert engine.tiers is not None and engine.tiers.disk is not None
-        files = engine.tiers.disk._files
+        assert engine.kv.tiers is not None and engine.kv.tiers.disk is not None
+        files = engine.kv.tiers.disk._files
         rng, lock = random.Random(seed), threading.Lock()  # the tier's I/O threads draw too
         read_record, write_record = files.read_record, files.write_record
 
@@ -172,8 +173,39 @@ def test_a_flaky_disk_costs_hits_never_tokens(tiny_dirs: dict[str, Path], tmp_pa
         preemption_mode=mode,
     )
     assert got == expected
-    assert engine.tiers is not None
-    disk = {m.tier: m for m in engine.tiers.metrics()}["disk"]
+    assert engine.kv.tiers is not None
+    disk = {m.tier: m for m in engine.kv.tiers.metrics()}["disk"]
     assert disk.io_errors > 0 and disk.checksum_failures > 0  # the faults happened and were counted
     assert disk.promotions > 0 and engine.scheduler.num_swaps_lost > 0  # and some blocks still came back
     engine.shutdown()
+
+
+def test_a_copy_kept_below_after_a_recompute_fails_the_integrity_check(
+    tiny_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The flaky-disk workload with the device's ``on_cache`` hook removed, so a block the device
+    computes again (after a failed read, a partial promotion, or beside a copy demoted
+    meanwhile) keeps its copy on disk: the engine's ``check_integrity``, run after every step,
+    must catch the second location. (Wired, the test above passes the same check.)"""
+    engines: list[LLMEngine] = []
+
+    def plant(engine: LLMEngine) -> None:
+        FlakyDisk(engine, seed=1)
+        engine.kv.block_manager.pool.on_cache = None
+        engines.append(engine)
+
+    try:
+        with pytest.raises(AssertionError, match="device blocks also live below"):
+            run(
+                tiny_dirs["gqa_tied"],
+                draw_workload(3),
+                True,
+                plant,
+                num_kv_blocks=24,
+                disk_kv_path=str(tmp_path / "kv"),
+                disk_kv_cache_bytes=1 << 20,
+                preemption_mode="auto",
+            )
+    finally:
+        for engine in engines:
+            engine.shutdown()
