@@ -24,7 +24,7 @@ from loraplex.adapters.errors import (
 )
 from loraplex.adapters.identity import AdapterIdentity, content_version
 from loraplex.adapters.loader import ParsedAdapter, read_adapter
-from loraplex.adapters.manager import AdapterManager
+from loraplex.adapters.manager import AdapterManager, AdapterStats
 from loraplex.adapters.peft_weights import AdapterWeights, LoRAModuleWeights
 from loraplex.adapters.registry import AdapterInfo
 from loraplex.adapters.request import LoRARequest
@@ -43,6 +43,7 @@ __all__ = [
     "AdapterManagerConfig",
     "AdapterNotFoundError",
     "AdapterRemovedError",
+    "AdapterStats",
     "AdapterValidationError",
     "AdapterWeights",
     "ArchiveLimits",

@@ -6,15 +6,18 @@
 | ``sampling_params`` | ``SamplingParams``: per-request sampling and stop settings |
 | ``sequence`` | ``Request`` and ``Sequence`` state |
 | ``scheduler`` | continuous batching, chunked prefill, preemption; ``SchedulerOutput`` |
+| ``policy`` | ``SchedulingPolicy`` (fcfs, priority): admission order, preemption victim, accounting |
 | ``tier_admission`` | what admission asks of the KV tiers: promotions, swapped tails |
 | ``preemption`` | ``PreemptionPolicy``: swap or recompute a preempted sequence's partial tail |
 | ``runner`` | builds the model's ``ForwardBatch`` from the scheduler's output and runs the forward |
 | ``lora_runtime`` | adapter admission, pins and per-step LoRA metadata |
 | ``sampler`` / ``detokenizer`` / ``outputs`` | next tokens, incremental text, ``RequestOutput`` |
+| ``output_processor`` | after the forward: forks, sampling, stop checks, the step's ``RequestOutput``s |
 | ``validation`` | the checks ``add_request`` runs on a request before it is queued |
 | ``engine`` | ``LLMEngine``: add / abort / step |
 | ``async_engine`` | ``AsyncEngine``: the engine in its own thread; the server's only door to it |
 | ``limits`` | ``EngineLimits``: what a running engine accepts, read once by the server |
+| ``stats`` | ``EngineStats``: one snapshot per step, published by a reference swap; per-tenant usage |
 | ``errors`` | the engine's typed errors, which the HTTP layer maps to status codes |
 | ``host_memory`` | process-wide malloc tuning on CPU |
 """

@@ -40,6 +40,7 @@ from loraplex.platform.engine.errors import EngineDeadError
 from loraplex.platform.engine.limits import EngineLimits
 from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.engine.sampling_params import SamplingParams
+from loraplex.platform.engine.stats import EngineStats
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -136,6 +137,7 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._streams_lock = threading.Lock()
         self._dead_callbacks: list[Callable[[BaseException], None]] = []
+        self._changed = False  # commands ran since the last stats snapshot (engine thread only)
         self.error: BaseException | None = None
         """What stopped the engine loop (None while it runs, and after a clean shutdown)."""
         self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
@@ -156,6 +158,11 @@ class AsyncEngine:
     def adapter_spec(self) -> BaseModelSpec:
         """The base model's LoRA-able layers: what an uploaded adapter is checked against."""
         return self._adapter_spec
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine after its last step (or command): one consistent snapshot, never blocking."""
+        return self._engine.stats
 
     async def tokenize(self, prompt: str) -> list[int]:
         """Token ids of a text prompt, as the engine counts them (in a worker thread)."""
@@ -317,6 +324,9 @@ class AsyncEngine:
                 if self._drain_inbox():
                     time.sleep(_ABORT_SETTLE_S)
                     self._drain_inbox()
+                if self._changed:  # commands changed what the last snapshot says
+                    self._changed = False
+                    self._engine.publish_stats()
                 if not self._engine.has_unfinished_requests():
                     self._wake.wait(timeout=_IDLE_WAIT_S)
                     self._wake.clear()
@@ -337,6 +347,7 @@ class AsyncEngine:
         num_aborts = 0
         while self._inbox:
             command = self._inbox.popleft()
+            self._changed = True
             if isinstance(command, _Abort):
                 self._engine.abort_request(command.request_id)
                 num_aborts += 1

@@ -12,6 +12,7 @@ from typing import Literal
 import torch
 
 from loraplex.kernels.contracts import AttentionBackendName, LinearBackendName, LoRABackendName
+from loraplex.platform.engine.policy import POLICY_NAMES, PolicyName
 from loraplex.platform.engine.preemption import PREEMPTION_MODES, PreemptionMode
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -64,8 +65,9 @@ class EngineConfig:
     attention_backend: AttentionBackendName = "auto"
     """Attention kernels: triton on CUDA; on CPU the C decode kernel ("cpu") when a C
     compiler is present, else pure torch; force one here."""
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    """fcfs, or priority (lower value first, then arrival)."""
+    scheduling_policy: PolicyName = "fcfs"
+    """Order of admission and preemption (engine/policy.py): fcfs, or priority (lower value
+    first, then arrival)."""
     enable_lora: bool = False
     """Serve LoRA adapters (requests may name one)."""
     max_loras: int = 4
@@ -123,9 +125,9 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
+        if self.scheduling_policy not in POLICY_NAMES:
             raise ValueError(
-                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+                f"scheduling_policy must be one of {POLICY_NAMES}, got {self.scheduling_policy!r}"
             )
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")

@@ -13,6 +13,7 @@ import itertools
 import json
 import logging
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,13 +35,15 @@ from loraplex.platform.engine.errors import (
 )
 from loraplex.platform.engine.host_memory import tune_host_malloc
 from loraplex.platform.engine.lora_runtime import LoRARuntime
-from loraplex.platform.engine.outputs import CompletionOutput, RequestOutput
+from loraplex.platform.engine.output_processor import OutputProcessor, request_output
+from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.engine.preemption import PreemptionPolicy
 from loraplex.platform.engine.runner import ModelRunner
-from loraplex.platform.engine.sampler import Sampler, non_finite_rows
+from loraplex.platform.engine.sampler import Sampler
 from loraplex.platform.engine.sampling_params import SamplingParams
 from loraplex.platform.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
-from loraplex.platform.engine.sequence import Request, SeqStatus, Sequence, tenant_cache_salt
+from loraplex.platform.engine.sequence import Request, Sequence, tenant_cache_salt
+from loraplex.platform.engine.stats import EngineStats, TenantCounters, build_stats
 from loraplex.platform.engine.validation import RequestLimits, check_request_limits, prompt_token_ids
 from loraplex.platform.model.loader import load_hf_config, load_model
 from loraplex.platform.model.source import resolve_model_dir
@@ -140,10 +143,11 @@ class LLMEngine:
             watermark_blocks=max(1, num_blocks // 100) if num_blocks > 100 else 0,
         )
         self.lora_manager: LoRARuntime | None = None
-        admit_hook = release_hook = None
+        admit_hook = release_hook = fork_hook = None
         if config.enable_lora:
             self.lora_manager = LoRARuntime(config, self.hf_config, device, dtype)
             admit_hook, release_hook = self.lora_manager.admit, self.lora_manager.release
+            fork_hook = self.lora_manager.on_fork
         # The device pool's blocks and the host/disk tiers below it, wired by TieredKV itself.
         self.kv = TieredKV.create(
             kv_cache,
@@ -155,12 +159,25 @@ class LLMEngine:
         )
         self.block_manager = self.kv.block_manager  # what steps allocate from (owned by self.kv)
         self.preemption = PreemptionPolicy(config.preemption_mode, per_block, can_swap=self.kv.can_swap)
-        self.scheduler = Scheduler(limits, self.kv, admit_hook, release_hook, self.preemption)
-        self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
+        self.scheduler = Scheduler(
+            limits, self.kv, admit_hook, release_hook, self.preemption, fork_hook=fork_hook
+        )
         self.requests: dict[str, Request] = {}
+        self.usage = TenantCounters()
+        self.outputs = OutputProcessor(
+            self.scheduler,
+            Sampler(torch.Generator().manual_seed(config.seed)),
+            self.info,
+            self.usage,
+            self._new_sequence,
+            self._fail_request,
+            self._retire,
+        )
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_batched_tokens = 0  # tokens run through the model (prefill, recompute and decode)
+        self.stats: EngineStats = build_stats(self)
+        """The state after the last step, published by one reference swap (any thread may read it)."""
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, "
             "%s attention, %s linear, %s pointwise",
@@ -174,6 +191,10 @@ class LLMEngine:
             linear.name,
             pointwise.name,
         )
+
+    @property
+    def sampler(self) -> Sampler:
+        return self.outputs.sampler
 
     # -- requests ----------------------------------------------------------------
     def next_request_id(self) -> str:
@@ -245,6 +266,7 @@ class LLMEngine:
         )
         req.seqs.append(self._new_sequence(req, 0, list(token_ids)))
         self.requests[request_id] = req
+        self.usage.added(tenant_id, len(token_ids))
         self.scheduler.add(req.seqs[0])
         return req
 
@@ -265,11 +287,12 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free everything it holds (unknown ids are ignored)."""
-        req = self.requests.pop(request_id, None)
+        req = self.requests.get(request_id)
         if req is None:
             return
         self.scheduler.abort(req.seqs)
         req.forked = True
+        self._retire(req)
 
     # -- the prefix cache -------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
@@ -345,14 +368,23 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one forward; return the state of every request that progressed.
 
-        A failure while running the step fails only the requests in it (their
-        outputs carry ``error``); the engine goes on. ``step`` raises only when the
-        engine itself cannot go on (``EngineDeadError``, or a scheduler bug).
+        A failure while planning a request fails that request; one while running the step
+        fails the requests in it (their outputs carry ``error``); the engine goes on.
+        ``step`` raises only when the engine itself cannot go on (``EngineDeadError``).
         """
-        out = self.scheduler.schedule()
-        rejected = self._rejected_outputs(out)
-        if out.is_empty:
-            return rejected
+        try:
+            out = self.scheduler.schedule()
+        except Exception as exc:
+            # Planning failed outside any one sequence's admission: which requests it concerns
+            # is unknown, so every unfinished one fails; new ones are served.
+            return self._fail_all(exc)
+        outputs = self._rejected_outputs(out)
+        if not out.is_empty:
+            outputs += self._run(out)
+        self.publish_stats()
+        return outputs
+
+    def _run(self, out: SchedulerOutput) -> list[RequestOutput]:
         self.num_steps += 1
         self.num_batched_tokens += out.num_batched_tokens
         try:
@@ -360,27 +392,34 @@ class LLMEngine:
             started = time.perf_counter()
             logits, sample_idx = self.runner.execute(out, lora_slots, self.lora_manager)
             self.preemption.observe_step(out.num_batched_tokens, time.perf_counter() - started)
-            for item in out.scheduled:
-                seq = item.seq
-                seq.num_computed_tokens += item.num_new_tokens
-                # Before sampling, finishing or forking: a finished sequence's blocks
-                # must already be findable when they are freed.
-                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-            outputs = self._sample_and_stop(out, logits, sample_idx)
+            self.scheduler.update_from_output(out)
+            return self.outputs.process(out, logits, sample_idx)
         except Exception as exc:
-            return rejected + self._fail_step(out, exc)
-        return rejected + outputs
+            return self._fail_step(out, exc)
+
+    def publish_stats(self) -> None:
+        """Freeze the counters into a new ``EngineStats`` and publish it (the engine's thread)."""
+        self.stats = build_stats(self)
 
     def _fail_step(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """Abort the requests of a step that raised; keep serving everyone else."""
         reqs = {item.seq.request.request_id: item.seq.request for item in out.scheduled}
         logger.exception("engine step %d failed; failing its requests %s", self.num_steps, sorted(reqs))
-        msg = f"internal error while running this request: {exc}"
-        failed = [self._fail_request(req, msg) for req in reqs.values()]
+        return self._fail_and_check(reqs.values(), f"internal error while running this request: {exc}", exc)
+
+    def _fail_all(self, exc: Exception) -> list[RequestOutput]:
+        logger.exception("planning step %d failed; failing every unfinished request", self.num_steps + 1)
+        reqs = list(self.requests.values())
+        outputs = self._fail_and_check(reqs, f"internal error while scheduling this request: {exc!r}", exc)
+        self.publish_stats()
+        return outputs
+
+    def _fail_and_check(self, reqs: Iterable[Request], message: str, exc: Exception) -> list[RequestOutput]:
+        failed = [self._fail_request(req, message) for req in reqs]
         try:
             self.check_integrity()
         except AssertionError as bad:
-            raise EngineDeadError(f"engine state is inconsistent after a failed step: {bad}") from exc
+            raise EngineDeadError(f"engine state is inconsistent after a failure: {bad}") from exc
         return failed
 
     def _fail_request(self, req: Request, message: str) -> RequestOutput:
@@ -388,158 +427,26 @@ class LLMEngine:
         req.error = message
         req.forked = True  # no siblings will be forked now
         self.scheduler.abort(req.seqs)
-        self.requests.pop(req.request_id, None)
-        return self._output(req)
+        self._retire(req)
+        return request_output(req)
 
     def _rejected_outputs(self, out: SchedulerOutput) -> list[RequestOutput]:
-        """Requests the scheduler aborted at admission (e.g. their adapter was removed)."""
+        """Requests the scheduler ended while planning: rejected (their adapter was removed) or
+        failed (an error planning them); ``request.error`` says which."""
         outputs = []
         for seq in out.aborted:
             req = seq.request
             req.forked = True  # no siblings will ever be forked now
-            if self.requests.pop(req.request_id, None) is not None:
+            if req.request_id in self.requests:
                 self.scheduler.abort(req.seqs)
-                outputs.append(self._output(req))
+                self._retire(req)
+                outputs.append(request_output(req))
         return outputs
 
-    def _sample_and_stop(
-        self, out: SchedulerOutput, logits: torch.Tensor, sample_idx: list[int]
-    ) -> list[RequestOutput]:
-        rows: list[int] = []
-        seqs: list[Sequence] = []
-        for row, i in enumerate(sample_idx):
-            seq = out.scheduled[i].seq
-            req = seq.request
-            if req.params.n > 1 and not req.forked:
-                req.forked = True
-                for j in range(1, req.params.n):
-                    child = self._new_sequence(req, j, list(seq.token_ids))
-                    child.detokenizer = seq.detokenizer.clone()
-                    child.num_computed_tokens = seq.num_computed_tokens
-                    self.block_manager.fork(seq.seq_id, child.seq_id)
-                    req.seqs.append(child)
-                    self.scheduler.add_running(child)
-                    if self.lora_manager is not None:
-                        self.lora_manager.on_fork(seq, child)
-                    rows.append(row)
-                    seqs.append(child)
-            rows.append(row)
-            seqs.append(seq)
-        if not seqs:
-            return []
-        row_logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
-        self._ban_early_stops(row_logits, seqs)
-        failed = self._fail_non_finite(row_logits, seqs)
-        if failed:
-            keep = [r for r, s in enumerate(seqs) if not s.request.finished]
-            seqs = [seqs[r] for r in keep]
-            row_logits = row_logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
-            if not seqs:
-                return failed
-        results = self.sampler.sample(
-            row_logits,
-            [s.params for s in seqs],
-            [s.request.prompt_token_ids for s in seqs],
-            [s.output_token_ids for s in seqs],
-            [s.generator for s in seqs],
-        )
-        now = time.monotonic()
-        touched: dict[str, Request] = {}
-        for seq, res in zip(seqs, results, strict=True):
-            seq.token_ids.append(res.token_id)
-            if seq.params.logprobs is not None:
-                seq.cumulative_logprob += res.logprob
-                if res.top_logprobs is not None:
-                    seq.logprobs.append(res.top_logprobs)
-            stop_str = seq.detokenizer.append(res.token_id)
-            status = self._stop_status(seq, res.token_id, stop_str)
-            if status is not None:
-                self.scheduler.finish(seq, status)
-            req = seq.request
-            if req.first_token_time is None:
-                req.first_token_time = now
-            touched[req.request_id] = req
-        for req in touched.values():
-            if req.finished:
-                self.requests.pop(req.request_id, None)
-        return failed + [self._output(req) for req in touched.values()]
-
-    def _fail_non_finite(self, row_logits: torch.Tensor, seqs: list[Sequence]) -> list[RequestOutput]:
-        """Fail the requests whose rows cannot be sampled: NaN or +inf (an adapter that
-        overflows), or every token banned. Sampling would raise for the whole batch, so
-        only the requests those rows belong to end, with an error.
-        """
-        bad_rows = non_finite_rows(row_logits)
-        if not bad_rows:
-            return []
-        failed: dict[str, RequestOutput] = {}
-        for r in bad_rows:
-            req = seqs[r].request
-            if req.request_id not in failed:
-                logger.warning("request %s produced non-finite logits; failing it", req.request_id)
-                msg = (
-                    "the model produced non-finite logits for this request, or its stop tokens ban "
-                    "every token (check the adapter's weights and stop_token_ids)"
-                )
-                failed[req.request_id] = self._fail_request(req, msg)
-        return list(failed.values())
-
-    def _ban_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Before ``min_tokens``, EOS and stop tokens cannot be sampled (vLLM semantics)."""
-        for r, seq in enumerate(seqs):
-            p = seq.params
-            if p.min_tokens and seq.num_output_tokens < p.min_tokens:
-                banned = list(p.stop_token_ids or [])
-                if not p.ignore_eos:
-                    banned.extend(self.info.eos_token_ids)
-                if banned:
-                    logits[r, banned] = float("-inf")
-
-    def _stop_status(self, seq: Sequence, token_id: int, stop_str: str | None) -> SeqStatus | None:
-        p = seq.params
-        seq_len_cap = self.info.max_model_len
-        if stop_str is not None:
-            seq.stop_reason = stop_str
-            return SeqStatus.FINISHED_STOPPED
-        if seq.num_output_tokens >= p.min_tokens:
-            if p.stop_token_ids and token_id in p.stop_token_ids:
-                seq.stop_reason = token_id
-                return SeqStatus.FINISHED_STOPPED
-            if not p.ignore_eos and token_id in self.info.eos_token_ids:
-                return SeqStatus.FINISHED_STOPPED
-        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
-            return SeqStatus.FINISHED_LENGTH
-        if seq.num_tokens >= seq_len_cap:
-            return SeqStatus.FINISHED_LENGTH
-        return None
-
-    def _output(self, req: Request) -> RequestOutput:
-        outs = [
-            CompletionOutput(
-                index=s.index,
-                text=s.detokenizer.text,
-                token_ids=s.output_token_ids,
-                cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
-                logprobs=s.logprobs if s.params.logprobs is not None else None,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-            )
-            for s in sorted(req.seqs, key=lambda s: s.index)
-        ]
-        metrics = {"arrival_time": req.arrival_time}
-        if req.first_token_time is not None:
-            metrics["first_token_time"] = req.first_token_time
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=outs,
-            finished=req.finished,
-            num_cached_tokens=req.num_cached_tokens,
-            lora_name=req.lora_name,
-            metrics=metrics,
-            error=req.error,
-        )
+    def _retire(self, req: Request) -> None:
+        """``req`` has ended: forget it, and count it once for its tenant."""
+        if self.requests.pop(req.request_id, None) is not None:
+            self.usage.finished(req.tenant_id, req.num_cached_tokens, req.error is not None)
 
     def shutdown(self) -> None:
         """Persist cached KV to the disk tier and stop its workers; the engine serves no more after it.

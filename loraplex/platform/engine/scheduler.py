@@ -18,6 +18,14 @@ host RAM or on disk, the promotion starts (host copies at once, disk reads on th
 tier's workers) and the sequence waits, without holding up the sequences behind it,
 until its blocks have landed; only when nothing else can run does ``schedule`` block
 on the reads.
+
+Order is the ``SchedulingPolicy``'s (``policy``: fcfs, priority): which waiting sequence is
+tried first, whom to preempt, and its per-step accounting. Planning one sequence can fail
+(its promotion's device copy raises, a bug): that sequence alone ends with an error
+(``SchedulerOutput.aborted``, ``request.error`` set) and the step is planned without it.
+After the forward, ``update_from_output`` advances what the step computed (and makes the
+full blocks findable), and ``fork`` adds a parallel-sampling sibling: the scheduler owns
+every sequence's progress.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from loraplex.platform.engine.policy import SchedulingPolicy, make_policy
 from loraplex.platform.engine.preemption import PreemptionPolicy
 from loraplex.platform.engine.sequence import SeqStatus, Sequence
 from loraplex.platform.engine.tier_admission import TierAdmission, Wait
@@ -72,7 +81,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     block_copies: list[BlockCopy] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    aborted: list[Sequence] = field(default_factory=list)  # rejected at admission
+    # Ended while planning: rejected at admission (an adapter removed) or failed (an error
+    # planning it); ``request.error`` says why.
+    aborted: list[Sequence] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -103,8 +114,10 @@ class Scheduler:
         admit_hook: Callable[[Sequence], AdmitDecision] | None = None,
         release_hook: Callable[[Sequence], None] | None = None,
         preemption: PreemptionPolicy | None = None,
+        fork_hook: Callable[[Sequence, Sequence], None] | None = None,
     ) -> None:
         self.limits = limits
+        self.policy: SchedulingPolicy = make_policy(limits.policy)
         self.kv = cache.block_manager
         # The host/disk tiers below the pool (if any): prefix hits continue there (promotion),
         # and preempted sequences' partial tails may be swapped there.
@@ -115,38 +128,49 @@ class Scheduler:
         # when a sequence stops using its adapter; None = no LoRA.
         self._admit_hook = admit_hook
         self._release_hook = release_hook
+        self._fork_hook = fork_hook
         self.num_preemptions = 0
+        self.num_planning_failures = 0
 
     # -- queue management --------------------------------------------------------
-    def _order_key(self, seq: Sequence) -> tuple[int, float, int]:
-        req = seq.request
-        prio = req.priority if self.limits.policy == "priority" else 0
-        return (prio, req.arrival_time, seq.index)
-
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
-        if self.limits.policy == "priority":
-            self.waiting.sort(key=self._order_key)
+        self.policy.enqueue(self.waiting, seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """Admit a forked sibling straight into the running set (it shares KV already)."""
-        seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
-        self.running.sort(key=self._order_key)
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start ``child`` as a running sibling of ``parent`` (parallel sampling): it shares
+        every block of ``parent`` (copy-on-write) and its adapter slot."""
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.kv.fork(parent.seq_id, child.seq_id)
+        child.status = SeqStatus.RUNNING
+        self.running.append(child)
+        self.running.sort(key=self.policy.key)
+        if self._fork_hook is not None:
+            self._fork_hook(parent, child)
+
+    def update_from_output(self, out: SchedulerOutput) -> None:
+        """The step ran: each scheduled sequence computed its new tokens. Their newly full
+        blocks become findable now, before sampling, finishing or forking, so a sequence's
+        blocks are cached when it is freed."""
+        for item in out.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
 
     def finish(self, seq: Sequence, status: SeqStatus) -> None:
         """Mark ``seq`` finished and free its blocks; safe to call from any queue."""
-        was_running = seq in self.running
-        if was_running:
+        if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if was_running and self._release_hook is not None:
+        # Also for a waiting one: a planning failure may come after its admission pinned an
+        # adapter slot (releasing a sequence that holds none is a no-op).
+        if self._release_hook is not None:
             self._release_hook(seq)
         seq.status = status
         self.kv.free(seq.seq_id)
         self.tier_io.forget(seq)
+        self.policy.on_finished(seq)
 
     def abort(self, seqs: Iterable[Sequence]) -> None:
         for seq in list(seqs):
@@ -190,21 +214,26 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
-        self.waiting.insert(0, seq)
-        if self.limits.policy == "priority":
-            self.waiting.sort(key=self._order_key)
+        self.policy.enqueue(self.waiting, seq, front=True)
         out.preempted.append(seq)
         self.num_preemptions += 1
         logger.debug("preempted seq %d (request %s)", seq.seq_id, seq.request.request_id)
 
     def _victim(self, seq: Sequence, scheduled: dict[int, ScheduledSeq]) -> Sequence:
-        """Whom to preempt so ``seq`` can run: the lowest-priority, newest running
-        sequence not already in this step; ``seq`` itself if that one outranks it."""
+        """Whom to preempt so ``seq`` can run: the policy's last-ranked running sequence not
+        already in this step; ``seq`` itself if it ranks below every one of them."""
         candidates = [s for s in self.running if s.seq_id not in scheduled and s is not seq]
-        if not candidates:
-            return seq
-        victim = max(candidates, key=self._order_key)
-        return seq if self._order_key(victim) < self._order_key(seq) else victim
+        return self.policy.victim(candidates, seq)
+
+    def _fail(self, seq: Sequence, exc: Exception, out: SchedulerOutput) -> None:
+        """Planning ``seq`` raised: end it (and free what it holds) with an error; the step goes on."""
+        logger.exception(
+            "planning seq %d (request %s) failed; failing it", seq.seq_id, seq.request.request_id
+        )
+        self.num_planning_failures += 1
+        seq.request.error = f"internal error while scheduling this request: {exc!r}"
+        self.finish(seq, SeqStatus.FINISHED_ABORTED)
+        out.aborted.append(seq)
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step. Blocks on lower-tier reads only when nothing else could run."""
@@ -212,6 +241,7 @@ class Scheduler:
         out = self._schedule_once()
         while out.is_empty and not out.aborted and self.tier_io.wait_for_a_transfer(self.waiting):
             out = self._schedule_once()  # everyone left was waiting for blocks from host/disk
+        self.policy.on_scheduled((item.seq, item.num_new_tokens) for item in out.scheduled)
         return out
 
     def _schedule_once(self) -> SchedulerOutput:
@@ -242,68 +272,26 @@ class Scheduler:
             budget -= num_new
 
         # 2. Admit waiting sequences (not in a step that had to preempt: memory is tight).
-        #    Memory is strictly FCFS (a sequence that does not fit stops admission), but
-        #    a sequence whose adapter has no slot yet is skipped so it never blocks
-        #    requests for resident adapters or the base model.
+        #    Memory is strictly in the policy's order (a sequence that does not fit stops
+        #    admission), but a sequence whose adapter has no slot yet is skipped so it never
+        #    blocks requests for resident adapters or the base model.
         if not out.preempted:
-            for seq in list(self.waiting):
+            for seq in self.policy.admission_order(self.waiting):
                 if budget <= 0:
                     break
                 width = 1 if seq.request.forked else seq.request.params.n
                 if len(self.running) + width > self.limits.max_num_seqs:
                     break
-                # Prefix cache: full blocks someone computed before (same tokens, same
-                # adapter version, same tenant) are shared instead of recomputed. Nothing
-                # may allocate KV between this lookup and allocate_slots below.
-                if not self.tier_io.swap_in_ready(seq):
-                    continue  # its swapped tail is being read back; later sequences may run
-                hit = self.tier_io.prefix_hit(seq) if seq.num_computed_tokens == 0 else NO_HIT
-                if hit is None:
-                    continue  # its prefix is on its way up from host/disk
-                cached = hit.num_cached_tokens
-                swapped = self.tier_io.usable_swap(seq, hit)
-                if swapped is Wait.PREFIX:
-                    continue  # the rest of its prefix is still coming back: the tail stays useful
-                resume = swapped.num_computed_tokens if swapped is not None else cached
-                num_new = min(seq.num_tokens - resume, budget)
-                # Blocks for everything from the hit on: the swapped tail lands in the first.
-                to_allocate = resume + num_new - cached
-                status = self.kv.can_allocate(seq.seq_id, cached + to_allocate, hit)
-                if status is AllocStatus.NEVER:
-                    # Only reachable if the pool shrank after add-time validation.
-                    self.finish(seq, SeqStatus.FINISHED_ABORTED)
-                    out.aborted.append(seq)
-                    logger.error("seq %d can never fit the KV pool; aborted", seq.seq_id)
+                try:
+                    admitted = self._admit(seq, budget, out)
+                except Exception as exc:  # this sequence's planning failed, not the step's
+                    self._fail(seq, exc, out)
                     continue
-                needed = self.kv.num_new_blocks_needed(seq.seq_id, cached, to_allocate, hit)
-                if status is AllocStatus.LATER or (
-                    self.kv.num_free_blocks - needed < self.limits.watermark_blocks and self.running
-                ):
+                if admitted is _STOP:
                     break
-                if self._admit_hook is not None:
-                    decision = self._admit_hook(seq)
-                    if decision is AdmitDecision.WAIT:
-                        continue
-                    if decision is AdmitDecision.REJECT:
-                        self.finish(seq, SeqStatus.FINISHED_ABORTED)
-                        out.aborted.append(seq)
-                        continue
-                copies = self.kv.allocate_slots(seq.seq_id, cached, to_allocate, hit)
-                assert copies is not None, "can_allocate said OK"
-                seq.num_computed_tokens = cached
-                if swapped is not None:
-                    if self.tier_io.place_swapped_tail(seq, swapped):
-                        seq.num_computed_tokens = resume
-                    else:  # a read failed (a counted miss): compute from the hit, within budget
-                        num_new = min(seq.num_tokens - cached, num_new)
-                if seq.num_preemptions == 0 and seq.index == 0:
-                    seq.request.num_cached_tokens = min(cached, seq.num_prompt_tokens)
-                self.waiting.remove(seq)
-                seq.status = SeqStatus.RUNNING
-                self.running.append(seq)
-                out.block_copies.extend(copies)
-                scheduled[seq.seq_id] = ScheduledSeq(seq, num_new, tuple(self.kv.block_table(seq.seq_id)))
-                budget -= num_new
+                if isinstance(admitted, ScheduledSeq):
+                    scheduled[seq.seq_id] = admitted
+                    budget -= admitted.num_new_tokens
 
         # Decodes (one query token) first: backends batch them with one kernel.
         items = list(scheduled.values())
@@ -311,3 +299,69 @@ class Scheduler:
             s for s in items if s.num_new_tokens > 1
         ]
         return out
+
+    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledSeq | _Skip:
+        """Try to admit one waiting sequence within ``budget`` tokens: its ``ScheduledSeq``,
+        ``_SKIP`` (not now; later ones may run) or ``_STOP`` (no memory: admission ends)."""
+        # Prefix cache: full blocks someone computed before (same tokens, same adapter
+        # version, same tenant) are shared instead of recomputed. Nothing may allocate KV
+        # between this lookup and allocate_slots below.
+        if not self.tier_io.swap_in_ready(seq):
+            return _SKIP  # its swapped tail is being read back; later sequences may run
+        hit = self.tier_io.prefix_hit(seq) if seq.num_computed_tokens == 0 else NO_HIT
+        if hit is None:
+            return _SKIP  # its prefix is on its way up from host/disk
+        cached = hit.num_cached_tokens
+        swapped = self.tier_io.usable_swap(seq, hit)
+        if swapped is Wait.PREFIX:
+            return _SKIP  # the rest of its prefix is still coming back: the tail stays useful
+        resume = swapped.num_computed_tokens if swapped is not None else cached
+        num_new = min(seq.num_tokens - resume, budget)
+        # Blocks for everything from the hit on: the swapped tail lands in the first.
+        to_allocate = resume + num_new - cached
+        status = self.kv.can_allocate(seq.seq_id, cached + to_allocate, hit)
+        if status is AllocStatus.NEVER:
+            # Only reachable if the pool shrank after add-time validation.
+            seq.request.error = "this request can never fit the KV pool"
+            self.finish(seq, SeqStatus.FINISHED_ABORTED)
+            out.aborted.append(seq)
+            logger.error("seq %d can never fit the KV pool; aborted", seq.seq_id)
+            return _SKIP
+        needed = self.kv.num_new_blocks_needed(seq.seq_id, cached, to_allocate, hit)
+        if status is AllocStatus.LATER or (
+            self.kv.num_free_blocks - needed < self.limits.watermark_blocks and self.running
+        ):
+            return _STOP
+        if self._admit_hook is not None:
+            decision = self._admit_hook(seq)
+            if decision is AdmitDecision.WAIT:
+                return _SKIP
+            if decision is AdmitDecision.REJECT:
+                self.finish(seq, SeqStatus.FINISHED_ABORTED)
+                out.aborted.append(seq)
+                return _SKIP
+        copies = self.kv.allocate_slots(seq.seq_id, cached, to_allocate, hit)
+        assert copies is not None, "can_allocate said OK"
+        seq.num_computed_tokens = cached
+        if swapped is not None:
+            if self.tier_io.place_swapped_tail(seq, swapped):
+                seq.num_computed_tokens = resume
+            else:  # a read failed (a counted miss): compute from the hit, within budget
+                num_new = min(seq.num_tokens - cached, num_new)
+        # Nothing below can fail: from here the sequence runs this step.
+        if seq.num_preemptions == 0 and seq.index == 0:
+            seq.request.num_cached_tokens = min(cached, seq.num_prompt_tokens)
+        self.waiting.remove(seq)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        out.block_copies.extend(copies)
+        return ScheduledSeq(seq, num_new, tuple(self.kv.block_table(seq.seq_id)))
+
+
+class _Skip(enum.Enum):
+    SKIP = "skip"  # not now: try the next waiting sequence
+    STOP = "stop"  # no memory: admit nothing more this step
+
+
+_SKIP = _Skip.SKIP
+_STOP = _Skip.STOP

@@ -21,6 +21,7 @@ lookup.
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from collections.abc import Iterable
 
@@ -36,6 +37,8 @@ from loraplex.storage.kv.tiered_prefix import (
     start_promotion,
     tiered_continuation,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class Wait(enum.Enum):
@@ -152,7 +155,12 @@ class TierAdmission:
         if not tail or not self.preemption.should_swap(computed - first * bs, len(tail)):
             return
         start = time.perf_counter()
-        handle = self.tiers.swap_out(tail)
+        try:
+            handle = self.tiers.swap_out(tail)
+        except Exception:
+            # Swapping is only cheaper than recomputing: a copy that fails costs the tokens.
+            logger.exception("swapping out seq %d's tail failed; it will be recomputed", seq.seq_id)
+            return
         self.preemption.observe_copy(len(tail), time.perf_counter() - start)
         if handle is not None:  # None: the tiers are full, recompute instead
             seq.swapped = SwappedTail(handle, first, computed)
@@ -196,8 +204,15 @@ class TierAdmission:
         table = self.kv.block_table(seq.seq_id)
         start = time.perf_counter()
         # Only the blocks still held by a tier started: a shorter run is incomplete (recompute).
-        swapped.swap_in.assign(table[swapped.first_block : swapped.first_block + swapped.swap_in.num_started])
-        result = swapped.swap_in.wait()
+        try:
+            swapped.swap_in.assign(
+                table[swapped.first_block : swapped.first_block + swapped.swap_in.num_started]
+            )
+            result = swapped.swap_in.wait()
+        except BaseException:
+            swapped.swap_in.cancel()  # a no-op if the wait ended it: nothing stays pinned or hidden
+            self.num_swaps_lost += 1
+            raise
         self.preemption.observe_copy(result.num_loaded, time.perf_counter() - start)
         if result.complete:
             self.num_swapped_in += 1

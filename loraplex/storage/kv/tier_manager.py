@@ -295,12 +295,28 @@ class TierManager:
                     break  # a failed disk read: the chain stops here
                 from_disk.append((block_id, data))
             num_loaded += 1
-        if from_disk:
-            self.device.write_blocks([b for b, _ in from_disk], [d for _, d in from_disk])
-        # Host slots stay pinned until the device is done copying from them.
-        self.device.synchronize()
+        try:
+            if from_disk:
+                self.device.write_blocks([b for b, _ in from_disk], [d for _, d in from_disk])
+            # Host slots stay pinned until the device is done copying from them.
+            self.device.synchronize()
+        except BaseException:
+            # The device blocks may hold anything: nothing counts as loaded, every key stays
+            # where it was (findable again), and the caller releases its device blocks.
+            self._release_sources(promotion, 0)
+            raise
+        self._release_sources(promotion, num_loaded)
+        return PromotionResult(
+            num_loaded=num_loaded,
+            num_requested=promotion.num_requested,
+            keys=[s.key for s in sources[:num_loaded]],
+            block_ids=block_ids[:num_loaded],
+        )
+
+    def _release_sources(self, promotion: Promotion, num_loaded: int) -> None:
+        """Unhide and unpin a finished promotion's keys; the loaded ones leave host/disk."""
         with self._lock:
-            for position, source in enumerate(sources):
+            for position, source in enumerate(promotion.sources):
                 self._moving.discard(source.key)
                 loaded = position < num_loaded
                 superseded = source.key in self._superseded
@@ -317,12 +333,6 @@ class TierManager:
                     removed = self.disk.remove(source.key, promoted=loaded)
                 if removed and superseded and not loaded:
                     self.num_discarded_blocks += 1
-        return PromotionResult(
-            num_loaded=num_loaded,
-            num_requested=promotion.num_requested,
-            keys=[s.key for s in sources[:num_loaded]],
-            block_ids=block_ids[:num_loaded],
-        )
 
     def on_device_cache(self, key: bytes) -> None:
         """The block pool's ``on_cache`` hook: the device now caches ``key``; drop the copy below."""
@@ -376,14 +386,20 @@ class TierManager:
         """Copy a preempted sequence's device blocks (full or partial) to host, else disk.
 
         Complete when it returns: the device blocks may be freed. None if the tiers
-        could not take every block (nothing is kept; recompute instead).
+        could not take every block (nothing is kept; recompute instead). An error while
+        copying leaves nothing stored either, then is raised.
         """
         with self._lock:
             handle = SwapHandle(next(self._swap_ids), len(block_ids))
             keys = handle.block_keys()
-            for key, block_id in zip(keys, block_ids, strict=True):
-                if self._store_from_device(key, block_id) is None:
-                    break
+            try:
+                for key, block_id in zip(keys, block_ids, strict=True):
+                    if self._store_from_device(key, block_id) is None:
+                        break
+            except BaseException:
+                for key in keys:
+                    self._forget(key)
+                raise
             # A later block may have pushed an earlier one out of host and found the disk full.
             if not all(self._locate(key) is not None for key in keys):
                 for key in keys:

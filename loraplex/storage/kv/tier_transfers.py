@@ -74,6 +74,10 @@ class PromotionResult(NamedTuple):
         return self.num_loaded == self.num_requested
 
 
+def _NOTHING_LOADED(num_requested: int) -> PromotionResult:
+    return PromotionResult(num_loaded=0, num_requested=num_requested, keys=[], block_ids=[])
+
+
 class PromotionSource(NamedTuple):
     """Where one block of a promotion comes from."""
 
@@ -155,12 +159,20 @@ class Promotion:
 
         Raises TimeoutError if disk reads are still running after ``timeout_s`` (wait
         again later). The caller publishes ``result.block_ids`` in its prefix cache
-        and releases the other assigned blocks.
+        and releases the other assigned blocks. Any other error (a device copy that
+        failed) ends the promotion with nothing loaded before it is raised: the caller
+        releases every assigned block.
         """
         if self._result is None:
             if self.block_ids is None:
                 raise RuntimeError("assign device blocks before waiting for a promotion")
-            self._result = self._manager.complete_promotion(self, timeout_s, cancel=False)
+            try:
+                self._result = self._manager.complete_promotion(self, timeout_s, cancel=False)
+            except TimeoutError:
+                raise  # nothing was finished: wait again later
+            except BaseException:
+                self._result = _NOTHING_LOADED(self.num_requested)
+                raise
         return self._result
 
     def cancel(self) -> None:

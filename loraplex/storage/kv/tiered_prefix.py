@@ -64,27 +64,47 @@ def start_promotion(
     if not run:
         return None
     promotion = tiers.prefetch(run)
-    # Hold the device blocks of the hit while allocating: free and least recently used,
-    # they would be the first evicted to make room for the blocks that continue them.
-    for held in hit.block_ids:
-        kv.pool.take(held)
     block_ids: list[int] = []
-    for key, owner in zip(promotion.keys, promotion.owners, strict=True):
-        block_id = kv.pool.allocate_for_key(BlockKey(key), owner)
-        if block_id is None:  # no free device block left: promote what fits
-            break
-        block_ids.append(block_id)
-    # Back to the free queue (if nobody else holds them) as its most recent entries,
-    # the head of the prefix last, so the hit stays valid and is evicted last.
-    for held in reversed(hit.block_ids):
-        kv.pool.decref(held)
-    promotion.assign(block_ids)
+    try:
+        # Hold the device blocks of the hit while allocating: free and least recently used,
+        # they would be the first evicted to make room for the blocks that continue them.
+        taken = 0
+        try:
+            for held in hit.block_ids:
+                kv.pool.take(held)
+                taken += 1
+            for key, owner in zip(promotion.keys, promotion.owners, strict=True):
+                block_id = kv.pool.allocate_for_key(BlockKey(key), owner)
+                if block_id is None:  # no free device block left: promote what fits
+                    break
+                block_ids.append(block_id)
+        finally:
+            # Back to the free queue (if nobody else holds them) as its most recent entries,
+            # the head of the prefix last, so the hit stays valid and is evicted last.
+            for held in reversed(hit.block_ids[:taken]):
+                kv.pool.decref(held)
+        promotion.assign(block_ids)
+    except BaseException:
+        # Nothing half-done stays behind: device blocks released, keys back in their tier.
+        for block_id in block_ids:
+            kv.pool.cancel_promoted(block_id)
+        promotion.cancel()
+        raise
     return PendingPromotion(promotion, block_ids)
 
 
 def finish_promotion(kv: KVBlockManager, pending: PendingPromotion) -> int:
-    """Wait for what is still in flight, publish the blocks that landed; return how many."""
-    result = pending.promotion.wait()
+    """Wait for what is still in flight, publish the blocks that landed; return how many.
+
+    If the promotion fails (not a disk fault, which is a counted miss: a bug, a device copy
+    that raised), its device blocks are released and the error is raised.
+    """
+    try:
+        result = pending.promotion.wait()
+    except BaseException:
+        for block_id in pending.block_ids:
+            kv.pool.cancel_promoted(block_id)
+        raise
     for block_id in result.block_ids:
         kv.pool.publish_promoted(block_id)
     for block_id in pending.block_ids[result.num_loaded :]:

@@ -1,0 +1,191 @@
+"""After the forward: parallel-sampling forks, sampling, stop checks, ``RequestOutput``s.
+
+    process(out, logits, sample_idx)   every sampled row: a token, maybe a stop; the outputs
+    request_output(req)                a request as the caller sees it (vLLM's shape)
+
+Rows that cannot be sampled (NaN or +inf logits, every token banned) fail only their request.
+Before ``min_tokens``, EOS and stop tokens cannot be sampled (vLLM semantics). A finished
+request is handed back to the engine (``retire``), which forgets and counts it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from loraplex.platform.engine.config import RuntimeInfo
+from loraplex.platform.engine.outputs import CompletionOutput, RequestOutput
+from loraplex.platform.engine.sampler import Sampler, non_finite_rows
+from loraplex.platform.engine.scheduler import Scheduler, SchedulerOutput
+from loraplex.platform.engine.sequence import Request, SeqStatus, Sequence
+from loraplex.platform.engine.stats import TenantCounters
+
+logger = logging.getLogger(__name__)
+
+
+class OutputProcessor:
+    """Turns one step's logits into tokens, stops and outputs (see the module docstring)."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        sampler: Sampler,
+        info: RuntimeInfo,
+        usage: TenantCounters,
+        new_sequence: Callable[[Request, int, list[int]], Sequence],
+        fail_request: Callable[[Request, str], RequestOutput],
+        retire: Callable[[Request], None],
+    ) -> None:
+        """``new_sequence`` makes a sibling, ``fail_request`` ends a request with an error and
+        ``retire`` forgets a finished one: the engine's, which owns the requests."""
+        self.scheduler = scheduler
+        self.sampler = sampler
+        self.info = info
+        self.usage = usage
+        self._new_sequence = new_sequence
+        self._fail_request = fail_request
+        self._retire = retire
+
+    def process(
+        self, out: SchedulerOutput, logits: torch.Tensor, sample_idx: list[int]
+    ) -> list[RequestOutput]:
+        """Sample every row of ``logits`` (``sample_idx[row]`` is its ``out.scheduled`` index),
+        fork the siblings of a request whose prompt just completed (all ``n`` first tokens come
+        from the same logits), apply the stops; the outputs of every request that progressed."""
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        for row, i in enumerate(sample_idx):
+            seq = out.scheduled[i].seq
+            req = seq.request
+            if req.params.n > 1 and not req.forked:
+                req.forked = True
+                for j in range(1, req.params.n):
+                    child = self._new_sequence(req, j, list(seq.token_ids))
+                    child.detokenizer = seq.detokenizer.clone()
+                    req.seqs.append(child)
+                    self.scheduler.fork(seq, child)
+                    rows.append(row)
+                    seqs.append(child)
+            rows.append(row)
+            seqs.append(seq)
+        if not seqs:
+            return []
+        row_logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+        self._ban_early_stops(row_logits, seqs)
+        failed = self._fail_non_finite(row_logits, seqs)
+        if failed:
+            keep = [r for r, s in enumerate(seqs) if not s.request.finished]
+            seqs = [seqs[r] for r in keep]
+            row_logits = row_logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+            if not seqs:
+                return failed
+        results = self.sampler.sample(
+            row_logits,
+            [s.params for s in seqs],
+            [s.request.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs],
+            [s.generator for s in seqs],
+        )
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for seq, res in zip(seqs, results, strict=True):
+            seq.token_ids.append(res.token_id)
+            self.usage.generated(seq.request.tenant_id, 1)
+            if seq.params.logprobs is not None:
+                seq.cumulative_logprob += res.logprob
+                if res.top_logprobs is not None:
+                    seq.logprobs.append(res.top_logprobs)
+            stop_str = seq.detokenizer.append(res.token_id)
+            status = self._stop_status(seq, res.token_id, stop_str)
+            if status is not None:
+                self.scheduler.finish(seq, status)
+            req = seq.request
+            if req.first_token_time is None:
+                req.first_token_time = now
+            touched[req.request_id] = req
+        for req in touched.values():
+            if req.finished:
+                self._retire(req)
+        return failed + [request_output(req) for req in touched.values()]
+
+    def _fail_non_finite(self, row_logits: torch.Tensor, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Fail the requests whose rows cannot be sampled: NaN or +inf (an adapter that
+        overflows), or every token banned. Sampling would raise for the whole batch, so
+        only the requests those rows belong to end, with an error.
+        """
+        bad_rows = non_finite_rows(row_logits)
+        if not bad_rows:
+            return []
+        failed: dict[str, RequestOutput] = {}
+        for r in bad_rows:
+            req = seqs[r].request
+            if req.request_id not in failed:
+                logger.warning("request %s produced non-finite logits; failing it", req.request_id)
+                msg = (
+                    "the model produced non-finite logits for this request, or its stop tokens ban "
+                    "every token (check the adapter's weights and stop_token_ids)"
+                )
+                failed[req.request_id] = self._fail_request(req, msg)
+        return list(failed.values())
+
+    def _ban_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Before ``min_tokens``, EOS and stop tokens cannot be sampled (vLLM semantics)."""
+        for r, seq in enumerate(seqs):
+            p = seq.params
+            if p.min_tokens and seq.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids or [])
+                if not p.ignore_eos:
+                    banned.extend(self.info.eos_token_ids)
+                if banned:
+                    logits[r, banned] = float("-inf")
+
+    def _stop_status(self, seq: Sequence, token_id: int, stop_str: str | None) -> SeqStatus | None:
+        p = seq.params
+        seq_len_cap = self.info.max_model_len
+        if stop_str is not None:
+            seq.stop_reason = stop_str
+            return SeqStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= p.min_tokens:
+            if p.stop_token_ids and token_id in p.stop_token_ids:
+                seq.stop_reason = token_id
+                return SeqStatus.FINISHED_STOPPED
+            if not p.ignore_eos and token_id in self.info.eos_token_ids:
+                return SeqStatus.FINISHED_STOPPED
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return SeqStatus.FINISHED_LENGTH
+        if seq.num_tokens >= seq_len_cap:
+            return SeqStatus.FINISHED_LENGTH
+        return None
+
+
+def request_output(req: Request) -> RequestOutput:
+    """The vLLM-shaped ``RequestOutput`` of ``req`` as it stands."""
+    outs = [
+        CompletionOutput(
+            index=s.index,
+            text=s.detokenizer.text,
+            token_ids=s.output_token_ids,
+            cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
+            logprobs=s.logprobs if s.params.logprobs is not None else None,
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
+        )
+        for s in sorted(req.seqs, key=lambda s: s.index)
+    ]
+    metrics = {"arrival_time": req.arrival_time}
+    if req.first_token_time is not None:
+        metrics["first_token_time"] = req.first_token_time
+    return RequestOutput(
+        request_id=req.request_id,
+        prompt=req.prompt,
+        prompt_token_ids=req.prompt_token_ids,
+        outputs=outs,
+        finished=req.finished,
+        num_cached_tokens=req.num_cached_tokens,
+        lora_name=req.lora_name,
+        metrics=metrics,
+        error=req.error,
+    )
