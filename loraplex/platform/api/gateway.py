@@ -29,7 +29,7 @@ from loraplex.platform.api.catalog.engine_adapters import EngineAdapters
 from loraplex.platform.api.services import tenants
 from loraplex.platform.api.services.errors import EngineBusy
 from loraplex.platform.api.tenancy.auth import local_tenant
-from loraplex.platform.api.tenancy.quotas import QuotaSettings, make_quota_limiter
+from loraplex.platform.api.tenancy.quotas import QuotaSettings, RedisQuotaLimiter, make_quota_limiter
 from loraplex.platform.api.tenancy.tenant_gate import TenantGate
 from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.settings import GatewaySettings
@@ -47,6 +47,23 @@ def quota_settings(settings: GatewaySettings) -> QuotaSettings:
         failure_policy=settings.quota_failure_policy,
         key_prefix=settings.quota_key_prefix,
     )
+
+
+@dataclass(frozen=True)
+class GatewayStats:
+    """The gateway's own counters at one moment (the engine's are ``EngineStats``). They live on
+    the event loop, so a snapshot taken there is consistent without a lock."""
+
+    num_usage_write_failures: int
+    """Usage records that could not be written (logged each time)."""
+    num_background_pending: int
+    num_background_failed: int
+    quota_backend: str
+    """``redis`` or ``local``."""
+    quota_backend_down: bool
+    """Redis for quotas is unreachable now (always False for the in-process limiter)."""
+    num_quota_backend_failures: int
+    num_quota_backend_outages: int
 
 
 @dataclass(frozen=True)
@@ -106,6 +123,19 @@ class Gateway:
         await self.background.drain(_DRAIN_S)
         await self.limiter.aclose()
         await self.db.dispose()
+
+    def stats(self) -> GatewayStats:
+        """The gateway's counters now (call it on the event loop)."""
+        health = self.limiter.health if isinstance(self.limiter, RedisQuotaLimiter) else None
+        return GatewayStats(
+            num_usage_write_failures=self.gate.num_usage_write_failures,
+            num_background_pending=self.background.num_pending,
+            num_background_failed=self.background.num_failed,
+            quota_backend="local" if health is None else "redis",
+            quota_backend_down=bool(health is not None and health.down),
+            num_quota_backend_failures=0 if health is None else health.num_failures,
+            num_quota_backend_outages=0 if health is None else health.num_outages,
+        )
 
     # -- operations ----------------------------------------------------------------------
     async def delete_tenant(self, name: str) -> TenantDeleted:
