@@ -71,16 +71,28 @@ def test_a_failed_step_fails_its_request_and_the_server_goes_on(live: LiveServer
     live.engine.check_integrity()
 
 
+def _corrupting_scheduler_bug(engine: LLMEngine) -> Any:
+    """A scheduler bug that leaves the KV bookkeeping inconsistent, then raises.
+
+    A planning error alone only fails the requests it concerns (the engine checks its integrity
+    and goes on serving); one that broke the engine's state must stop it: that is what these
+    tests exercise.
+    """
+
+    def broken() -> Any:
+        engine.block_manager.pool.blocks[0].ref_cnt += 1  # a reference nobody holds
+        raise RuntimeError("injected scheduler bug")
+
+    return broken
+
+
 def test_a_dead_engine_fails_requests_and_stops_the_server(tiny_dirs: dict[str, Path]) -> None:
     engine = _engine(tiny_dirs)
     live = start_server(engine, "tiny")
     with httpx.Client(base_url=live.url, timeout=60) as c:
         assert c.post("/v1/completions", json=BODY).status_code == 200
 
-        def broken() -> Any:
-            raise RuntimeError("injected scheduler bug")
-
-        engine.scheduler.schedule = broken  # type: ignore[method-assign]
+        engine.scheduler.schedule = _corrupting_scheduler_bug(engine)  # type: ignore[method-assign]
         with c.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as r:
             lines = list(sse_lines(r))
     assert lines[-1] == "[DONE]"
@@ -93,10 +105,7 @@ def test_health_is_503_once_the_engine_died(tiny_dirs: dict[str, Path]) -> None:
     engine = _engine(tiny_dirs)
     aeng = AsyncEngine(engine)
 
-    def broken() -> Any:
-        raise RuntimeError("injected scheduler bug")
-
-    engine.scheduler.schedule = broken  # type: ignore[method-assign]
+    engine.scheduler.schedule = _corrupting_scheduler_bug(engine)  # type: ignore[method-assign]
     with TestClient(
         build_app(aeng, ServerSettings(served_model_name="tiny", single_tenant=True)),
         raise_server_exceptions=False,

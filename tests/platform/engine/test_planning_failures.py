@@ -98,3 +98,27 @@ def test_a_fault_in_a_tier_read_fails_only_its_request(
     assert again.error is None and again.outputs[0].token_ids == reference["prompt"]
     assert again.num_cached_tokens == 10 * BLOCK
     assert engine.scheduler.num_planning_failures == 1
+
+
+def test_a_planning_error_outside_any_one_request_leaves_the_engine_serving(
+    tiny_dirs: dict[str, Path], reference: dict[str, list[int]]
+) -> None:
+    """schedule() raising as a whole (its state intact) fails the unfinished requests; the
+    engine checks its integrity and serves the next request normally."""
+    engine = _engine(tiny_dirs)
+    real_schedule = engine.scheduler.schedule
+    raised: list[bool] = []
+
+    def schedule_once_broken() -> Any:
+        if not raised:
+            raised.append(True)
+            raise RuntimeError("injected planning bug")
+        return real_schedule()
+
+    engine.scheduler.schedule = schedule_once_broken  # type: ignore[method-assign]
+    finals = _run_all(engine, {f"other-{j}": p for j, p in enumerate(OTHERS)})
+    assert raised and len(finals) == len(OTHERS)
+    for out in finals.values():
+        assert out.error is not None and "injected planning bug" in out.error
+    after = _run_all(engine, {"prompt": PROMPT})["prompt"]
+    assert after.error is None and after.outputs[0].token_ids == reference["prompt"]
