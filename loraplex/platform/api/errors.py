@@ -10,6 +10,8 @@ Invalid input is always 400 (FastAPI's own 422 included), never 422.
 | ``InvalidParameterError`` (engine) | 400 | invalid_value |
 | ``UnknownAdapterError`` (engine) | 404 | model_not_found |
 | ``EngineDeadError`` | 503 | engine_dead |
+| ``EngineOverloadedError`` (past ``max_queued_requests``) | 503, ``Retry-After`` | overloaded |
+| ``request_error``: a ``RequestError`` the engine ended a request with | by its kind (below) | by its kind |
 | ``unauthorized``: no, wrong, revoked, expired key | 401, ``WWW-Authenticate: Bearer`` | invalid_api_key |
 | ``quota_refusal``: rpm, tpm, concurrency | 429, ``Retry-After`` | rate_limit_exceeded |
 | ``quota_refusal``: request_over_tpm (never fits) | 429 | rate_limit_exceeded |
@@ -24,6 +26,12 @@ Invalid input is always 400 (FastAPI's own 422 included), never 422.
 | anything else | 500 (logged once by the server) | internal_error |
 
 ``RequestTooLargeError`` and ``AdapterUnavailableError`` are ``InvalidParameterError``s.
+
+A request the engine accepted and then ended itself (``RequestOutput.error``) is answered by the
+error's ``ErrorKind``, never its text: deadline 408 ``request_timeout``, aborted 503
+``request_aborted``, adapter_unavailable 503 ``adapter_unavailable``, overload 503 ``overloaded``,
+invalid 400 ``invalid_value``, engine_failure 500 ``internal_error``. In a stream, the same body is
+the error event.
 """
 
 from __future__ import annotations
@@ -47,7 +55,10 @@ from loraplex.platform.api.services.errors import (
 from loraplex.platform.api.tenancy.quotas import QuotaDecision
 from loraplex.platform.engine.errors import (
     EngineDeadError,
+    EngineOverloadedError,
+    ErrorKind,
     InvalidParameterError,
+    RequestError,
     UnknownAdapterError,
 )
 
@@ -129,6 +140,36 @@ def quota_refusal(decision: QuotaDecision) -> APIError:
     return APIError(429, decision.detail, code="rate_limit_exceeded", err_type=kind, headers=headers)
 
 
+_REQUEST_ERRORS: dict[ErrorKind, tuple[int, str, str]] = {
+    ErrorKind.DEADLINE: (408, "request_timeout", SERVER_ERROR),
+    ErrorKind.ABORTED: (503, "request_aborted", SERVER_ERROR),
+    ErrorKind.ADAPTER_UNAVAILABLE: (503, "adapter_unavailable", SERVER_ERROR),
+    ErrorKind.OVERLOAD: (503, "overloaded", SERVER_ERROR),
+    ErrorKind.INVALID: (400, "invalid_value", INVALID_REQUEST),
+    ErrorKind.ENGINE_FAILURE: (500, "internal_error", SERVER_ERROR),
+}
+"""``ErrorKind`` -> (status, code, type): the only place a failed request's status is chosen."""
+
+
+def request_error(error: RequestError) -> APIError:
+    """The answer to a request the engine ended with ``error``: the status from its kind."""
+    status, code, err_type = _REQUEST_ERRORS[error.kind]
+    headers = {"Retry-After": "1"} if status == 503 else {}
+    prefix = "The request failed in the engine: " if status == 500 else ""
+    return APIError(status, prefix + error.message, code=code, err_type=err_type, headers=headers)
+
+
+def overloaded(exc: EngineOverloadedError) -> APIError:
+    """503 with ``Retry-After`` for a request refused because the queue is full."""
+    return APIError(
+        503,
+        str(exc),
+        code="overloaded",
+        err_type=SERVER_ERROR,
+        headers={"Retry-After": str(exc.retry_after_s)},
+    )
+
+
 def rejected_adapter(exc: AdapterValidationError, hide: tuple[str, ...] = ()) -> APIError:
     """400 naming the rule an uploaded adapter broke; ``hide``: server paths to cut from the message."""
     message = exc.detail
@@ -163,6 +204,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(400, exc.message, param=exc.param, code="invalid_value")
     if isinstance(exc, UnknownAdapterError):
         return APIError(404, str(exc), param="model", code="model_not_found")
+    if isinstance(exc, EngineOverloadedError):
+        return overloaded(exc)
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc) or "the engine has stopped", code="engine_dead", err_type=SERVER_ERROR)
     if isinstance(exc, ServiceError):
@@ -196,6 +239,7 @@ _MAPPED: tuple[type[Exception], ...] = (
     InvalidParameterError,
     UnknownAdapterError,
     EngineDeadError,
+    EngineOverloadedError,
     ServiceError,
     AdapterValidationError,
 )

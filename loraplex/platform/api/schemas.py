@@ -40,12 +40,16 @@ class Quotas(BaseModel):
 class TenantCreate(Quotas):
     name: str
     disabled: bool = False
+    weight: float = 1.0
+    """Fair-share weight, in (0, 1000]: the tenant's share of the engine under load, relative."""
 
 
 class TenantUpdate(Quotas):
     """PATCH: only the fields sent change."""
 
     disabled: bool | None = None
+    weight: float | None = None
+    """A new fair-share weight (null is refused: the weight is never unlimited)."""
 
     def quota_changes(self) -> dict[QuotaField, int | None]:
         fields: tuple[QuotaField, ...] = (
@@ -67,6 +71,7 @@ class TenantPublic(BaseModel):
     max_concurrency: int | None
     max_adapters: int | None
     max_adapter_bytes: int | None
+    weight: float
     created_at: datetime
 
     @classmethod
@@ -74,6 +79,7 @@ class TenantPublic(BaseModel):
         return cls(
             name=tenant.name,
             disabled=tenant.disabled,
+            weight=tenant.weight,
             rpm=tenant.rpm,
             tpm=tenant.tpm,
             max_concurrency=tenant.max_concurrency,

@@ -1,7 +1,8 @@
 """Operators' commands on the gateway's database and adapter store: tenants, API keys, adapters.
 
     loraplex tenants create NAME [--rpm N] [--tpm N] [--max-concurrency N] [--max-adapters N]
-                                 [--max-adapter-bytes N]
+                                 [--max-adapter-bytes N] [--weight W]
+    loraplex tenants update NAME [--weight W] [--rpm N] [...]   (only the options given change)
     loraplex tenants list | disable NAME [--enable]
     loraplex keys create TENANT [--name TEXT] [--expires-in-days N]   (prints the key, once)
     loraplex keys list [TENANT] | revoke ID
@@ -36,7 +37,7 @@ from loraplex.adapters.uploads import AdapterValidator, UploadedFile
 from loraplex.platform.api.catalog.catalog import AdapterCatalog, parse_visibility
 from loraplex.platform.api.services import adapters, keys, tenants
 from loraplex.platform.api.services.errors import ServiceError
-from loraplex.platform.api.services.tenants import TenantQuotas
+from loraplex.platform.api.services.tenants import QUOTA_FIELDS, QuotaField, TenantQuotas
 from loraplex.platform.cli.flags import given, settings_options
 from loraplex.platform.cli.serve import fail, settings_error
 from loraplex.platform.engine.config import parse_dtype
@@ -51,6 +52,10 @@ keys_app = typer.Typer(help="Tenants' API keys.", no_args_is_help=True)
 adapters_app = typer.Typer(help="Tenants' LoRA adapters.", no_args_is_help=True)
 
 Quota = Annotated[int | None, typer.Option(min=0, help="unset: unlimited")]
+Weight = Annotated[
+    float, typer.Option(help="fair-share weight, in (0, 1000]: the tenant's share under load, relative")
+]
+NewQuota = Annotated[int | None, typer.Option(min=0, help="unset: unchanged")]
 
 _GROUP_OPTIONS = ("database_url", "data_dir", "adapter_store")
 """The settings every group takes as options before its subcommand."""
@@ -136,28 +141,65 @@ def tenants_create(
     max_concurrency: Quota = None,
     max_adapters: Quota = None,
     max_adapter_bytes: Quota = None,
+    weight: Weight = 1.0,
 ) -> None:
-    """Create a tenant with its quotas."""
+    """Create a tenant with its quotas and fair-share weight."""
     quotas = TenantQuotas(rpm, tpm, max_concurrency, max_adapters, max_adapter_bytes)
 
     async def work(db: Database) -> None:
         async with db.transaction(write=True) as session:
-            await tenants.create_tenant(session, name, quotas)
+            await tenants.create_tenant(session, name, quotas, weight=weight)
 
     _run(ctx, work)
     typer.echo(f"created tenant {name}")
 
 
+@tenants_app.command("update")
+def tenants_update(
+    ctx: typer.Context,
+    name: str,
+    weight: Annotated[float | None, typer.Option(help="a new fair-share weight, in (0, 1000]")] = None,
+    rpm: NewQuota = None,
+    tpm: NewQuota = None,
+    max_concurrency: NewQuota = None,
+    max_adapters: NewQuota = None,
+    max_adapter_bytes: NewQuota = None,
+) -> None:
+    """Change a tenant's weight or quotas (only the options given; the admin API's PATCH can also
+    make a quota unlimited)."""
+    given_quotas = dict(
+        rpm=rpm,
+        tpm=tpm,
+        max_concurrency=max_concurrency,
+        max_adapters=max_adapters,
+        max_adapter_bytes=max_adapter_bytes,
+    )
+    changes: dict[QuotaField, int | None] = {
+        field: given_quotas[field] for field in QUOTA_FIELDS if given_quotas[field] is not None
+    }
+
+    async def work(db: Database) -> None:
+        async with db.transaction(write=True) as session:
+            await tenants.get_tenant(session, name)  # NotFound before anything changes
+            if changes:
+                await tenants.update_quotas(session, name, changes)
+            if weight is not None:
+                await tenants.set_weight(session, name, weight)
+
+    _run(ctx, work)
+    typer.echo(f"updated tenant {name}")
+
+
 @tenants_app.command("list")
 def tenants_list(ctx: typer.Context) -> None:
-    """Every tenant: name, state, rpm, tpm, concurrency, adapters, adapter bytes."""
+    """Every tenant: name, state, rpm, tpm, concurrency, adapters, adapter bytes, weight."""
 
     async def work(db: Database) -> None:
         async with db.transaction() as session:
             for t in await tenants.list_tenants(session):
                 quotas = (t.rpm, t.tpm, t.max_concurrency, t.max_adapters, t.max_adapter_bytes)
                 state = "disabled" if t.disabled else "enabled"
-                typer.echo("\t".join([t.name, state, *map(_quota_text, quotas)]))
+                typer.echo("\t".join([t.name, state, *map(_quota_text, quotas), f"{t.weight:g}"]))
 
     _run(ctx, work)
 

@@ -36,11 +36,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from loraplex.adapters import BaseModelSpec, LoRARequest
 from loraplex.platform.engine.engine import LLMEngine
-from loraplex.platform.engine.errors import EngineDeadError
+from loraplex.platform.engine.errors import EngineDeadError, EngineOverloadedError
 from loraplex.platform.engine.limits import EngineLimits
 from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.engine.sampling_params import SamplingParams
 from loraplex.platform.engine.stats import EngineStats
+from loraplex.storage.kv.sliced import SlicedJob
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -51,6 +52,11 @@ T = TypeVar("T")
 
 _IDLE_WAIT_S = 1.0
 """How long the idle engine thread sleeps between checks when nothing wakes it."""
+MAINTENANCE_SLICE_S = 0.02
+"""Engine time a purge or reset may take between two steps while requests run (a slice ends
+after the piece that crosses it: one slot file erased, at most a few milliseconds). Idle, the
+engine runs them in ``_IDLE_MAINTENANCE_S`` slices, reading its inbox in between."""
+_IDLE_MAINTENANCE_S = 0.1
 _ABORT_SETTLE_S = 0.01
 """After applying aborts, how long to wait for more before the next step. Disconnects
 come in bursts (a client pool closing, a proxy restarting) that the event loop turns
@@ -66,6 +72,9 @@ class _Add:
     lora_request: LoRARequest | None
     priority: int
     tenant_id: str | None
+    tenant_weight: float
+    timeout_s: float | None
+    max_queued: int | None
     loop: asyncio.AbstractEventLoop
     accepted: asyncio.Future[None]
 
@@ -83,7 +92,16 @@ class _Call:
     done: concurrent.futures.Future[Any]
 
 
-_Command = _Add | _Abort | _Call
+@dataclass
+class _Job:
+    """Start a sliced job on the engine thread (``start(engine)``; None: nothing to do); it then
+    runs between steps, and its result (or error) goes to ``done`` when it finishes."""
+
+    start: Callable[[LLMEngine], SlicedJob[Any] | None]
+    done: concurrent.futures.Future[Any]
+
+
+_Command = _Add | _Abort | _Call | _Job
 
 
 class RequestStream:
@@ -138,6 +156,12 @@ class AsyncEngine:
         self._streams_lock = threading.Lock()
         self._dead_callbacks: list[Callable[[BaseException], None]] = []
         self._changed = False  # commands ran since the last stats snapshot (engine thread only)
+        # Sliced jobs started (engine thread only), in the engine's maintenance order.
+        self._jobs: list[tuple[SlicedJob[Any], concurrent.futures.Future[Any]]] = []
+        # Adds posted (event loop) and applied (engine thread), each written by one thread only:
+        # their difference is the adds in the inbox, which the overload check counts as queued.
+        self._num_adds_posted = 0
+        self._num_adds_applied = 0
         self.error: BaseException | None = None
         """What stopped the engine loop (None while it runs, and after a clean shutdown)."""
         self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
@@ -191,14 +215,23 @@ class AsyncEngine:
         lora_request: LoRARequest | None = None,
         priority: int = 0,
         tenant_id: str | None = None,
+        tenant_weight: float = 1.0,
+        timeout_s: float | None = None,
+        max_queued: int | None = None,
     ) -> RequestStream:
         """Submit a request; returns once the engine accepted it.
 
         Raises the engine's typed errors (``InvalidParameterError``, ...) if it refused
         it, ``EngineDeadError`` if the engine is not running. A text prompt is
-        tokenized here, off the event loop and off the engine thread.
+        tokenized here, off the event loop and off the engine thread. ``tenant_weight`` is its
+        tenant's fair share, ``timeout_s`` its deadline (``LLMEngine.add_request``). With
+        ``max_queued``, ``EngineOverloadedError`` when that many sequences wait already (or are
+        on their way in): refused at once, from the last snapshot, and checked again exactly
+        on the engine thread; nothing is queued.
         """
         self._check_alive()
+        if max_queued is not None:
+            self._check_queue(max_queued)
         if isinstance(prompt, str):
             prompt = await self.tokenize(prompt)
         loop = asyncio.get_running_loop()
@@ -208,7 +241,22 @@ class AsyncEngine:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self._streams[request_id] = stream
         accepted: asyncio.Future[None] = loop.create_future()
-        self._post(_Add(request_id, prompt, params, lora_request, priority, tenant_id, loop, accepted))
+        self._num_adds_posted += 1
+        self._post(
+            _Add(
+                request_id,
+                prompt,
+                params,
+                lora_request,
+                priority,
+                tenant_id,
+                tenant_weight,
+                timeout_s,
+                max_queued,
+                loop,
+                accepted,
+            )
+        )
         if self.error is not None or self._stop.is_set():
             # Stopped between the check and the post: the inbox may never be drained.
             self._unregister(request_id)
@@ -249,14 +297,18 @@ class AsyncEngine:
         self._post(_Abort(request_id))
 
     async def reset_prefix_cache(self) -> bool:
-        """Forget every cached KV block on every tier (``LLMEngine.reset_prefix_cache``), between
-        steps; False while requests are unfinished (commands posted before it run first)."""
-        return await self._call(lambda engine: engine.reset_prefix_cache())
+        """Forget every cached KV block on every tier (``LLMEngine.reset_prefix_cache``), in
+        slices between steps; False while requests are unfinished (commands posted before it
+        run first)."""
+        return await self._run_job(lambda engine: engine.start_reset_prefix_cache()) is not None
 
     async def purge_tenant(self, tenant_id: str) -> tuple[int, int, int]:
-        """Forget one tenant's cached KV on every tier (``LLMEngine.purge_tenant``), between steps;
-        (device, host, disk) blocks forgotten."""
-        return await self._call(lambda engine: engine.purge_tenant(tenant_id))
+        """Forget one tenant's cached KV on every tier (``LLMEngine.purge_tenant``), in slices of
+        at most ~``MAINTENANCE_SLICE_S`` between steps; (device, host, disk) blocks forgotten."""
+        result: tuple[int, int, int] = await self._run_job(
+            lambda engine: engine.start_purge_tenant(tenant_id)
+        )
+        return result
 
     async def add_lora(self, lora: LoRARequest, owner: str | None = None) -> None:
         """Validate and register an adapter: its files are read in a worker thread, then the
@@ -290,6 +342,16 @@ class AsyncEngine:
         result: T = await asyncio.wrap_future(done)
         return result
 
+    async def _run_job(self, start: Callable[[LLMEngine], SlicedJob[Any] | None]) -> Any:
+        """Start a sliced job on the engine thread and wait for its result (None if not started)."""
+        self._check_alive()
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._post(_Job(start, done))
+        if self.error is not None or self._stop.is_set():
+            done.cancel()
+            raise self._dead_error()
+        return await asyncio.wrap_future(done)
+
     def shutdown(self) -> None:
         """Stop the engine loop; open requests fail with ``EngineDeadError``."""
         self._stop.set()
@@ -298,6 +360,13 @@ class AsyncEngine:
         self._fail_everything(EngineDeadError("the server is shutting down"))
         if not self._thread.is_alive():
             self._engine.shutdown()  # persist cached KV to the disk tier for a warm restart
+
+    def _check_queue(self, max_queued: int) -> None:
+        """Refuse at once when the queue is full by the last snapshot plus the adds in flight."""
+        queued = self._engine.stats.num_waiting + (self._num_adds_posted - self._num_adds_applied)
+        if queued >= max_queued:
+            self._engine.rejections.count("overload")
+            raise EngineOverloadedError(queued, max_queued)
 
     def _check_alive(self) -> None:
         if self.error is not None or self._stop.is_set():
@@ -324,10 +393,15 @@ class AsyncEngine:
                 if self._drain_inbox():
                     time.sleep(_ABORT_SETTLE_S)
                     self._drain_inbox()
+                busy = self._engine.has_unfinished_requests()
+                if self._jobs:
+                    self._run_jobs(MAINTENANCE_SLICE_S if busy else _IDLE_MAINTENANCE_S)
                 if self._changed:  # commands changed what the last snapshot says
                     self._changed = False
                     self._engine.publish_stats()
-                if not self._engine.has_unfinished_requests():
+                if not busy:
+                    if self._jobs:
+                        continue  # more slices, reading the inbox in between
                     self._wake.wait(timeout=_IDLE_WAIT_S)
                     self._wake.clear()
                     continue
@@ -342,6 +416,21 @@ class AsyncEngine:
                 except Exception:
                     logger.exception("an on_dead callback failed")
 
+    def _run_jobs(self, budget_s: float) -> None:
+        """One slice of the maintenance jobs; settle the futures of those that ended."""
+        self._changed = True
+        try:
+            finished = self._engine.run_maintenance(budget_s)
+        except Exception as exc:  # the job's failure is its caller's error, not the loop's
+            logger.exception("a maintenance job failed")
+            _, done = self._jobs.pop(0)  # the first job is the one that ran
+            done.set_exception(exc)
+            return
+        for job in finished:
+            index = next(i for i, (j, _) in enumerate(self._jobs) if j is job)
+            _, done = self._jobs.pop(index)
+            done.set_result(job.result)
+
     def _drain_inbox(self) -> int:
         """Apply every posted command in order; return how many were aborts."""
         num_aborts = 0
@@ -352,6 +441,18 @@ class AsyncEngine:
                 self._engine.abort_request(command.request_id)
                 num_aborts += 1
                 continue
+            if isinstance(command, _Job):
+                if command.done.set_running_or_notify_cancel():
+                    try:
+                        job = command.start(self._engine)
+                    except Exception as exc:
+                        command.done.set_exception(exc)
+                        continue
+                    if job is None:
+                        command.done.set_result(None)
+                    else:
+                        self._jobs.append((job, command.done))
+                continue
             if isinstance(command, _Call):
                 if command.done.set_running_or_notify_cancel():
                     try:
@@ -360,12 +461,17 @@ class AsyncEngine:
                         logger.debug("an engine command from the server failed: %r", exc)
                         command.done.set_exception(exc)
                 continue
+            self._num_adds_applied += 1
             with self._streams_lock:
                 wanted = command.request_id in self._streams
             if not wanted:  # aborted before it was added: its _Abort follows, nothing to run
                 _call_in(command.loop, command.accepted.cancel)
                 continue
             try:
+                num_waiting = len(self._engine.scheduler.waiting)
+                if command.max_queued is not None and num_waiting >= command.max_queued:
+                    self._engine.rejections.count("overload")
+                    raise EngineOverloadedError(num_waiting, command.max_queued)
                 self._engine.add_request(
                     command.request_id,
                     command.prompt,
@@ -373,6 +479,8 @@ class AsyncEngine:
                     lora_request=command.lora_request,
                     priority=command.priority,
                     tenant_id=command.tenant_id,
+                    tenant_weight=command.tenant_weight,
+                    timeout_s=command.timeout_s,
                 )
             except Exception as exc:  # refused: the caller gets the error (typed ones become 4xx)
                 self._unregister(command.request_id)
@@ -404,8 +512,11 @@ class AsyncEngine:
             command = self._inbox.popleft()
             if isinstance(command, _Add):
                 _resolve(command.loop, command.accepted, error)
-            elif isinstance(command, _Call) and command.done.set_running_or_notify_cancel():
+            elif isinstance(command, _Call | _Job) and command.done.set_running_or_notify_cancel():
                 command.done.set_exception(error)
+        jobs, self._jobs = self._jobs, []
+        for _, done in jobs:
+            done.set_exception(error)
 
 
 def _call_in(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:

@@ -65,9 +65,11 @@ class EngineConfig:
     attention_backend: AttentionBackendName = "auto"
     """Attention kernels: triton on CUDA; on CPU the C decode kernel ("cpu") when a C
     compiler is present, else pure torch; force one here."""
-    scheduling_policy: PolicyName = "fcfs"
-    """Order of admission and preemption (engine/policy.py): fcfs, or priority (lower value
-    first, then arrival)."""
+    scheduling_policy: PolicyName = "fair"
+    """Order of admission and preemption (engine/policy.py): fair (fair share across tenants by
+    weighted virtual token counters, FCFS inside a tenant), fair_priority (priority inside a
+    tenant), fcfs, or priority (lower value first, then arrival). Requests without a tenant share
+    one, so fair orders them exactly like fcfs."""
     enable_lora: bool = False
     """Serve LoRA adapters (requests may name one)."""
     max_loras: int = 4

@@ -8,14 +8,16 @@ forward over every scheduled sequence, whatever mix of prefill chunks and decode
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 import json
 import logging
+import math
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,27 +29,37 @@ from loraplex.kernels.registry import (
     select_pointwise_backend,
 )
 from loraplex.platform.engine.config import EngineConfig, RuntimeInfo, parse_dtype
+from loraplex.platform.engine.deadlines import Deadlines
 from loraplex.platform.engine.detokenizer import IncrementalDetokenizer
 from loraplex.platform.engine.errors import (
     AdapterUnavailableError,
     EngineDeadError,
+    ErrorKind,
     InvalidParameterError,
+    RequestError,
 )
 from loraplex.platform.engine.host_memory import tune_host_malloc
 from loraplex.platform.engine.lora_runtime import LoRARuntime
 from loraplex.platform.engine.output_processor import OutputProcessor, request_output
 from loraplex.platform.engine.outputs import RequestOutput
+from loraplex.platform.engine.policy import FairSharePolicy
 from loraplex.platform.engine.preemption import PreemptionPolicy
 from loraplex.platform.engine.runner import ModelRunner
 from loraplex.platform.engine.sampler import Sampler
 from loraplex.platform.engine.sampling_params import SamplingParams
 from loraplex.platform.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from loraplex.platform.engine.sequence import Request, Sequence, tenant_cache_salt
-from loraplex.platform.engine.stats import EngineStats, TenantCounters, build_stats
-from loraplex.platform.engine.validation import RequestLimits, check_request_limits, prompt_token_ids
+from loraplex.platform.engine.stats import EngineStats, RejectionCounters, TenantCounters, build_stats
+from loraplex.platform.engine.validation import (
+    RequestLimits,
+    check_request_limits,
+    check_scheduling_params,
+    prompt_token_ids,
+)
 from loraplex.platform.model.loader import load_hf_config, load_model
 from loraplex.platform.model.source import resolve_model_dir
 from loraplex.storage.kv.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_budget
+from loraplex.storage.kv.sliced import SlicedJob
 from loraplex.storage.kv.tiered_kv import TieredKV
 
 if TYPE_CHECKING:
@@ -163,7 +175,12 @@ class LLMEngine:
             limits, self.kv, admit_hook, release_hook, self.preemption, fork_hook=fork_hook
         )
         self.requests: dict[str, Request] = {}
+        self.maintenance: collections.deque[SlicedJob[Any]] = collections.deque()
+        """Purges and resets in progress, run in slices between steps (``run_maintenance``)."""
+        self.deadlines = Deadlines()
         self.usage = TenantCounters()
+        self.rejections = RejectionCounters()
+        """Requests refused or ended by reason (``overload``, ``deadline``); any thread may count."""
         self.outputs = OutputProcessor(
             self.scheduler,
             Sampler(torch.Generator().manual_seed(config.seed)),
@@ -220,8 +237,14 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
         priority: int = 0,
         tenant_id: str | None = None,
+        tenant_weight: float = 1.0,
+        timeout_s: float | None = None,
     ) -> Request:
         """Validate and queue a request.
+
+        ``tenant_id`` and ``tenant_weight`` place it under fair scheduling (its tenant's share);
+        ``timeout_s`` is its deadline from now: past it, the request ends with a ``DEADLINE``
+        ``RequestError`` and frees its blocks, whether it waited or ran.
 
         Everything the request carries is checked here, against the model and the
         engine's limits, so no step can later fail because of it: bad values raise
@@ -235,6 +258,7 @@ class LLMEngine:
             )
         if request_id in self.requests:
             raise InvalidParameterError(f"request_id {request_id!r} is already in use", param="request_id")
+        check_scheduling_params(tenant_weight, timeout_s)
         text, token_ids = prompt_token_ids(prompt, self.tokenize, self.arch.vocab_size)
         check_request_limits(
             len(token_ids),
@@ -263,7 +287,11 @@ class LLMEngine:
             lora=lora_request,
             adapter=adapter,
             tenant_id=tenant_id,
+            tenant_weight=tenant_weight,
         )
+        if timeout_s is not None:
+            req.deadline = req.arrival_time + timeout_s
+            self.deadlines.add(req)
         req.seqs.append(self._new_sequence(req, 0, list(token_ids)))
         self.requests[request_id] = req
         self.usage.added(tenant_id, len(token_ids))
@@ -307,15 +335,26 @@ class LLMEngine:
         off the disk at once (their blocks are unreachable, but would otherwise stay until
         reused).
         """
+        job = self.start_reset_prefix_cache()
+        if job is None:
+            return False
+        self.maintenance.remove(job)
+        job.run(math.inf)
+        return True
+
+    def start_reset_prefix_cache(self) -> SlicedJob[tuple[int, int, int]] | None:
+        """``reset_prefix_cache`` as a job the caller runs between steps (``run_maintenance``),
+        its disk part in bounded slices; None (nothing changes) while requests are unfinished."""
         if self.has_unfinished_requests():
             logger.warning(
                 "reset_prefix_cache refused: %d requests are unfinished; retry when the engine is idle",
                 self.scheduler.num_unfinished,
             )
-            return False
+            return None
         self.scheduler.drain()  # promotions of aborted sequences land first, then go with the rest
-        self.kv.reset()
-        return True
+        job = SlicedJob("reset the prefix cache", self.kv.reset_steps())
+        self.maintenance.append(job)
+        return job
 
     def purge_tenant(self, tenant_id: str) -> tuple[int, int, int]:
         """Forget tenant ``tenant_id``'s cached KV on every tier and cache none of it again (a
@@ -327,7 +366,38 @@ class LLMEngine:
         free slot files. Runs while requests run (on the engine thread, between steps): its
         blocks in use keep their keys until freed, then are reused without a demotion.
         """
-        return self.kv.purge(tenant_cache_salt(tenant_id))
+        job = self.start_purge_tenant(tenant_id)
+        self.maintenance.remove(job)
+        job.run(math.inf)
+        assert job.result is not None
+        return job.result
+
+    def start_purge_tenant(self, tenant_id: str) -> SlicedJob[tuple[int, int, int]]:
+        """``purge_tenant`` as a job the caller runs between steps (``run_maintenance``), in
+        bounded slices: on a disk tier of 100,000 blocks a purge touches as many files. From
+        its first slice on, none of the tenant's blocks is cached again."""
+        if isinstance(self.scheduler.policy, FairSharePolicy):
+            self.scheduler.policy.forget(tenant_id)
+        job = SlicedJob(f"purge tenant {tenant_id}", self.kv.purge_steps(tenant_cache_salt(tenant_id)))
+        self.maintenance.append(job)
+        return job
+
+    def run_maintenance(self, budget_s: float) -> list[SlicedJob[Any]]:
+        """Run the queued maintenance jobs (purges, resets) for about ``budget_s`` (at least one
+        piece of the first); the jobs that finished. A job that raises is dropped and raises."""
+        finished: list[SlicedJob[Any]] = []
+        start = time.perf_counter()
+        while self.maintenance:
+            job = self.maintenance[0]
+            try:
+                done = job.run(max(0.0, budget_s - (time.perf_counter() - start)))
+            except BaseException:
+                self.maintenance.popleft()
+                raise
+            if not done:
+                break
+            finished.append(self.maintenance.popleft())
+        return finished
 
     # -- adapters -------------------------------------------------------------------
     def _lora(self) -> LoRARuntime:
@@ -372,13 +442,17 @@ class LLMEngine:
         fails the requests in it (their outputs carry ``error``); the engine goes on.
         ``step`` raises only when the engine itself cannot go on (``EngineDeadError``).
         """
+        expired = self._expire()
+        if not self.has_unfinished_requests():
+            self.publish_stats()
+            return expired
         try:
             out = self.scheduler.schedule()
         except Exception as exc:
             # Planning failed outside any one sequence's admission: which requests it concerns
             # is unknown, so every unfinished one fails; new ones are served.
-            return self._fail_all(exc)
-        outputs = self._rejected_outputs(out)
+            return expired + self._fail_all(exc)
+        outputs = expired + self._rejected_outputs(out)
         if not out.is_empty:
             outputs += self._run(out)
         self.publish_stats()
@@ -397,6 +471,25 @@ class LLMEngine:
         except Exception as exc:
             return self._fail_step(out, exc)
 
+    def _expire(self) -> list[RequestOutput]:
+        """End the requests past their deadline (``request_timeout_s``), freeing their blocks."""
+        outputs = []
+        for req in self.deadlines.expired(time.monotonic()):
+            if self.requests.get(req.request_id) is not req:
+                continue  # finished or aborted before its deadline
+            assert req.deadline is not None
+            timeout_s = req.deadline - req.arrival_time
+            state = "running" if any(s.num_computed_tokens for s in req.seqs) else "waiting"
+            logger.info("request %s passed its %.3g s deadline (%s)", req.request_id, timeout_s, state)
+            self.rejections.count("deadline")
+            error = RequestError(
+                ErrorKind.DEADLINE,
+                f"The request did not finish within its deadline of {timeout_s:g} s "
+                f"(request_timeout_s); it was {state} when it ended.",
+            )
+            outputs.append(self._fail_request(req, error))
+        return outputs
+
     def publish_stats(self) -> None:
         """Freeze the counters into a new ``EngineStats`` and publish it (the engine's thread)."""
         self.stats = build_stats(self)
@@ -405,26 +498,31 @@ class LLMEngine:
         """Abort the requests of a step that raised; keep serving everyone else."""
         reqs = {item.seq.request.request_id: item.seq.request for item in out.scheduled}
         logger.exception("engine step %d failed; failing its requests %s", self.num_steps, sorted(reqs))
-        return self._fail_and_check(reqs.values(), f"internal error while running this request: {exc}", exc)
+        error = RequestError(ErrorKind.ENGINE_FAILURE, f"internal error while running this request: {exc}")
+        return self._fail_and_check(reqs.values(), error, exc)
 
     def _fail_all(self, exc: Exception) -> list[RequestOutput]:
         logger.exception("planning step %d failed; failing every unfinished request", self.num_steps + 1)
         reqs = list(self.requests.values())
-        outputs = self._fail_and_check(reqs, f"internal error while scheduling this request: {exc!r}", exc)
+        message = f"internal error while scheduling this request: {exc!r}"
+        error = RequestError(ErrorKind.ENGINE_FAILURE, message)
+        outputs = self._fail_and_check(reqs, error, exc)
         self.publish_stats()
         return outputs
 
-    def _fail_and_check(self, reqs: Iterable[Request], message: str, exc: Exception) -> list[RequestOutput]:
-        failed = [self._fail_request(req, message) for req in reqs]
+    def _fail_and_check(
+        self, reqs: Iterable[Request], error: RequestError, exc: Exception
+    ) -> list[RequestOutput]:
+        failed = [self._fail_request(req, error) for req in reqs]
         try:
             self.check_integrity()
         except AssertionError as bad:
             raise EngineDeadError(f"engine state is inconsistent after a failure: {bad}") from exc
         return failed
 
-    def _fail_request(self, req: Request, message: str) -> RequestOutput:
-        """Finish ``req`` as aborted with ``message``; free its blocks and adapter pin."""
-        req.error = message
+    def _fail_request(self, req: Request, error: RequestError) -> RequestOutput:
+        """Finish ``req`` as aborted with ``error``; free its blocks and adapter pin."""
+        req.error = error
         req.forked = True  # no siblings will be forked now
         self.scheduler.abort(req.seqs)
         self._retire(req)

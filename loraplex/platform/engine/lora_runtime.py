@@ -38,7 +38,7 @@ from loraplex.adapters import (
 from loraplex.kernels.metadata import LoRAMetadata
 from loraplex.kernels.registry import select_lora_backend
 from loraplex.platform.engine.config import EngineConfig
-from loraplex.platform.engine.errors import AdapterUnavailableError
+from loraplex.platform.engine.errors import AdapterUnavailableError, ErrorKind, RequestError
 from loraplex.platform.engine.scheduler import AdmitDecision, SchedulerOutput
 from loraplex.platform.engine.sequence import Sequence
 
@@ -189,9 +189,10 @@ class LoRARuntime:
             self.manager.prefetch(aid)
         except AdapterError as exc:
             if aid in self._removed:
-                seq.request.error = f"adapter {lora.name!r} (id {aid}) was removed while this request waited"
+                message = f"adapter {lora.name!r} (id {aid}) was removed while this request waited"
             else:
-                seq.request.error = f"adapter {lora.name!r} (id {aid}) cannot be served: {exc}"
+                message = f"adapter {lora.name!r} (id {aid}) cannot be served: {exc}"
+            seq.request.error = RequestError(ErrorKind.ADAPTER_UNAVAILABLE, message)
             logger.warning("request %s rejected: %s", seq.request.request_id, exc)
             return AdmitDecision.REJECT
         since = self._blocked.setdefault(aid, self._step)

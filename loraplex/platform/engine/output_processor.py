@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from loraplex.platform.engine.config import RuntimeInfo
+from loraplex.platform.engine.errors import ErrorKind, RequestError
 from loraplex.platform.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.platform.engine.sampler import Sampler, non_finite_rows
 from loraplex.platform.engine.scheduler import Scheduler, SchedulerOutput
@@ -36,7 +37,7 @@ class OutputProcessor:
         info: RuntimeInfo,
         usage: TenantCounters,
         new_sequence: Callable[[Request, int, list[int]], Sequence],
-        fail_request: Callable[[Request, str], RequestOutput],
+        fail_request: Callable[[Request, RequestError], RequestOutput],
         retire: Callable[[Request], None],
     ) -> None:
         """``new_sequence`` makes a sibling, ``fail_request`` ends a request with an error and
@@ -128,7 +129,7 @@ class OutputProcessor:
                     "the model produced non-finite logits for this request, or its stop tokens ban "
                     "every token (check the adapter's weights and stop_token_ids)"
                 )
-                failed[req.request_id] = self._fail_request(req, msg)
+                failed[req.request_id] = self._fail_request(req, RequestError(ErrorKind.ENGINE_FAILURE, msg))
         return list(failed.values())
 
     def _ban_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:

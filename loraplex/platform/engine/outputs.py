@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from loraplex.platform.engine.errors import RequestError
+
 
 @dataclass
 class Logprob:
@@ -42,4 +44,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     lora_name: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
-    error: str | None = None  # set when the engine aborted the request (e.g. its adapter was removed)
+    error: RequestError | None = None
+    """Set when the engine ended the request itself: a typed reason (``kind``) and a message."""

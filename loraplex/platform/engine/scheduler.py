@@ -35,6 +35,7 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from loraplex.platform.engine.errors import ErrorKind, RequestError
 from loraplex.platform.engine.policy import SchedulingPolicy, make_policy
 from loraplex.platform.engine.preemption import PreemptionPolicy
 from loraplex.platform.engine.sequence import SeqStatus, Sequence
@@ -231,7 +232,9 @@ class Scheduler:
             "planning seq %d (request %s) failed; failing it", seq.seq_id, seq.request.request_id
         )
         self.num_planning_failures += 1
-        seq.request.error = f"internal error while scheduling this request: {exc!r}"
+        seq.request.error = RequestError(
+            ErrorKind.ENGINE_FAILURE, f"internal error while scheduling this request: {exc!r}"
+        )
         self.finish(seq, SeqStatus.FINISHED_ABORTED)
         out.aborted.append(seq)
 
@@ -322,7 +325,7 @@ class Scheduler:
         status = self.kv.can_allocate(seq.seq_id, cached + to_allocate, hit)
         if status is AllocStatus.NEVER:
             # Only reachable if the pool shrank after add-time validation.
-            seq.request.error = "this request can never fit the KV pool"
+            seq.request.error = RequestError(ErrorKind.INVALID, "this request can never fit the KV pool")
             self.finish(seq, SeqStatus.FINISHED_ABORTED)
             out.aborted.append(seq)
             logger.error("seq %d can never fit the KV pool; aborted", seq.seq_id)

@@ -20,6 +20,7 @@ import torch
 
 from loraplex.adapters.identity import AdapterIdentity
 from loraplex.adapters.request import LoRARequest
+from loraplex.platform.engine.errors import RequestError
 from loraplex.platform.engine.outputs import Logprob
 from loraplex.platform.engine.preemption import SwappedTail
 from loraplex.platform.engine.sampling_params import SamplingParams
@@ -113,10 +114,14 @@ class Request:
     lora: LoRARequest | None = None
     adapter: AdapterIdentity | None = None
     tenant_id: str | None = None
+    tenant_weight: float = 1.0
+    """The tenant's share under fair scheduling (its weight; 1 by default)."""
+    deadline: float | None = None
+    """``time.monotonic()`` after which the engine ends the request (``request_timeout_s``)."""
     seqs: list[Sequence] = field(default_factory=list)
     forked: bool = False
     first_token_time: float | None = None
-    error: str | None = None  # why the request was aborted, when it was not the user
+    error: RequestError | None = None  # why the engine ended it, when it was not the user
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
 
     @property

@@ -15,6 +15,7 @@ Counters are cumulative since start-up (Prometheus counters); the others are gau
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from loraplex.adapters import AdapterStats
+from loraplex.platform.engine.policy import FairSharePolicy
 from loraplex.storage.kv.prefix_cache import PrefixCacheStats
 from loraplex.storage.kv.tier_metrics import TierMetrics
 from loraplex.storage.kv.tiered_kv import KVBlockCounts
@@ -73,6 +75,14 @@ class EngineStats:
     """None without LoRA."""
     tenants: Mapping[str, TenantUsage]
     """Per engine tenant id (the server's ``tenant_id``; ``""`` for requests without one)."""
+    virtual_counters: Mapping[str, float] = field(default_factory=dict)
+    """Fair share: each tenant's virtual token counter (weighted service received; empty under
+    fcfs / priority). Gauges: they only grow, but an idle tenant is lifted when it returns."""
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    """Fair share: the weight each tenant's newest request carried."""
+    rejections: Mapping[str, int] = field(default_factory=dict)
+    """Requests refused at submission or ended by the engine, by reason: ``overload`` (past
+    ``max_queued_requests``), ``deadline`` (past ``request_timeout_s``). Counters."""
 
     @property
     def num_unfinished(self) -> int:
@@ -138,9 +148,27 @@ class TenantCounters:
         return MappingProxyType(self._frozen)
 
 
+class RejectionCounters:
+    """Counts by reason; ``count`` is safe from any thread (the server refuses on its event loop)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+        self._frozen: Mapping[str, int] = MappingProxyType({})
+
+    def count(self, reason: str) -> None:
+        with self._lock:
+            self._counts[reason] = self._counts.get(reason, 0) + 1
+            self._frozen = MappingProxyType(dict(self._counts))
+
+    def snapshot(self) -> Mapping[str, int]:
+        return self._frozen
+
+
 def build_stats(engine: LLMEngine) -> EngineStats:
     """Freeze ``engine``'s counters into one ``EngineStats`` (on the engine's thread)."""
     scheduler = engine.scheduler
+    policy = scheduler.policy
     kv = engine.kv
     return EngineStats(
         step=engine.num_steps,
@@ -156,4 +184,7 @@ def build_stats(engine: LLMEngine) -> EngineStats:
         tiers=tuple(kv.tier_metrics()),
         adapters=engine.lora_manager.manager.stats() if engine.lora_manager is not None else None,
         tenants=engine.usage.snapshot(),
+        virtual_counters=policy.snapshot() if isinstance(policy, FairSharePolicy) else {},
+        tenant_weights=MappingProxyType(dict(policy.weights)) if isinstance(policy, FairSharePolicy) else {},
+        rejections=engine.rejections.snapshot(),
     )

@@ -8,6 +8,7 @@ context overflows). ``SamplingParams`` checks its own types and ranges when buil
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -97,3 +98,27 @@ def check_request_limits(
         raise InvalidParameterError(
             f"stop_token_ids out of range [0, {vocab}): {bad[:5]}", param="stop_token_ids"
         )
+
+
+MAX_TENANT_WEIGHT = 1000.0
+"""Largest fair-share weight: far beyond any useful ratio, and finite counters stay exact."""
+
+
+def check_scheduling_params(tenant_weight: float, timeout_s: float | None) -> None:
+    """A tenant weight in (0, ``MAX_TENANT_WEIGHT``] and a deadline > 0 s (or None)."""
+    if (
+        isinstance(tenant_weight, bool)
+        or not isinstance(tenant_weight, int | float)
+        or not 0 < tenant_weight <= MAX_TENANT_WEIGHT
+    ):
+        raise InvalidParameterError(
+            f"tenant_weight must be a number in (0, {MAX_TENANT_WEIGHT:g}], got {tenant_weight!r}",
+            param="tenant_weight",
+        )
+    if timeout_s is not None and (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, int | float)
+        or not math.isfinite(timeout_s)
+        or timeout_s <= 0
+    ):
+        raise InvalidParameterError(f"timeout_s must be > 0 seconds, got {timeout_s!r}", param="timeout_s")

@@ -115,8 +115,9 @@ class GatewaySettings(BaseModel):
         return self.adapter_store or self.data_dir / "adapters"
 
 
-_ZERO_ALLOWED = ("max_completion_logprobs", "max_top_logprobs", "graceful_shutdown_s")
-"""A logprobs cap of 0 still returns the sampled token's own logprob; 0 s means no grace."""
+_ZERO_ALLOWED = ("max_completion_logprobs", "max_top_logprobs", "graceful_shutdown_s", "request_timeout_s")
+"""A logprobs cap of 0 still returns the sampled token's own logprob; 0 s means no grace (no
+deadline, for request_timeout_s)."""
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,13 @@ class ServerLimits:
     """Largest top_logprobs on /v1/chat/completions (OpenAI's cap is 20)."""
     graceful_shutdown_s: int = 10
     """On SIGTERM/SIGINT, how long open requests may run before they are cancelled."""
+    # Overload control (fair share and queue bounds: engine/policy.py, docs/operations.md).
+    max_queued_requests: int = 512
+    """Most requests waiting in the engine's queue; past it a request is refused at once with 503,
+    Retry-After and nothing queued (the offline LLM API has no bound)."""
+    request_timeout_s: int = 600
+    """Deadline of each request in seconds, waiting and running together: past it the request
+    ends with an error (408, request_timeout) and frees its KV blocks; 0 = no deadline."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -102,6 +102,8 @@ class Tenant(Base):
     max_adapter_bytes: Mapped[int | None] = mapped_column(BigInteger)
     """Bytes of every stored version of every adapter the tenant owns, together."""
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1")
+    """Fair-share weight: under load, the tenant's share of the engine relative to the others'."""
 
     def __repr__(self) -> str:
         return f"Tenant(id={self.id!r}, name={self.name!r}, disabled={self.disabled!r})"

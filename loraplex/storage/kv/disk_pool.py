@@ -49,9 +49,15 @@ from loraplex.storage.kv.block_codec import RecordError, RecordFault
 from loraplex.storage.kv.disk_files import RestartReport, SlotFiles, preallocate_slots, scan_slots
 from loraplex.storage.kv.disk_slots import PendingWrite, SlotTable
 from loraplex.storage.kv.kv_cache import KVBlockLayout
+from loraplex.storage.kv.sliced import Steps, chunks, run_to_end
 from loraplex.storage.kv.tier_metrics import TierCounters, TierMetrics
 
 logger = logging.getLogger(__name__)
+
+_DROP_CHUNK = 512
+"""Index entries dropped per piece of a sliced purge or clear (microseconds each)."""
+_SCAN_CHUNK = 64
+"""Slot headers read per piece when none needs erasing (an open and a read each)."""
 
 
 def _done(value: torch.Tensor | None) -> Future[torch.Tensor | None]:
@@ -316,36 +322,65 @@ class DiskKVPool:
         another thread starts meanwhile (the engine resets on its own thread, when idle, so
         there are neither).
         """
-        return self._drop_and_erase(lambda: [k for k in self._slots.held_keys() if k not in keep], None)
+        return run_to_end(self.clear_steps(keep))
+
+    def clear_steps(self, keep: Collection[bytes] = ()) -> Steps[tuple[int, int]]:
+        """``clear`` in bounded pieces (``sliced``): blocks written meanwhile may be dropped too
+        (a reset forgets what it finds), blocks in ``keep`` never."""
+        return self._drop_and_erase_steps(lambda: [k for k in self._slots.held_keys() if k not in keep], None)
 
     def purge(self, owner: bytes) -> tuple[int, int]:
         """Forget every block ``owner`` owns and erase its records, with those of its promoted
         blocks left in free slot files (their headers name the owner); (blocks dropped, files
         erased). For a deleted tenant: its derived data leaves the disk now, not when LRU
         reuses the slots. Same caveats as ``clear``."""
+        return run_to_end(self.purge_steps(owner))
+
+    def purge_steps(self, owner: bytes) -> Steps[tuple[int, int]]:
+        """``purge`` in bounded pieces (``sliced``); the caller stores none of ``owner``'s blocks
+        from the first piece on (``TierManager``), so none appear meanwhile."""
         if not owner:
             raise ValueError("purge needs an owner: blocks of nobody are cleared, not purged")
-        return self._drop_and_erase(lambda: self._slots.keys_of(owner), owner)
+        return self._drop_and_erase_steps(lambda: self._slots.keys_of(owner), owner)
 
-    def _drop_and_erase(self, doomed: Callable[[], list[bytes]], owner: bytes | None) -> tuple[int, int]:
+    def _drop_and_erase_steps(
+        self, doomed: Callable[[], list[bytes]], owner: bytes | None
+    ) -> Steps[tuple[int, int]]:
+        """Drop the ``doomed`` keys, then erase the records left in free slot files; a piece is
+        ``_DROP_CHUNK`` keys dropped, one file erased, or ``_SCAN_CHUNK`` files found with
+        nothing to erase. Each piece holds the lock, so no slot is claimed for a write while
+        its file is erased; a slot claimed between pieces is skipped (its new record replaces
+        the old one)."""
         if self._num_slots == 0:
             return 0, 0
         self.flush()
-        errors: list[tuple[int, OSError]] = []
-        erased = 0
-        with self._lock:  # no slot can be claimed for a write while its file is erased
+        with self._lock:
             gone = doomed()
-            for key in gone:
-                self._slots.drop(key)
+        yield
+        for chunk in chunks(gone, _DROP_CHUNK):
+            with self._lock:
+                for key in chunk:
+                    self._slots.drop(key)
+            yield
+        with self._lock:
             free = self._slots.free_slots()
-            for slot in free:
+        erased = scanned = 0
+        for slot in free:
+            error: OSError | None = None
+            with self._lock:
+                if not self._slots.is_free(slot):
+                    continue
                 try:
-                    erased += self._files.erase(slot, owner)
+                    done = self._files.erase(slot, owner)
                 except OSError as exc:
-                    errors.append((slot, exc))
-            self._dirty.difference_update(free)
-        for slot, error in errors:
-            self._count_io_error("erase", slot, error)
+                    done, error = False, exc
+                self._dirty.discard(slot)
+            if error is not None:
+                self._count_io_error("erase", slot, error)
+            erased += done
+            scanned += 1
+            if done or scanned % _SCAN_CHUNK == 0:
+                yield  # an erase fsyncs (milliseconds); a header read is cheap
         return len(gone), erased
 
     # -- shutdown --------------------------------------------------------------

@@ -86,6 +86,15 @@ class SlotTable:
         """The held keys ``owner`` owns."""
         return [key for key, by in self.owners.items() if by == owner]
 
+    def is_free(self, slot: int) -> bool:
+        """True if no key, read or write holds ``slot`` (O(1), unlike scanning ``free_slots``)."""
+        return (
+            self._owner[slot] is None
+            and slot not in self._limbo
+            and slot not in self._writing
+            and self._pins[slot] == 0
+        )
+
     def free_slots(self) -> list[int]:
         """Slots no key, read or write holds (their files may still carry an old record)."""
         return list(self._free)

@@ -204,6 +204,14 @@ class HostKVPool:
             [key for key, by in self._block_owner.items() if by == owner and key not in self._pins]
         )
 
+    def keys_of(self, owner: bytes) -> list[bytes]:
+        """The keys ``owner`` owns (pinned ones too: ``free_and_zero`` skips those)."""
+        return [key for key, by in self._block_owner.items() if by == owner]
+
+    def free_and_zero(self, keys: Collection[bytes]) -> int:
+        """Free and zero those of ``keys`` still held and unpinned (a slice of a purge); how many."""
+        return self._free_and_zero([key for key in keys if key in self._index and key not in self._pins])
+
     def _free_and_zero(self, gone: list[bytes]) -> int:
         for key in gone:
             slot = self._index[key]

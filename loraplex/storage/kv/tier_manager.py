@@ -52,6 +52,7 @@ import os
 import threading
 from collections.abc import Collection, Sequence
 from concurrent.futures import wait as wait_futures
+from typing import TypeVar
 
 import torch
 
@@ -59,6 +60,7 @@ from loraplex.storage.kv.disk_pool import DiskKVPool
 from loraplex.storage.kv.host_pool import HostKVPool
 from loraplex.storage.kv.kv_cache import KVBlockLayout
 from loraplex.storage.kv.kv_tier import DeviceBlockIO, KVTierPool, Location, Tier
+from loraplex.storage.kv.sliced import Steps, chunks, run_to_end
 from loraplex.storage.kv.tier_metrics import TierMetrics
 from loraplex.storage.kv.tier_transfers import (
     Promotion,
@@ -70,6 +72,11 @@ from loraplex.storage.kv.tier_transfers import (
 )
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_HOST_CHUNK = 32
+"""Host blocks freed and zeroed per piece of a sliced purge (a memset of a block each)."""
 
 
 class TierManager:
@@ -370,13 +377,47 @@ class TierManager:
         promoted blocks), and store none of its blocks from now on (a deleted tenant);
         (host, disk) blocks dropped. Blocks a promotion holds stay until it ends: the device
         pool refuses to cache them (``BlockPool.purge_owner``), so they are reused keyless."""
+        return run_to_end(self.purge_steps(owner))
+
+    def purge_steps(self, owner: bytes) -> Steps[tuple[int, int]]:
+        """``purge`` in bounded pieces (``sliced``), each under the lock: from the first on, none
+        of ``owner``'s blocks is stored; then its host blocks go ``_HOST_CHUNK`` at a time (a
+        zeroed slot is a memset of a whole block), then its disk blocks and records."""
         if not owner:
             raise ValueError("purge needs an owner: blocks of nobody are cleared, not purged")
         with self._lock:
             self._purged.add(owner)
-            host = self.host.purge(owner)
-            disk = self.disk.purge(owner)[0] if self.disk is not None else 0
-            return host, disk
+            keys = self.host.keys_of(owner)
+        host = 0
+        for chunk in chunks(keys, _HOST_CHUNK):
+            yield
+            with self._lock:
+                host += self.host.free_and_zero(chunk)
+        disk = 0
+        if self.disk is not None:
+            disk = (yield from self._locked(self.disk.purge_steps(owner)))[0]
+        return host, disk
+
+    def clear_steps(self) -> Steps[tuple[int, int]]:
+        """``clear`` with its disk part in bounded pieces (``sliced``); the host part runs at once."""
+        with self._lock:
+            keep = set(self._moving) | {key for keys in self._swaps.values() for key in keys}
+            host = self.host.clear(keep)
+        disk = 0
+        if self.disk is not None:
+            disk = (yield from self._locked(self.disk.clear_steps(keep)))[0]
+        return host, disk
+
+    def _locked(self, steps: Steps[T]) -> Steps[T]:
+        """``steps`` with the lock held during each piece (never across a yield)."""
+        while True:
+            with self._lock:
+                try:
+                    next(steps)
+                except StopIteration as stop:
+                    result: T = stop.value
+                    return result
+            yield
 
     def _forget(self, key: bytes) -> bool:
         return self.host.remove(key) or (self.disk is not None and self.disk.remove(key))

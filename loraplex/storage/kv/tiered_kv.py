@@ -30,6 +30,7 @@ from typing import NamedTuple
 from loraplex.storage.kv.block_manager import KVBlockManager
 from loraplex.storage.kv.kv_cache import KVCache
 from loraplex.storage.kv.prefix_cache import PrefixCacheStats
+from loraplex.storage.kv.sliced import Steps, run_to_end
 from loraplex.storage.kv.tier_manager import TierManager
 from loraplex.storage.kv.tier_metrics import TierMetrics
 
@@ -137,11 +138,36 @@ class TieredKV:
         reused without a demotion; its disk records are erased now, with those its promoted
         blocks left in free slot files.
         """
+        return run_to_end(self.purge_steps(owner))
+
+    def purge_steps(self, owner: bytes) -> Steps[tuple[int, int, int]]:
+        """``purge`` in bounded pieces (``sliced``: the engine runs them between steps): the
+        device pool's part and the ban on storing ``owner``'s blocks come first, at once."""
         start = time.perf_counter()
         device = self.block_manager.pool.purge_owner(owner)
-        host, disk = self.tiers.purge(owner) if self.tiers is not None else (0, 0)
+        host = disk = 0
+        if self.tiers is not None:
+            yield
+            host, disk = yield from self.tiers.purge_steps(owner)
         logger.info(
             "purged an owner's cached KV in %.2f s: %d device, %d host and %d disk blocks",
+            time.perf_counter() - start,
+            device,
+            host,
+            disk,
+        )
+        return device, host, disk
+
+    def reset_steps(self) -> Steps[tuple[int, int, int]]:
+        """``reset`` with the disk tier's part in bounded pieces (``sliced``)."""
+        start = time.perf_counter()
+        device = self.block_manager.pool.uncache_free()
+        host = disk = 0
+        if self.tiers is not None:
+            yield
+            host, disk = yield from self.tiers.clear_steps()
+        logger.info(
+            "prefix cache reset in %.2f s: %d device, %d host and %d disk blocks forgotten",
             time.perf_counter() - start,
             device,
             host,

@@ -261,3 +261,40 @@ async def test_deleting_a_tenant_purges_its_cached_kv(gateway_engine: AsyncEngin
         # The other tenant's copy of the same prompt still hits.
         again = await client.post("/v1/completions", json=body, headers=bearer(globex))
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * block
+
+
+@pytest.mark.asyncio
+async def test_a_tenants_weight_is_set_changed_and_carried_to_the_engine(
+    gateway_engine: AsyncEngine, tmp_path: Path
+) -> None:
+    settings = settings_for(tmp_path, sqlite(tmp_path))
+    async with serving(make_gateway(gateway_engine, settings)) as client:
+        created = await client.post("/admin/api/tenants", json={"name": "heavy", "weight": 3}, headers=ADMIN)
+        assert created.status_code == 201 and created.json()["weight"] == 3.0
+        plain = await client.post("/admin/api/tenants", json={"name": "plain"}, headers=ADMIN)
+        assert plain.json()["weight"] == 1.0
+        for bad in (0, -1, 1001, None, "2", True):
+            refused = await client.post(
+                "/admin/api/tenants", json={"name": "bad", "weight": bad}, headers=ADMIN
+            )
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "weight", (
+                bad,
+                refused.text,
+            )
+            patched = await client.patch("/admin/api/tenants/plain", json={"weight": bad}, headers=ADMIN)
+            assert patched.status_code == 400 and patched.json()["error"]["param"] == "weight", (
+                bad,
+                patched.text,
+            )
+        patched = await client.patch("/admin/api/tenants/heavy", json={"weight": 0.5}, headers=ADMIN)
+        assert patched.status_code == 200 and patched.json()["weight"] == 0.5
+        assert (await client.get("/admin/api/tenants/heavy", headers=ADMIN)).json()["weight"] == 0.5
+
+        # The next request carries the new weight into the engine's fair-share policy.
+        key = await Admin(client).key("heavy")
+        done = await client.post("/v1/completions", json=completion_body(BASE), headers=bearer(key))
+        assert done.is_success, done.text
+        weights = {
+            tid.split(":")[1]: w for tid, w in engine_of(gateway_engine).stats.tenant_weights.items() if tid
+        }
+        assert weights["heavy"] == 0.5

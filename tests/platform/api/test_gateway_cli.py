@@ -46,7 +46,18 @@ def test_tenants_keys_and_adapters(
     monkeypatch.setenv("LORAPLEX_DATABASE_URL", database_url)
     code, _, err = run(capsys, "tenants", "create", "acme")
     assert code == 1 and "already exists" in err
-    assert run(capsys, "tenants", "list")[1].split() == ["acme", "enabled", "5", "-", "-", "-", "-"]
+    assert run(capsys, "tenants", "list")[1].split() == ["acme", "enabled", "5", "-", "-", "-", "-", "1"]
+    # The fair-share weight: set at creation, changed with update (quotas given there change too).
+    assert run(capsys, "tenants", "create", "globex", "--weight", "3")[0] == 0
+    assert run(capsys, "tenants", "update", "acme", "--weight", "2.5", "--tpm", "100")[0] == 0
+    assert run(capsys, "tenants", "list")[1].splitlines() == [
+        "\t".join(["acme", "enabled", "5", "100", "-", "-", "-", "2.5"]),
+        "\t".join(["globex", "enabled", "-", "-", "-", "-", "-", "3"]),
+    ]
+    code, _, err = run(capsys, "tenants", "update", "acme", "--weight", "0")
+    assert code == 1 and "weight" in err
+    code, _, err = run(capsys, "tenants", "update", "nobody", "--weight", "2")
+    assert code == 1 and "nobody" in err
 
     code, out, _ = run(capsys, "keys", "create", "acme", "--name", "ops")
     key = out.strip()

@@ -87,8 +87,8 @@ def test_a_fault_in_a_tier_read_fails_only_its_request(
 
     assert faults, "the promotion never copied a block: the test did not inject anything"
     victim = finals["victim"]
-    assert victim.error is not None and "injected fault in a tier read" in victim.error, victim
-    assert "while scheduling this request" in victim.error
+    assert victim.error is not None and "injected fault in a tier read" in victim.error.message, victim
+    assert "while scheduling this request" in victim.error.message
     assert victim.outputs[0].finish_reason == "abort"
     for rid in others:
         assert finals[rid].error is None, finals[rid]
@@ -119,6 +119,6 @@ def test_a_planning_error_outside_any_one_request_leaves_the_engine_serving(
     finals = _run_all(engine, {f"other-{j}": p for j, p in enumerate(OTHERS)})
     assert raised and len(finals) == len(OTHERS)
     for out in finals.values():
-        assert out.error is not None and "injected planning bug" in out.error
+        assert out.error is not None and "injected planning bug" in out.error.message
     after = _run_all(engine, {"prompt": PROMPT})["prompt"]
     assert after.error is None and after.outputs[0].token_ids == reference["prompt"]

@@ -111,7 +111,7 @@ def test_a_failed_step_fails_only_its_requests(engine: LLMEngine, monkeypatch: p
     outs = {o.request_id: o for o in engine.step()}  # must not raise
     assert set(outs) == {"victim-1", "victim-2"}
     for out in outs.values():
-        assert out.finished and out.error is not None and "injected device fault" in out.error
+        assert out.finished and out.error is not None and "injected device fault" in out.error.message
         assert out.outputs[0].finish_reason == "abort"
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     engine.check_integrity()
@@ -132,7 +132,7 @@ def test_non_finite_logits_fail_only_that_request(engine: LLMEngine, adapter: Lo
     _a, b, _scales, _sizes = runtime.manager.get_buffers(0, "qkv")
     b[:, slot].fill_(float("inf"))
     final = _drain(engine)
-    assert final["poisoned"].error is not None and "non-finite" in final["poisoned"].error
+    assert final["poisoned"].error is not None and "non-finite" in final["poisoned"].error.message
     assert final["healthy"].error is None
     assert final["healthy"].outputs[0].token_ids == expected
     assert runtime.num_pins == 0

@@ -136,7 +136,7 @@ def test_remove_adapter_while_in_use(lora_setup: dict[str, Any]) -> None:
         final["running"].outputs[0].token_ids, lora_setup["refs"][idx], what="removed mid-run"
     )
     assert final["queued"].outputs[0].finish_reason == "abort"
-    assert "removed" in (final["queued"].error or "")
+    assert final["queued"].error is not None and "removed" in final["queued"].error.message
     engine.check_integrity()
     assert engine.lora_manager.manager.num_free_slots == 2
 

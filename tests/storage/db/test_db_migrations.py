@@ -4,8 +4,9 @@ replicas migrating at once are safe (issue 15, acceptance 4)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,47 @@ async def test_a_sqlite_migration_that_breaks_a_foreign_key_is_rolled_back(tmp_p
                 await connection.exec_driver_sql("DELETE FROM tenants")
         async with db.engine.connect() as connection:
             assert await connection.scalar(text("SELECT count(*) FROM tenants")) == 1
+
+
+def _upgrade_to(revision: str) -> Callable[[Connection], None]:
+    def run(connection: Connection) -> None:
+        config = alembic_config()
+        config.attributes["connection"] = connection
+        command.upgrade(config, revision)
+
+    return run
+
+
+def _downgrade_to(revision: str) -> Callable[[Connection], None]:
+    def run(connection: Connection) -> None:
+        config = alembic_config()
+        config.attributes["connection"] = connection
+        command.downgrade(config, revision)
+
+    return run
+
+
+async def test_tenants_of_the_first_schema_get_weight_one_and_keep_their_rows(database_url: str) -> None:
+    db = Database(database_url)
+    try:
+        async with migration_lock(db.engine) as connection:
+            await connection.run_sync(_upgrade_to("0001"))
+            await connection.execute(
+                text("INSERT INTO tenants (name, disabled, created_at) VALUES ('acme', false, :t)"),
+                {"t": datetime(2026, 12, 1, tzinfo=UTC)},
+            )
+        assert await upgrade_to_head(db.engine) == head_revision()
+        async with db.engine.connect() as connection:
+            assert (await connection.execute(text("SELECT name, weight FROM tenants"))).all() == [
+                ("acme", 1.0)
+            ]
+        assert await schema_diff(db.engine) == []
+        async with migration_lock(db.engine) as connection:
+            await connection.run_sync(_downgrade_to("0001"))
+            columns = {
+                c["name"] for c in await connection.run_sync(lambda c: inspect(c).get_columns("tenants"))
+            }
+            assert "weight" not in columns
+            assert await connection.scalar(text("SELECT count(*) FROM tenants")) == 1
+    finally:
+        await db.dispose()

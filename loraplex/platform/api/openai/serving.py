@@ -86,7 +86,15 @@ async def respond(
 
     async def run_submit() -> list[MeteredStream]:
         streams.extend(
-            await submit(state, shape.request_id, admission.prompts, params, target.lora, admission.tenant_id)
+            await submit(
+                state,
+                shape.request_id,
+                admission.prompts,
+                params,
+                target.lora,
+                admission.tenant_id,
+                admission.tenant_weight,
+            )
         )
         return streams
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from loraplex.adapters import LoRARequest
-from loraplex.platform.api.errors import SERVER_ERROR, APIError
+from loraplex.platform.api.errors import APIError, request_error
 from loraplex.platform.api.openai.protocol import Prompt
 from loraplex.platform.api.state import AppState
 from loraplex.platform.engine.async_engine import RequestStream
@@ -22,10 +23,10 @@ from loraplex.platform.engine.sampling_params import SamplingParams
 
 
 def step_failure(out: RequestOutput) -> APIError:
-    """The error of a request the engine finished with ``error`` set (its step failed)."""
-    return APIError(
-        500, f"The request failed in the engine: {out.error}", code="internal_error", err_type=SERVER_ERROR
-    )
+    """The error of a request the engine finished with ``error`` set: its status from the
+    error's kind (``request_error``)."""
+    assert out.error is not None, "only a failed output has an error to answer"
+    return request_error(out.error)
 
 
 class MeteredStream(RequestStream):
@@ -66,19 +67,25 @@ async def submit(
     params: SamplingParams,
     lora: LoRARequest | None,
     tenant_id: str | None = None,
+    tenant_weight: float = 1.0,
 ) -> list[MeteredStream]:
-    """Add one engine request per prompt, concurrently, as ``tenant_id``; all or none (a refusal,
-    or the caller being cancelled, aborts the ones already accepted)."""
+    """Add one engine request per prompt, concurrently, as ``tenant_id`` (with its fair-share
+    ``tenant_weight``), under the server's ``max_queued_requests`` and ``request_timeout_s``;
+    all or none (a refusal, or the caller being cancelled, aborts the ones already accepted)."""
     engine = state.engine
+    limits = state.limits
+    options: dict[str, Any] = dict(
+        lora_request=lora,
+        tenant_id=tenant_id,
+        tenant_weight=tenant_weight,
+        timeout_s=limits.request_timeout_s or None,
+        max_queued=limits.max_queued_requests,
+    )
     if len(prompts) == 1:
-        stream = await engine.add_request(
-            request_id, prompts[0], params, lora_request=lora, tenant_id=tenant_id
-        )
+        stream = await engine.add_request(request_id, prompts[0], params, **options)
         return [MeteredStream(stream)]
     tasks = [
-        asyncio.ensure_future(
-            engine.add_request(f"{request_id}-{i}", p, params, lora_request=lora, tenant_id=tenant_id)
-        )
+        asyncio.ensure_future(engine.add_request(f"{request_id}-{i}", p, params, **options))
         for i, p in enumerate(prompts)
     ]
     try:

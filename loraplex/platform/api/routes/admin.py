@@ -2,8 +2,8 @@
 
 | route | does |
 |---|---|
-| ``POST /tenants``, ``GET /tenants``, ``GET /tenants/{name}`` | create (quotas in the body), list, read |
-| ``PATCH /tenants/{name}`` | change quotas (absent: unchanged, null: unlimited), ``disabled`` |
+| ``POST /tenants``, ``GET /tenants``, ``GET /tenants/{name}`` | create (quotas, ``weight``), list, read |
+| ``PATCH /tenants/{name}`` | change quotas (absent: unchanged, null: unlimited), ``disabled``, ``weight`` |
 | ``DELETE /tenants/{name}`` | the tenant, its keys, adapters (files too), usage and cached KV |
 | ``POST /tenants/{name}/keys`` | a new key: the answer holds ``key``, shown this once |
 | ``GET /tenants/{name}/keys`` | its keys, by prefix |
@@ -34,6 +34,7 @@ from loraplex.platform.api.schemas import (
     UsageReport,
 )
 from loraplex.platform.api.services import adapters, keys, tenants, usage
+from loraplex.platform.api.services.errors import InvalidInput
 from loraplex.platform.api.services.tenants import TenantQuotas
 from loraplex.storage.db import UsageStatus
 
@@ -50,7 +51,10 @@ async def create_tenant(body: TenantCreate, session: SessionDep) -> TenantPublic
         max_adapters=body.max_adapters,
         max_adapter_bytes=body.max_adapter_bytes,
     )
-    return TenantPublic.of(await tenants.create_tenant(session, body.name, quotas, disabled=body.disabled))
+    tenant = await tenants.create_tenant(
+        session, body.name, quotas, disabled=body.disabled, weight=body.weight
+    )
+    return TenantPublic.of(tenant)
 
 
 @router.get("/tenants")
@@ -68,6 +72,10 @@ async def update_tenant(name: str, body: TenantUpdate, session: SessionDep) -> T
     tenant = await tenants.update_quotas(session, name, body.quota_changes())
     if body.disabled is not None:
         tenant = await tenants.set_disabled(session, name, body.disabled)
+    if "weight" in body.model_fields_set:
+        if body.weight is None:
+            raise InvalidInput("weight", "must be a number greater than 0 (it cannot be null)")
+        tenant = await tenants.set_weight(session, name, body.weight)
     return TenantPublic.of(tenant)
 
 

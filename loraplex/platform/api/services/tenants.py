@@ -1,13 +1,15 @@
-"""Tenants: create, read, change quotas, disable, delete.
+"""Tenants: create, read, change quotas and fair-share weight, disable, delete.
 
 A tenant is addressed by its name everywhere outside the database (admin API paths, the CLI,
 ``owner/name`` adapter references). Quotas are NULL for unlimited; ``TenantQuotas`` is the
-validated value the routes and the limiter pass around.
+validated value the routes and the limiter pass around. The weight (default 1, never NULL) is
+the tenant's share of the engine under load, relative to the other tenants' (fair scheduling).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -78,6 +80,22 @@ def _check_quota(field: QuotaField, value: int | None) -> None:
         raise InvalidInput(field, f"must be an integer from {low} to {high}, or null for unlimited")
 
 
+MAX_WEIGHT = 1000.0
+"""Largest weight (the engine's own bound): a 1000:1 share is already starvation in practice."""
+
+
+def check_weight(weight: float) -> float:
+    """``weight`` as a float if in (0, ``MAX_WEIGHT``]; ``InvalidInput`` otherwise."""
+    if (
+        isinstance(weight, bool)
+        or not isinstance(weight, int | float)
+        or not math.isfinite(weight)
+        or not 0 < weight <= MAX_WEIGHT
+    ):
+        raise InvalidInput("weight", f"must be a number greater than 0 and at most {MAX_WEIGHT:g}")
+    return float(weight)
+
+
 def engine_tenant_id(tenant: Tenant) -> str:
     """The tenant as the engine sees it (the prefix-cache salt): never reused by another tenant,
     since it binds the row id and the creation time, not only the name."""
@@ -85,13 +103,19 @@ def engine_tenant_id(tenant: Tenant) -> str:
 
 
 async def create_tenant(
-    session: AsyncSession, name: str, quotas: TenantQuotas | None = None, *, disabled: bool = False
+    session: AsyncSession,
+    name: str,
+    quotas: TenantQuotas | None = None,
+    *,
+    disabled: bool = False,
+    weight: float = 1.0,
 ) -> Tenant:
-    """A new tenant; ``Conflict`` if the name is taken, ``InvalidInput`` for a bad name."""
+    """A new tenant; ``Conflict`` if the name is taken, ``InvalidInput`` for a bad name or weight."""
     check_tenant_name(name)
+    weight = check_weight(weight)
     if await _find(session, name) is not None:
         raise Conflict("tenant", name)
-    tenant = Tenant(name=name, disabled=disabled)
+    tenant = Tenant(name=name, disabled=disabled, weight=weight)
     _store_quotas(tenant, quotas or TenantQuotas())
     session.add(tenant)
     try:
@@ -109,7 +133,7 @@ async def ensure_tenant(session: AsyncSession, name: str) -> Tenant:
     check_tenant_name(name)
     try:
         async with session.begin_nested():
-            tenant = Tenant(name=name, disabled=False)
+            tenant = Tenant(name=name, disabled=False, weight=1.0)
             session.add(tenant)
         return tenant
     except IntegrityError:  # another replica created it first; the savepoint kept our transaction
@@ -133,6 +157,15 @@ async def update_quotas(session: AsyncSession, name: str, changes: Mapping[Quota
     """Apply ``changes`` (PATCH semantics: absent = unchanged, None = unlimited)."""
     tenant = await get_tenant(session, name)
     _store_quotas(tenant, TenantQuotas.of(tenant).updated(changes))
+    await session.flush()
+    return tenant
+
+
+async def set_weight(session: AsyncSession, name: str, weight: float) -> Tenant:
+    """Change the fair-share weight (the tenant's next requests carry it to the engine)."""
+    weight = check_weight(weight)
+    tenant = await get_tenant(session, name)
+    tenant.weight = weight
     await session.flush()
     return tenant
 

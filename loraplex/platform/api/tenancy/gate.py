@@ -67,6 +67,11 @@ class Admission(Protocol):
         ...
 
     @property
+    def tenant_weight(self) -> float:
+        """The tenant's fair-share weight (1 on a single-tenant server)."""
+        ...
+
+    @property
     def prompts(self) -> list[Prompt]:
         """The prompts to submit (the gateway hands back text prompts tokenized, as it counted them)."""
         ...
@@ -109,6 +114,7 @@ class _OpenAdmission:
 
     prompts: list[Prompt]
     tenant_id: str | None = None
+    tenant_weight: float = 1.0
 
     def close(self, outputs: Sequence[RequestOutput | None], end: RequestEnd) -> None:
         return None

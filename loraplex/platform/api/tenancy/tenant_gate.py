@@ -70,6 +70,10 @@ class TenantAdmission:
     def tenant_id(self) -> str:
         return engine_tenant_id(self.tenant)
 
+    @property
+    def tenant_weight(self) -> float:
+        return self.tenant.weight
+
     def close(self, outputs: Sequence[RequestOutput | None], end: RequestEnd) -> None:
         if self.closed:
             return
