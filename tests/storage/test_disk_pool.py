@@ -16,6 +16,7 @@ from loraplex.storage.kv import block_codec
 from loraplex.storage.kv.disk_files import DiskPathError, DiskPathInUseError
 from loraplex.storage.kv.disk_pool import DiskKVPool
 from loraplex.storage.kv.kv_cache import KVBlockLayout
+from loraplex.storage.kv.sliced import run_to_end
 
 LAYOUT = KVBlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 RECORD = block_codec.record_bytes(LAYOUT)
@@ -484,4 +485,27 @@ def test_purge_drops_and_erases_one_owners_records_only(tmp_path: Path) -> None:
         assert (p.owner_of(key(1)), p.owner_of(key(3))) == (b, b"")  # owners survive a restart
         assert p.purge(b) == (1, 1)
         assert p.held_keys() == [key(3)]
+        p.check_integrity()
+
+
+def test_a_sliced_purge_lets_writes_in_between_and_never_erases_them(tmp_path: Path) -> None:
+    a, b = b"A" * 32, b"B" * 32
+    with DiskKVPool(tmp_path / "kv", LAYOUT, FP, 6 * RECORD) as p:
+        for i in range(6):
+            assert p.demote_async(key(i), block(i), owner=a)
+        p.flush()
+        steps = p.purge_steps(a)
+        while p.held_keys():  # up to the piece that drops the keys
+            next(steps)
+        next(steps)  # the first free slot's file erased
+        # Between pieces, another owner's blocks take two freed slots: the first erased already,
+        # the second not yet; the purge must skip it (its new record is not the tenant's).
+        for i in (10, 11):
+            assert p.demote_async(key(i), block(i), owner=b)
+        p.flush()
+        assert run_to_end(steps) == (6, 5)
+        assert sorted(p.held_keys()) == sorted([key(10), key(11)])
+        for i in (10, 11):
+            got = fetch(p, key(i))
+            assert got is not None and torch.equal(got, block(i))
         p.check_integrity()

@@ -177,6 +177,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.maintenance: collections.deque[SlicedJob[Any]] = collections.deque()
         """Purges and resets in progress, run in slices between steps (``run_maintenance``)."""
+        self.num_maintenance_slices = 0
+        self.max_maintenance_slice_s = 0.0
+        """The longest slice of maintenance run between two steps so far (``run_maintenance``)."""
         self.deadlines = Deadlines()
         self.usage = TenantCounters()
         self.rejections = RejectionCounters()
@@ -394,6 +397,9 @@ class LLMEngine:
             except BaseException:
                 self.maintenance.popleft()
                 raise
+            finally:
+                self.num_maintenance_slices += 1
+                self.max_maintenance_slice_s = max(self.max_maintenance_slice_s, job.max_slice_s)
             if not done:
                 break
             finished.append(self.maintenance.popleft())

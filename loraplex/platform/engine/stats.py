@@ -80,6 +80,12 @@ class EngineStats:
     fcfs / priority). Gauges: they only grow, but an idle tenant is lifted when it returns."""
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     """Fair share: the weight each tenant's newest request carried."""
+    num_maintenance_jobs: int = 0
+    """Purges and prefix-cache resets in progress (run in slices between steps)."""
+    num_maintenance_slices: int = 0
+    """Slices of such work run between steps since start-up (a counter)."""
+    max_maintenance_slice_s: float = 0.0
+    """The longest slice of such work between two steps so far: the most it delayed a step."""
     rejections: Mapping[str, int] = field(default_factory=dict)
     """Requests refused at submission or ended by the engine, by reason: ``overload`` (past
     ``max_queued_requests``), ``deadline`` (past ``request_timeout_s``). Counters."""
@@ -186,5 +192,8 @@ def build_stats(engine: LLMEngine) -> EngineStats:
         tenants=engine.usage.snapshot(),
         virtual_counters=policy.snapshot() if isinstance(policy, FairSharePolicy) else {},
         tenant_weights=MappingProxyType(dict(policy.weights)) if isinstance(policy, FairSharePolicy) else {},
+        num_maintenance_jobs=len(engine.maintenance),
+        num_maintenance_slices=engine.num_maintenance_slices,
+        max_maintenance_slice_s=engine.max_maintenance_slice_s,
         rejections=engine.rejections.snapshot(),
     )

@@ -190,11 +190,12 @@ class SlotFiles:
             os.close(fd)
         return record
 
-    def erase(self, slot: int, owner: bytes | None = None) -> bool:
+    def erase(self, slot: int, owner: bytes | None = None, *, fsync: bool = True) -> bool:
         """Empty a slot file that holds a record (or a torn one): its data blocks go back to the
         filesystem and it is preallocated again, reading as zeros (a never-written slot to
-        ``scan_slots``), then fsynced. False if there was nothing to erase (missing, all-zero
-        header) or, with ``owner``, if its header does not name that owner."""
+        ``scan_slots``), then fsynced (unless ``fsync=False``: the caller syncs it, with
+        ``fsync_slot``). False if there was nothing to erase (missing, all-zero header) or, with
+        ``owner``, if its header does not name that owner."""
         try:
             fd = os.open(self.slot_path(slot), os.O_RDWR)
         except FileNotFoundError:
@@ -212,7 +213,8 @@ class SlotFiles:
                     return False  # not a record of ours: nobody's to purge
             os.ftruncate(fd, 0)
             os.posix_fallocate(fd, 0, max(size, self.record_bytes))
-            os.fsync(fd)
+            if fsync:
+                os.fsync(fd)
             return True
         finally:
             os.close(fd)

@@ -23,15 +23,21 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 Item = TypeVar("Item")
 
-Steps = Generator[None, None, T]
-"""A computation that yields between bounded pieces of work and returns its result."""
+Steps = Generator[bool | None, None, T]
+"""A computation that yields between bounded pieces of work and returns its result; it yields
+``WAIT`` when it waits for work elsewhere (I/O threads), which ends the slice at once."""
+
+WAIT = True
+"""What a ``Steps`` yields to say: nothing to do now, end this slice (rather than spin)."""
+_WAIT_POLL_S = 0.001
 
 
 def run_to_end(steps: Steps[T]) -> T:
     """Run ``steps`` without stopping; its result."""
     while True:
         try:
-            next(steps)
+            if next(steps) is WAIT:
+                time.sleep(_WAIT_POLL_S)
         except StopIteration as stop:
             result: T = stop.value
             return result
@@ -66,8 +72,7 @@ class SlicedJob(Generic[T]):
         self.num_slices += 1
         try:
             while True:
-                next(self._steps)
-                if time.perf_counter() - start >= budget_s:
+                if next(self._steps) is WAIT or time.perf_counter() - start >= budget_s:
                     return False
         except StopIteration as stop:
             self.result = stop.value

@@ -390,7 +390,7 @@ class TierManager:
             keys = self.host.keys_of(owner)
         host = 0
         for chunk in chunks(keys, _HOST_CHUNK):
-            yield
+            yield None
             with self._lock:
                 host += self.host.free_and_zero(chunk)
         disk = 0
@@ -413,11 +413,11 @@ class TierManager:
         while True:
             with self._lock:
                 try:
-                    next(steps)
+                    signal = next(steps)
                 except StopIteration as stop:
                     result: T = stop.value
                     return result
-            yield
+            yield signal
 
     def _forget(self, key: bytes) -> bool:
         return self.host.remove(key) or (self.disk is not None and self.disk.remove(key))

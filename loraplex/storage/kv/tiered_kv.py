@@ -147,7 +147,7 @@ class TieredKV:
         device = self.block_manager.pool.purge_owner(owner)
         host = disk = 0
         if self.tiers is not None:
-            yield
+            yield None
             host, disk = yield from self.tiers.purge_steps(owner)
         logger.info(
             "purged an owner's cached KV in %.2f s: %d device, %d host and %d disk blocks",
@@ -164,7 +164,7 @@ class TieredKV:
         device = self.block_manager.pool.uncache_free()
         host = disk = 0
         if self.tiers is not None:
-            yield
+            yield None
             host, disk = yield from self.tiers.clear_steps()
         logger.info(
             "prefix cache reset in %.2f s: %d device, %d host and %d disk blocks forgotten",
