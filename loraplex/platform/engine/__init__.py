@@ -6,7 +6,8 @@
 | ``sampling_params`` | ``SamplingParams``: per-request sampling and stop settings |
 | ``sequence`` | ``Request`` and ``Sequence`` state |
 | ``scheduler`` | continuous batching, chunked prefill, preemption; ``SchedulerOutput`` |
-| ``policy`` | ``SchedulingPolicy`` (fcfs, priority): admission order, preemption victim, accounting |
+| ``policy`` | ``SchedulingPolicy`` (fcfs, priority, fair): admission order, preemption victim, accounting |
+| ``deadlines`` | ``Deadlines``: which requests are past their ``request_timeout_s`` |
 | ``tier_admission`` | what admission asks of the KV tiers: promotions, swapped tails |
 | ``preemption`` | ``PreemptionPolicy``: swap or recompute a preempted sequence's partial tail |
 | ``runner`` | builds the model's ``ForwardBatch`` from the scheduler's output and runs the forward |
