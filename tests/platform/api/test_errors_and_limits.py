@@ -216,3 +216,26 @@ def test_adapter_named_like_the_model_is_refused(client: tuple[TestClient, LLMEn
             ServerSettings(served_model_name="tiny", single_tenant=True),
             {"tiny": LoRARequest("tiny", 1, "/nowhere")},
         )
+
+
+def test_a_failed_requests_status_comes_from_its_error_kind_never_its_text() -> None:
+    from loraplex.platform.api.errors import overloaded, request_error
+    from loraplex.platform.engine.errors import EngineOverloadedError, ErrorKind, RequestError
+
+    expected = {
+        ErrorKind.DEADLINE: (408, "request_timeout"),
+        ErrorKind.ABORTED: (503, "request_aborted"),
+        ErrorKind.ADAPTER_UNAVAILABLE: (503, "adapter_unavailable"),
+        ErrorKind.OVERLOAD: (503, "overloaded"),
+        ErrorKind.INVALID: (400, "invalid_value"),
+        ErrorKind.ENGINE_FAILURE: (500, "internal_error"),
+    }
+    assert set(expected) == set(ErrorKind)
+    for kind, (status, code) in expected.items():
+        # The same misleading text under every kind: only the kind decides.
+        answer = request_error(RequestError(kind, "internal error: adapter removed, deadline"))
+        assert (answer.status, answer.code) == (status, code), kind
+        assert ("Retry-After" in answer.headers) == (status == 503)
+        assert answer.body()["error"]["message"].endswith("internal error: adapter removed, deadline")
+    refused = overloaded(EngineOverloadedError(7, 7))
+    assert (refused.status, refused.code, refused.headers) == (503, "overloaded", {"Retry-After": "1"})
