@@ -57,6 +57,7 @@ MAINTENANCE_SLICE_S = 0.02
 after the piece that crosses it: one slot file erased, at most a few milliseconds). Idle, the
 engine runs them in ``_IDLE_MAINTENANCE_S`` slices, reading its inbox in between."""
 _IDLE_MAINTENANCE_S = 0.1
+_JOB_POLL_S = 0.001
 _ABORT_SETTLE_S = 0.01
 """After applying aborts, how long to wait for more before the next step. Disconnects
 come in bursts (a client pool closing, a proxy restarting) that the event loop turns
@@ -401,7 +402,11 @@ class AsyncEngine:
                     self._engine.publish_stats()
                 if not busy:
                     if self._jobs:
-                        continue  # more slices, reading the inbox in between
+                        # More slices, reading the inbox in between; a job waiting for its I/O
+                        # workers yields at once, so do not spin on it.
+                        self._wake.wait(timeout=_JOB_POLL_S)
+                        self._wake.clear()
+                        continue
                     self._wake.wait(timeout=_IDLE_WAIT_S)
                     self._wake.clear()
                     continue
@@ -426,6 +431,8 @@ class AsyncEngine:
             _, done = self._jobs.pop(0)  # the first job is the one that ran
             done.set_exception(exc)
             return
+        if finished:
+            self._engine.publish_stats()  # the caller, woken below, may read the stats at once
         for job in finished:
             index = next(i for i, (j, _) in enumerate(self._jobs) if j is job)
             _, done = self._jobs.pop(index)

@@ -13,7 +13,6 @@ import hashlib
 import itertools
 import json
 import logging
-import math
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -342,7 +341,7 @@ class LLMEngine:
         if job is None:
             return False
         self.maintenance.remove(job)
-        job.run(math.inf)
+        job.finish()
         return True
 
     def start_reset_prefix_cache(self) -> SlicedJob[tuple[int, int, int]] | None:
@@ -371,9 +370,7 @@ class LLMEngine:
         """
         job = self.start_purge_tenant(tenant_id)
         self.maintenance.remove(job)
-        job.run(math.inf)
-        assert job.result is not None
-        return job.result
+        return job.finish()
 
     def start_purge_tenant(self, tenant_id: str) -> SlicedJob[tuple[int, int, int]]:
         """``purge_tenant`` as a job the caller runs between steps (``run_maintenance``), in
@@ -480,11 +477,11 @@ class LLMEngine:
     def _expire(self) -> list[RequestOutput]:
         """End the requests past their deadline (``request_timeout_s``), freeing their blocks."""
         outputs = []
-        for req in self.deadlines.expired(time.monotonic()):
-            if self.requests.get(req.request_id) is not req:
-                continue  # finished or aborted before its deadline
-            assert req.deadline is not None
-            timeout_s = req.deadline - req.arrival_time
+        for request_id, deadline in self.deadlines.expired(time.monotonic()):
+            req = self.requests.get(request_id)
+            if req is None or req.deadline != deadline:
+                continue  # finished before its deadline (the id may be in use again)
+            timeout_s = deadline - req.arrival_time
             state = "running" if any(s.num_computed_tokens for s in req.seqs) else "waiting"
             logger.info("request %s passed its %.3g s deadline (%s)", req.request_id, timeout_s, state)
             self.rejections.count("deadline")

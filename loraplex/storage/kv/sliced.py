@@ -16,6 +16,7 @@ work (steps, promotions, demotions) interleaves. ``run_to_end`` runs one at once
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Generator, Sequence
 from typing import Generic, TypeVar
@@ -61,6 +62,13 @@ class SlicedJob(Generic[T]):
         self.max_slice_s = 0.0
         """The longest slice so far (what a step waited for this job, at most)."""
         self.total_s = 0.0
+
+    def finish(self) -> T:
+        """Run the rest at once (waiting for I/O where a piece says ``WAIT``); the result."""
+        while not self.run(math.inf):
+            time.sleep(_WAIT_POLL_S)
+        result: T = self.result  # type: ignore[assignment]  # set when run returned True
+        return result
 
     def run(self, budget_s: float) -> bool:
         """Run pieces until ``budget_s`` is spent (at least one piece); True when finished.

@@ -160,3 +160,20 @@ def test_past_max_queued_a_request_is_refused_at_once(tiny_dirs: dict[str, Path]
         assert aeng.stats.tenants[""].num_requests == admitted
     finally:
         aeng.shutdown()
+
+
+def test_a_finished_requests_deadline_never_ends_a_later_request_with_its_id(
+    tiny_dirs: dict[str, Path],
+) -> None:
+    engine = _engine(tiny_dirs)
+    quick = SamplingParams(temperature=0, max_tokens=1)
+    engine.add_request("r", _prompt(0), quick, timeout_s=0.2)
+    first = _run_until_done(engine, "r")
+    assert first.error is None
+    engine.add_request(
+        "r", _prompt(1), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), timeout_s=60
+    )
+    time.sleep(0.25)  # the first one's deadline passes while the second runs
+    second = _run_until_done(engine, "r")
+    assert second.error is None and len(second.outputs[0].token_ids) == 40
+    assert engine.stats.rejections.get("deadline", 0) == 0
