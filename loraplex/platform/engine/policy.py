@@ -180,7 +180,9 @@ class FairSharePolicy(SchedulingPolicy):
         for seq, num_new in items:
             tenant = _tenant(seq)
             start = seq.num_computed_tokens
-            prompt = max(0, min(start + num_new, seq.num_prompt_tokens) - start)
+            # A preempted sequence recomputes its prompt at the server's choice: charged once.
+            first_pass = seq.num_preemptions == 0
+            prompt = max(0, min(start + num_new, seq.num_prompt_tokens) - start) if first_pass else 0
             sampled = 1 if start + num_new == seq.num_tokens else 0
             cost = W_PROMPT * prompt + W_OUTPUT * sampled
             self._live.setdefault(tenant, set()).add(seq.seq_id)  # forked siblings start here

@@ -34,6 +34,7 @@ def _seq(
         num_prompt_tokens=prompt,
         num_tokens=prompt,
         num_uncomputed_tokens=prompt,
+        num_preemptions=0,
     )
 
 
@@ -125,6 +126,11 @@ def test_weights_scale_the_service_a_tenant_is_charged() -> None:
         _run(fair, a, 1 if a.num_computed_tokens else 4)
         _run(fair, b, 1 if b.num_computed_tokens else 4)
     assert fair.counters["A"] == pytest.approx(3 * fair.counters["B"])
+    # Preempted, ``a`` recomputes its prompt and its tokens so far: only the new sample is charged.
+    before = fair.counters["A"]
+    a.num_computed_tokens, a.num_preemptions = 0, 1
+    _run(fair, a, a.num_tokens)
+    assert fair.counters["A"] == before + W_OUTPUT
     # Inside a tenant, fair_priority orders by priority.
     urgent, late = _seq("u", 5.0, priority=-1, tenant="B", weight=3.0), _seq("l", 4.0, tenant="B", weight=3.0)
     queue: list[Any] = []
