@@ -96,6 +96,7 @@ class TierManager:
         self._swaps: dict[int, list[bytes]] = {}
         self._swap_ids = itertools.count()
         self._purged: set[bytes] = set()  # owners whose blocks are never stored again
+        self._purging: set[bytes] = set()  # purged owners whose sliced purge has not ended
         self.num_dropped_blocks = 0  # left the device and landed nowhere
         self.num_discarded_blocks = 0  # copies below dropped because the device cached the key
 
@@ -387,16 +388,21 @@ class TierManager:
             raise ValueError("purge needs an owner: blocks of nobody are cleared, not purged")
         with self._lock:
             self._purged.add(owner)
+            self._purging.add(owner)
             keys = self.host.keys_of(owner)
-        host = 0
-        for chunk in chunks(keys, _HOST_CHUNK):
-            yield None
+        try:
+            host = 0
+            for chunk in chunks(keys, _HOST_CHUNK):
+                yield None
+                with self._lock:
+                    host += self.host.free_and_zero(chunk)
+            disk = 0
+            if self.disk is not None:
+                disk = (yield from self._locked(self.disk.purge_steps(owner)))[0]
+            return host, disk
+        finally:
             with self._lock:
-                host += self.host.free_and_zero(chunk)
-        disk = 0
-        if self.disk is not None:
-            disk = (yield from self._locked(self.disk.purge_steps(owner)))[0]
-        return host, disk
+                self._purging.discard(owner)
 
     def clear_steps(self) -> Steps[tuple[int, int]]:
         """``clear`` with its disk part in bounded pieces (``sliced``); the host part runs at once."""
@@ -537,7 +543,7 @@ class TierManager:
                     raise AssertionError(
                         f"block {key.hex()} is being promoted but its host slot is not pinned"
                     )
-            for owner in self._purged:
+            for owner in self._purged - self._purging:  # a purge in progress still holds some
                 kept = [
                     k
                     for k in (host_keys | disk_keys) - self._moving

@@ -276,3 +276,45 @@ def test_purge_tenant_erases_its_blocks_on_every_tier_and_keeps_the_others(
     assert _run(restarted, "gone-restart", PROMPT, "acme").num_cached_tokens == 0
     assert _run(restarted, "kept-restart", PROMPT, "globex").num_cached_tokens == 10 * BLOCK
     restarted.shutdown()
+
+
+def test_a_sliced_reset_and_purge_interleave_with_steps_and_keep_every_invariant(
+    tiny_dirs: dict[str, Path], reference: list[int], tmp_path: Path
+) -> None:
+    """Resets and purges run as jobs between steps (``run_maintenance``): requests that come
+    meanwhile (hitting, missing, promoting from disk) run correctly, the integrity checks hold
+    after every slice, and when the reset ends no block cached before it is found."""
+    engine = _engine(tiny_dirs, disk_kv_path=str(tmp_path / "kv"), disk_kv_cache_bytes=4 << 20)
+    _run(engine, "warm", PROMPT, "acme")
+    _evict_everything(engine)  # PROMPT's blocks now on disk
+    job = engine.start_reset_prefix_cache()
+    assert job is not None
+    engine.add_request("during", PROMPT, GREEDY, tenant_id="acme")
+    finals: dict[str, RequestOutput] = {}
+    slices = 0
+    while engine.maintenance or engine.has_unfinished_requests():
+        engine.run_maintenance(0.0)  # one piece at a time: the most interleaving
+        slices += 1
+        engine.check_integrity()
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        engine.check_integrity()
+    assert job.done and slices > 1
+    assert finals["during"].error is None and finals["during"].outputs[0].token_ids == reference
+    # A purge in slices while the same tenant's twin and another tenant run.
+    _run(engine, "again", PROMPT, "acme")
+    _evict_everything(engine)
+    purge = engine.start_purge_tenant("acme")
+    engine.add_request("other", PROMPT, GREEDY, tenant_id="globex")
+    while engine.maintenance or engine.has_unfinished_requests():
+        engine.run_maintenance(0.0)
+        engine.check_integrity()
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert purge.done and purge.result is not None and sum(purge.result) >= 10
+    assert finals["other"].outputs[0].token_ids == reference
+    assert _run(engine, "after", PROMPT, "acme").num_cached_tokens == 0
+    engine.check_integrity()
+    engine.shutdown()
