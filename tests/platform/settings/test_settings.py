@@ -159,3 +159,21 @@ def test_serve_refuses_bad_settings_with_the_setting_named(capsys: pytest.Captur
     # vLLM's spelling: several NAME=PATH after one --lora-modules.
     assert main(["serve", "--print-settings", "--single-tenant", "--lora-modules", "a=/x", "b=/y"]) == 0
     assert "['a=/x', 'b=/y']" in capsys.readouterr().out
+
+
+def test_overload_settings_and_the_fair_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    defaults = ServerSettings()
+    assert (defaults.limits.max_queued_requests, defaults.limits.request_timeout_s) == (512, 600)
+    assert defaults.engine.scheduling_policy == "fair"
+    config = tmp_path / "s.toml"
+    config.write_text('[limits]\nmax_queued_requests = 64\n[engine]\nscheduling_policy = "fcfs"\n')
+    monkeypatch.setenv("LORAPLEX_CONFIG_FILE", str(config))
+    monkeypatch.setenv("LORAPLEX_REQUEST_TIMEOUT_S", "0")  # no deadline
+    s = load_settings().settings
+    assert (s.limits.max_queued_requests, s.limits.request_timeout_s, s.engine.scheduling_policy) == (
+        64,
+        0,
+        "fcfs",
+    )
+    with pytest.raises((ValidationError, ValueError), match="max_queued_requests"):
+        ServerSettings(max_queued_requests=0)
