@@ -39,7 +39,7 @@ from loraplex.storage.kv.kv_cache import KVBlockLayout
 NUM_VICTIM_RECORDS = 2500
 NUM_OTHER_RECORDS = 200
 GAP_BOUND_S = 0.5
-SLICE_BOUND_S = 0.15
+SLICE_BOUND_S = 0.25
 assert MAINTENANCE_SLICE_S <= 0.05
 
 
