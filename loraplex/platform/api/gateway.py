@@ -19,6 +19,7 @@ and the database closed. The engine belongs to the caller.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from loraplex.adapters.store import AdapterStore
@@ -26,6 +27,8 @@ from loraplex.adapters.uploads import AdapterValidator
 from loraplex.platform.api.background import BackgroundWork
 from loraplex.platform.api.catalog.catalog import AdapterCatalog
 from loraplex.platform.api.catalog.engine_adapters import EngineAdapters
+from loraplex.platform.api.catalog.upload_admission import UploadAdmission
+from loraplex.platform.api.catalog.upload_form import UploadDeadlines
 from loraplex.platform.api.services import tenants
 from loraplex.platform.api.services.errors import EngineBusy
 from loraplex.platform.api.tenancy.auth import local_tenant
@@ -64,6 +67,8 @@ class GatewayStats:
     """Redis for quotas is unreachable now (always False for the in-process limiter)."""
     num_quota_backend_failures: int
     num_quota_backend_outages: int
+    num_quota_refusals: int = 0
+    """Requests and uploads refused by a quota (429 / 503); no usage row is written for them."""
 
 
 @dataclass(frozen=True)
@@ -86,12 +91,13 @@ class Gateway:
         self.store = AdapterStore(settings.adapter_store_dir)
         self.engine_adapters = EngineAdapters(engine, self.store)
         limits = engine.limits
+        validator = AdapterValidator(engine.adapter_spec, limits.max_lora_rank, limits.dtype)
+        self.max_upload_bytes = settings.max_upload_bytes or validator.max_upload_bytes
+        """Largest upload (files together): the setting, else sized from the largest valid adapter."""
+        self.upload_deadlines = UploadDeadlines(settings.upload_idle_timeout_s, settings.upload_timeout_s)
+        self.upload_executor = ThreadPoolExecutor(settings.upload_workers, thread_name_prefix="lpx-upload")
         self.catalog = AdapterCatalog(
-            self.db,
-            self.store,
-            AdapterValidator(engine.adapter_spec, limits.max_lora_rank, limits.dtype),
-            served_model_name,
-            self.engine_adapters,
+            self.db, self.store, validator, served_model_name, self.engine_adapters, self.upload_executor
         )
         self.background = BackgroundWork()
         self.gate = TenantGate(
@@ -103,6 +109,7 @@ class Gateway:
             served_model_name,
             self.background,
         )
+        self.uploads = UploadAdmission(self.gate, settings.max_uploads_per_tenant)
 
     async def start(self) -> None:
         """Migrate the database, open the store, create ``local`` in open mode."""
@@ -121,6 +128,7 @@ class Gateway:
     async def stop(self) -> None:
         """Write pending usage, close the limiter and the database."""
         await self.background.drain(_DRAIN_S)
+        self.upload_executor.shutdown(wait=False, cancel_futures=True)
         await self.limiter.aclose()
         await self.db.dispose()
 
@@ -135,6 +143,7 @@ class Gateway:
             quota_backend_down=bool(health is not None and health.down),
             num_quota_backend_failures=0 if health is None else health.num_failures,
             num_quota_backend_outages=0 if health is None else health.num_outages,
+            num_quota_refusals=self.gate.num_quota_refusals,
         )
 
     # -- operations ----------------------------------------------------------------------
