@@ -33,7 +33,8 @@ import shutil
 import struct
 import tarfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
@@ -168,21 +169,27 @@ class _CappedStream(io.RawIOBase):
         super().close()
 
 
-def _open_tar(archive: Path, limits: ArchiveLimits, source: str) -> tarfile.TarFile:
-    """The tar inside ``archive``, its decompressed stream capped at what the limits allow."""
+def _decompressed(archive: Path) -> IO[bytes]:
     name = archive.name.lower()
-    raw: IO[bytes]
     if name.endswith((".tar.gz", ".tgz")):
-        raw = gzip.open(archive, "rb")  # type: ignore[assignment]
-    elif name.endswith(".tar.bz2"):
-        raw = bz2.open(archive, "rb")
-    elif name.endswith(".tar.xz"):
-        raw = lzma.open(archive, "rb")
-    else:
-        raw = archive.open("rb")
+        return gzip.open(archive, "rb")  # type: ignore[return-value]
+    if name.endswith(".tar.bz2"):
+        return bz2.open(archive, "rb")
+    if name.endswith(".tar.xz"):
+        return lzma.open(archive, "rb")
+    return archive.open("rb")
+
+
+@contextmanager
+def _open_tar(archive: Path, limits: ArchiveLimits, source: str) -> Iterator[tarfile.TarFile]:
+    """The tar inside ``archive``, its decompressed stream capped at what the limits allow."""
     # Headers (and pax data) come on top of the members' data: one block each, padding included.
     cap = limits.max_total_bytes + (4 * limits.max_members + 4) * _TAR_BLOCK + (1 << 20)
-    return tarfile.open(fileobj=_CappedStream(raw, cap, source), mode="r:")
+    with (
+        _CappedStream(_decompressed(archive), cap, source) as stream,
+        tarfile.open(fileobj=stream, mode="r:") as tf,
+    ):
+        yield tf
 
 
 def _tar_members(tf: tarfile.TarFile, limits: ArchiveLimits, source: str) -> list[_Member]:
