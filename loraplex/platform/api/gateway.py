@@ -18,7 +18,9 @@ and the database closed. The engine belongs to the caller.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -37,6 +39,7 @@ from loraplex.platform.api.tenancy.tenant_gate import TenantGate
 from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.settings import GatewaySettings
 from loraplex.storage.db import Database, upgrade_to_head
+from loraplex.storage.db.session import sqlite_file
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,16 @@ def quota_settings(settings: GatewaySettings) -> QuotaSettings:
         failure_policy=settings.quota_failure_policy,
         key_prefix=settings.quota_key_prefix,
     )
+
+
+def _restrict_sqlite_files(db: Database) -> None:
+    """A SQLite database holds key hashes and usage: only this user may read it (0600)."""
+    path = sqlite_file(db.url) if db.backend == "sqlite" else None
+    if path is None:
+        return
+    for suffix in ("", "-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(f"{path}{suffix}", 0o600)
 
 
 @dataclass(frozen=True)
@@ -114,7 +127,9 @@ class Gateway:
     async def start(self) -> None:
         """Migrate the database, open the store, create ``local`` in open mode."""
         revision = await upgrade_to_head(self.db.engine)
+        _restrict_sqlite_files(self.db)
         self.store.open()
+        await self.catalog.sweep()
         if self.settings.auth == "open":
             await local_tenant(self.db)
         logger.info(
@@ -154,8 +169,10 @@ class Gateway:
         disk tier's records are data derived from its prompts: they are erased now.
         """
         async with self.db.transaction(write=True) as session:
-            engine_id = tenants.engine_tenant_id(await tenants.get_tenant(session, name))
+            tenant = await tenants.get_tenant(session, name)
+            tenant_id, engine_id = tenant.id, tenants.engine_tenant_id(tenant)
             refs = await tenants.delete_tenant(session, name)
+        self.gate.revoke(tenant_id, deleted=True)
         await self.catalog.forget(refs)
         device, host, disk = await self.engine.purge_tenant(engine_id)
         return TenantDeleted(name, len(refs), device + host + disk)

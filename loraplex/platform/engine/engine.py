@@ -460,6 +460,9 @@ class LLMEngine:
         # What the accelerator pool still caches would be lost with the process: copied
         # down (host, then disk) so a restarted engine on the same path finds it.
         self.kv.persist()
+        if self.lora_manager is not None:
+            # Its store holds copies of tenants' adapters ($TMPDIR/loraplex-adapters-*): removed.
+            self.lora_manager.manager.close()
 
     # -- invariants ----------------------------------------------------------------
     def check_integrity(self) -> None:

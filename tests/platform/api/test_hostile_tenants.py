@@ -11,6 +11,7 @@ import asyncio
 import bz2
 import io
 import json
+import os
 import struct
 import tarfile
 import time
@@ -319,3 +320,99 @@ async def test_huge_integers_on_the_admin_api_are_a_400(hostile: Hostile) -> Non
         headers={**ADMIN, "Content-Type": "application/json"},
     )
     assert answer.status_code == 400, answer.text
+
+
+# -- 3: deleting what this process never loaded; the start-up sweep ------------------------
+@pytest.mark.asyncio
+async def test_deleting_never_loaded_adapters_and_their_tenant_after_a_restart(
+    gateway_engine: AsyncEngine, tiny_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    settings = settings_for(tmp_path, f"sqlite+aiosqlite:///{tmp_path / 'g.db'}")
+    store = settings.gateway.adapter_store_dir
+    archive = zip_bytes(make_small_adapter(tiny_dirs["gqa_tied"], tmp_path / "a"))
+    other = zip_bytes(make_small_adapter(tiny_dirs["gqa_tied"], tmp_path / "b", seed=1))
+    async with serving(make_gateway(gateway_engine, settings)) as client:
+        admin = Admin(client)
+        key = await admin.tenant_with_key("acme")
+        await admin.tenant_with_key("gone")
+        gone_key = await admin.key("gone")
+        assert (await upload(client, key, "fr", archive)).status_code == 201
+        assert (await upload(client, gone_key, "de", other)).status_code == 201
+        # The store's files are private to the server's user.
+        versions = [p for p in store.iterdir() if not p.name.startswith(".")]
+        assert store.stat().st_mode & 0o777 == 0o700
+        for version in versions:
+            assert version.stat().st_mode & 0o777 == 0o700
+            assert {f.stat().st_mode & 0o777 for f in version.iterdir()} == {0o600}
+        assert (tmp_path / "g.db").stat().st_mode & 0o777 == 0o600
+    # A version folder nobody references (a deletion interrupted in an older release), an hour old.
+    orphan = store / ("0" * 64)
+    orphan.mkdir()
+    (orphan / "adapter_config.json").write_text("{}")
+    os.utime(orphan, (time.time() - 7200, time.time() - 7200))
+
+    async with serving(make_gateway(gateway_engine, settings)) as client:  # a restart: nothing loaded
+        assert not orphan.exists(), "the start-up sweep kept an unreferenced version"
+        deleted = await client.delete("/v1/adapters/fr", headers=bearer(key))
+        assert deleted.status_code == 200, deleted.text
+        gone = await client.delete("/admin/api/tenants/gone", headers=ADMIN)
+        assert gone.status_code == 200 and gone.json()["adapters_removed"] == 1, gone.text
+        assert sorted(p.name for p in store.iterdir()) == []
+
+
+# -- 8: a deleted or disabled tenant's running requests end; shutdown leaves no copies -----
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["delete", "disable"])
+async def test_a_removed_tenants_stream_ends_with_an_error_event(hostile: Hostile, how: str) -> None:
+    gate = hostile.app.state.loraplex.gateway.gate
+    body = completion_body("tiny", max_tokens=100, stream=True)
+
+    async def stream() -> httpx.Response:
+        return await hostile.client.post("/v1/completions", json=body, headers=bearer(hostile.key))
+
+    running = asyncio.ensure_future(stream())
+    deadline = time.monotonic() + 30
+    while not any(a.streams for live in gate.running.values() for a in live):
+        assert time.monotonic() < deadline and not running.done(), "the request never started"
+        await asyncio.sleep(0.005)
+    if how == "delete":
+        removed = await hostile.client.delete("/admin/api/tenants/mallory", headers=ADMIN)
+    else:
+        removed = await hostile.client.patch(
+            "/admin/api/tenants/mallory", json={"disabled": True}, headers=ADMIN
+        )
+    assert removed.status_code == 200, removed.text
+    answer = await running
+    events = [line[6:] for line in answer.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2]).get("error")
+    assert error is not None and error["code"] == f"tenant_{how}d", events[-3:]
+    assert len(events) < 100, "the stream ran to its end"
+    await asyncio.sleep(0.2)
+    assert gate.running == {}
+    assert hostile.app.state.loraplex.gateway.stats().num_background_failed == 0
+
+
+def test_engine_shutdown_removes_its_adapter_copies(
+    tiny_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tempfile
+
+    from loraplex.adapters import LoRARequest
+    from loraplex.platform.engine.config import EngineConfig
+    from loraplex.platform.engine.engine import LLMEngine
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    folder = make_small_adapter(tiny_dirs["gqa_tied"], tmp_path / "a")
+    config = EngineConfig(
+        model=str(tiny_dirs["gqa_tied"]), dtype="float32", num_kv_blocks=32, enable_lora=True, max_lora_rank=8
+    )
+    engine = AsyncEngine(LLMEngine(config))
+    try:
+        asyncio.run(engine.add_lora(LoRARequest("a", 1, str(folder)), "acme"))
+        assert [p.name for p in temp.iterdir() if p.name.startswith("loraplex-adapters-")] != []
+    finally:
+        engine.shutdown()
+    assert [p.name for p in temp.iterdir() if p.name.startswith("loraplex-adapters-")] == []

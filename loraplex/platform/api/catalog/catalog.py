@@ -130,6 +130,21 @@ class AdapterCatalog:
         for path in sorted({ref.path for ref in refs}):
             await self._remove_unreferenced(path)
 
+    async def sweep(self, min_age_s: float = 3600.0) -> list[str]:
+        """Remove stored versions no row references (a deletion interrupted half-way, an old bug),
+        older than ``min_age_s`` (a younger one may be another replica's upload about to commit)."""
+        removed = []
+        async with self.publishing:
+            for version in self.store.versions_older_than(min_age_s):
+                async with self.db.transaction() as session:
+                    referenced = await adapters.is_path_referenced(session, version)
+                if not referenced:
+                    self.store.remove(version)
+                    removed.append(version)
+        if removed:
+            logger.warning("removed %d stored adapter version(s) that no row references", len(removed))
+        return removed
+
     async def _remove_unreferenced(self, path: str) -> None:
         async with self.db.transaction() as session:
             referenced = await adapters.is_path_referenced(session, path)

@@ -87,6 +87,7 @@ async def respond(
         streams.extend(
             await submit(state, shape.request_id, admission.prompts, params, target.lora, admission.tenant_id)
         )
+        admission.bind(streams)
         return streams
 
     if stream:

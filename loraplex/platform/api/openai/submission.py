@@ -58,6 +58,9 @@ class MeteredStream(RequestStream):
     def abort(self) -> None:
         self.inner.abort()
 
+    def fail(self, error: BaseException) -> None:
+        self.inner.fail(error)
+
 
 async def submit(
     state: AppState,

@@ -64,10 +64,15 @@ async def get_tenant(name: str, session: SessionDep) -> TenantPublic:
 
 
 @router.patch("/tenants/{name}")
-async def update_tenant(name: str, body: TenantUpdate, session: SessionDep) -> TenantPublic:
+async def update_tenant(
+    name: str, body: TenantUpdate, session: SessionDep, gateway: GatewayDep
+) -> TenantPublic:
     tenant = await tenants.update_quotas(session, name, body.quota_changes())
     if body.disabled is not None:
         tenant = await tenants.set_disabled(session, name, body.disabled)
+        if body.disabled:
+            await session.commit()  # disabled for good before its running requests are stopped
+            gateway.gate.revoke(tenant.id, deleted=False)
     return TenantPublic.of(tenant)
 
 

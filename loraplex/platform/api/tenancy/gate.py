@@ -33,6 +33,7 @@ from starlette.requests import Request
 
 from loraplex.adapters import LoRARequest
 from loraplex.platform.api.openai.protocol import Prompt
+from loraplex.platform.engine.async_engine import RequestStream
 from loraplex.platform.engine.errors import UnknownAdapterError
 from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.engine.sampling_params import SamplingParams
@@ -86,6 +87,11 @@ class Admission(Protocol):
         """The prompts to submit (the gateway hands back text prompts tokenized, as it counted them)."""
         ...
 
+    def bind(self, streams: Sequence[RequestStream]) -> None:
+        """The streams the request runs as: the gate may end them with an error (its caller was
+        deleted or disabled meanwhile)."""
+        ...
+
     def close(self, outputs: Sequence[RequestOutput | None], end: RequestEnd) -> None:
         """The request ended: ``outputs`` are the last output read from each submitted prompt
         (None where none arrived). Idempotent, never blocks, never raises."""
@@ -125,6 +131,9 @@ class _OpenAdmission:
 
     prompts: list[Prompt]
     tenant_id: str | None = None
+
+    def bind(self, streams: Sequence[RequestStream]) -> None:
+        return None
 
     def close(self, outputs: Sequence[RequestOutput | None], end: RequestEnd) -> None:
         return None

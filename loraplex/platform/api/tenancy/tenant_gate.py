@@ -26,7 +26,7 @@ from starlette.requests import Request
 
 from loraplex.platform.api.background import BackgroundWork
 from loraplex.platform.api.catalog.engine_adapters import EngineAdapters
-from loraplex.platform.api.errors import quota_refusal
+from loraplex.platform.api.errors import APIError, quota_refusal
 from loraplex.platform.api.openai.protocol import Prompt
 from loraplex.platform.api.services import adapters, usage
 from loraplex.platform.api.services.errors import NotFound
@@ -41,7 +41,7 @@ from loraplex.platform.api.tenancy.gate import (
     prompts_of,
 )
 from loraplex.platform.api.tenancy.quotas import Quota, QuotaLimiter, Reservation
-from loraplex.platform.engine.async_engine import AsyncEngine
+from loraplex.platform.engine.async_engine import AsyncEngine, RequestStream
 from loraplex.platform.engine.errors import InvalidParameterError, UnknownAdapterError
 from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.engine.sampling_params import SamplingParams
@@ -78,6 +78,15 @@ class TenantAdmission:
     """The request and its concurrency slot (rpm, max_concurrency), taken before tokenizing."""
     started_s: float = field(default_factory=time.monotonic)
     closed: bool = False
+    streams: list[RequestStream] = field(default_factory=list)
+    tenant_gone: bool = False
+    """Its tenant was deleted while it ran: nothing to write its usage to."""
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def bind(self, streams: Sequence[RequestStream]) -> None:
+        self.streams = list(streams)
 
     @property
     def tenant_id(self) -> str:
@@ -87,6 +96,7 @@ class TenantAdmission:
         if self.closed:
             return
         self.closed = True
+        self.gate.forget(self)
         latency_ms = (time.monotonic() - self.started_s) * 1000.0
         self.gate.background.spawn(self._settle(list(outputs), end, latency_ms), f"settle {self.request_id}")
 
@@ -95,6 +105,8 @@ class TenantAdmission:
         await self.gate.limiter.settle(self.reservation, prompt + completion)
         if self.slot is not None:
             await self.gate.limiter.settle(self.slot, 0)
+        if self.tenant_gone:
+            return
         await self.gate.record(
             self.tenant, self.target, self.request_id, (prompt, cached, completion), latency_ms, end
         )
@@ -157,7 +169,9 @@ class TenantCall:
                 gate.background.spawn(gate.limiter.settle(slot, 0), f"release {request_id}")
             raise
         prompts_out: list[Prompt] = list(token_prompts)
-        return TenantAdmission(gate, tenant, target, request_id, prompts_out, reservation, slot)
+        admission = TenantAdmission(gate, tenant, target, request_id, prompts_out, reservation, slot)
+        gate.running.setdefault(tenant.id, set()).add(admission)
+        return admission
 
 
 class TenantGate:
@@ -182,10 +196,36 @@ class TenantGate:
         self.background = background
         self.num_usage_write_failures = 0
         self.num_quota_refusals = 0
+        self.running: dict[int, set[TenantAdmission]] = {}
+        """Admitted requests not closed yet, by tenant id (what ``revoke`` ends)."""
         """Requests (and uploads) refused by a quota: counted here, never written one row each."""
 
     async def open(self, request: Request) -> TenantCall:
         return TenantCall(self, await authenticate_tenant(self.db, self.auth, request))
+
+    def forget(self, admission: TenantAdmission) -> None:
+        """``admission`` has closed."""
+        live = self.running.get(admission.tenant.id)
+        if live is not None:
+            live.discard(admission)
+            if not live:
+                del self.running[admission.tenant.id]
+
+    def revoke(self, tenant_id: int, deleted: bool) -> int:
+        """End every running request of the tenant ``tenant_id`` (deleted or disabled): streams get
+        an error event, whole answers an error; returns how many requests were ended."""
+        what = "deleted" if deleted else "disabled"
+        live = list(self.running.get(tenant_id, ()))
+        for admission in live:
+            admission.tenant_gone = admission.tenant_gone or deleted
+            error = APIError(
+                403, f"The tenant was {what} by an operator; this request was stopped.", code=f"tenant_{what}"
+            )
+            for stream in admission.streams:
+                stream.fail(error)
+        if live:
+            logger.info("stopped %d running request(s) of a %s tenant (id %d)", len(live), what, tenant_id)
+        return len(live)
 
     async def take_slot(self, tenant: Tenant, quota: Quota, request_id: str, reserve: int = 0) -> Reservation:
         """Admit ``request_id`` under ``quota`` (limits left None are not counted), or raise the
