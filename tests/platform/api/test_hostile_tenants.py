@@ -416,3 +416,23 @@ def test_engine_shutdown_removes_its_adapter_copies(
     finally:
         engine.shutdown()
     assert [p.name for p in temp.iterdir() if p.name.startswith("loraplex-adapters-")] == []
+
+
+# -- 9: names and visibility ---------------------------------------------------------------
+@pytest.mark.asyncio
+async def test_the_served_models_name_is_refused_and_reuploads_keep_visibility(
+    hostile: Hostile, tiny_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    first = zip_bytes(make_small_adapter(tiny_dirs["gqa_tied"], tmp_path / "a"))
+    second = zip_bytes(make_small_adapter(tiny_dirs["gqa_tied"], tmp_path / "b", seed=1))
+    clash = await upload(hostile.client, hostile.key, "tiny", first)
+    assert clash.status_code == 400 and clash.json()["error"]["param"] == "name", clash.text
+    assert (await upload(hostile.client, hostile.key, "fr", first, visibility="public")).status_code == 201
+    again = await hostile.client.post(
+        "/v1/adapters",
+        data={"name": "fr"},
+        files={"file": ("a.zip", second, "application/zip")},
+        headers=bearer(hostile.key),
+    )
+    assert again.status_code == 201 and again.json()["visibility"] == "public", again.text
+    assert hostile.files_in_store() != []

@@ -71,7 +71,7 @@ class AdapterCatalog:
         uploaded: dict[str, UploadedFile],
         staging: Path,
         name: str,
-        visibility: Visibility,
+        visibility: Visibility | None,
     ) -> Adapter:
         """Validate the uploaded files and register them as the newest version of ``name``.
 
@@ -81,6 +81,10 @@ class AdapterCatalog:
         if self.validator is None:
             raise RuntimeError("this AdapterCatalog has no validator; it can only delete")
         check_adapter_name(name)
+        if name == self.base_model:
+            raise InvalidInput(
+                "name", f"'{name}' is the served model's name, so the adapter could never be selected"
+            )
         loop = asyncio.get_running_loop()
         facts = await loop.run_in_executor(self.executor, self.validator.validate, uploaded, staging)
         new = NewAdapter(

@@ -36,7 +36,8 @@ async def upload_adapter(request: Request, tenant: CurrentTenant, gateway: Gatew
             name = form.fields.get("name")
             if not name:
                 raise bad_field("name", "Missing required field 'name' (the adapter's name).")
-            visibility = parse_visibility(form.fields.get("visibility") or "private")
+            given = form.fields.get("visibility")
+            visibility = parse_visibility(given) if given else None  # None: keep the name's
             try:
                 adapter = await gateway.catalog.upload(tenant, form.files, staging, name, visibility)
             except AdapterValidationError as exc:

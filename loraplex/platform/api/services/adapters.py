@@ -12,7 +12,8 @@ Rules:
   the content of the newest version again changes nothing; the content of an *older* version
   is a ``Conflict`` (delete the newer versions to go back to it).
 - Visibility belongs to the name: registering a version, or ``set_visibility``, sets it on
-  every version, so "public" never depends on which version happens to be newest.
+  every version, so "public" never depends on which version happens to be newest. A version
+  registered without one keeps the name's (private for a new name).
 - A request names its own adapter ``name`` (or ``own-tenant/name``) and another tenant's
   public one ``owner/name``. Another tenant's private adapter, a disabled tenant's adapter and
   a name that does not exist all give the same ``NotFound("model", model)``, after the same
@@ -21,6 +22,7 @@ Rules:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -48,7 +50,8 @@ class NewAdapter:
     nbytes: int
     path: str
     """The files' place in the adapter store, relative to its root."""
-    visibility: Visibility = "private"
+    visibility: Visibility | None = "private"
+    """None: the name's current visibility (private for a new name)."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,6 @@ async def register_adapter(session: AsyncSession, owner: Tenant, new: NewAdapter
     ``max_adapter_bytes`` (every stored version counts); ``Conflict`` for the content of an
     older version; ``InvalidInput`` for a bad name, version, rank or size.
     """
-    _check_new(new)
     # The row lock serialises registrations of one tenant on PostgreSQL, so two uploads at once
     # cannot both pass the quota check (SQLite has one writer at a time: see session.py), and
     # populate_existing reads the quotas as they are now, not as the caller loaded them.
@@ -100,6 +102,10 @@ async def register_adapter(session: AsyncSession, owner: Tenant, new: NewAdapter
     if locked is None:
         raise NotFound("tenant", owner.name)
     versions = await _versions(session, owner.id, new.name)
+    if new.visibility is None:  # a new version keeps the name's visibility unless it is given
+        new = dataclasses.replace(new, visibility=versions[0].visibility if versions else "private")
+    _check_new(new)
+    assert new.visibility is not None
     if versions and versions[0].version == new.version:
         await _set_visibility(session, owner.id, new.name, new.visibility)
         return versions[0]
@@ -288,7 +294,7 @@ def _check_visibility(visibility: str) -> None:
 
 def _check_new(new: NewAdapter) -> None:
     check_adapter_name(new.name)
-    _check_visibility(new.visibility)
+    _check_visibility(new.visibility or "")
     if not _VERSION.fullmatch(new.version):
         raise InvalidInput("version", "must be a sha256 hex digest (64 lower-case hex digits)")
     if isinstance(new.rank, bool) or new.rank < 1:
