@@ -23,6 +23,7 @@ from loraplex.adapters import LoRARequest
 from loraplex.platform.api.errors import install_error_handlers
 from loraplex.platform.api.gateway import Gateway
 from loraplex.platform.api.middleware import BodyLimits
+from loraplex.platform.api.open_mode import OpenModeGuard
 from loraplex.platform.api.openai.logprobs import TokenText
 from loraplex.platform.api.routes import adapters, admin, chat, completions, health, models
 from loraplex.platform.api.state import AppState
@@ -82,6 +83,8 @@ def build_app(
     if gateway is not None:
         by_path[adapters.UPLOAD_PATH] = gateway.max_upload_bytes + _MULTIPART_SLACK_BYTES
     app.add_middleware(BodyLimits, default_bytes=settings.limits.max_request_body_bytes, by_path=by_path)
+    if gateway is not None and settings.gateway.auth == "open":
+        app.add_middleware(OpenModeGuard, bound_host=settings.serving.host)
     for module in (completions, chat, models, health):
         app.include_router(module.router)
     if gateway is not None:

@@ -43,7 +43,7 @@ class BodySizeLimit:
                 except ValueError:
                     declared = -1
                 if declared > self.max_bytes:
-                    await _send_error(send, body_too_large(self.max_bytes))
+                    await send_error(send, body_too_large(self.max_bytes))
                     return
         received = 0
 
@@ -60,7 +60,8 @@ class BodySizeLimit:
         await self.app(scope, limited_receive, send)
 
 
-async def _send_error(send: Send, err: APIError) -> None:
+async def send_error(send: Send, err: APIError) -> None:
+    """Answer ``err`` from middleware (before any route), closing the connection."""
     payload = json.dumps(err.body()).encode()
     await send(
         {

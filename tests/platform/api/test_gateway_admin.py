@@ -148,6 +148,7 @@ async def test_open_mode_runs_every_call_as_the_local_tenant(
 ) -> None:
     settings = settings_for(tmp_path, sqlite(tmp_path), auth="open", host="127.0.0.1")
     async with serving(make_gateway(gateway_engine, settings)) as client:
+        client.base_url = httpx.URL("http://localhost:8000")  # open mode answers local names only
         # The README's first curl: no key at all.
         first = await client.post("/v1/completions", json=completion_body(BASE))
         assert first.status_code == 200, first.text

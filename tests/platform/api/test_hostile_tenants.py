@@ -436,3 +436,38 @@ async def test_the_served_models_name_is_refused_and_reuploads_keep_visibility(
     )
     assert again.status_code == 201 and again.json()["visibility"] == "public", again.text
     assert hostile.files_in_store() != []
+
+
+# -- 10: open mode -------------------------------------------------------------------------
+@pytest.mark.asyncio
+async def test_open_mode_answers_only_local_callers_without_keys(
+    gateway_engine: AsyncEngine, tmp_path: Path
+) -> None:
+    settings = settings_for(
+        tmp_path, f"sqlite+aiosqlite:///{tmp_path / 'g.db'}", auth="open", host="127.0.0.1"
+    )
+    async with serving(make_gateway(gateway_engine, settings)) as client:
+        client.base_url = httpx.URL("http://127.0.0.1:8000")
+        body = completion_body("tiny", max_tokens=1)
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+        as_local = await client.post("/v1/completions", json=body, headers=bearer("local"))
+        assert as_local.status_code == 200
+        # A key sent to a server that ignores keys: refused, not silently run as 'local'.
+        keyed = await client.post("/v1/completions", json=body, headers=bearer("sk-some-real-looking-key"))
+        assert keyed.status_code == 401 and "open mode" in keyed.json()["error"]["message"]
+        # What a cross-site page can send without a preflight: refused.
+        for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+            headers = {} if content_type is None else {"Content-Type": content_type}
+            sent = await client.post("/v1/completions", content=json.dumps(body).encode(), headers=headers)
+            assert sent.status_code == 415, (content_type, sent.text)
+        cross = await client.post(
+            "/v1/adapters",
+            data={"name": "x"},
+            files={"file": ("a.zip", b"PK", "application/zip")},
+            headers={"Origin": "https://evil.example"},
+        )
+        assert cross.status_code == 403 and cross.json()["error"]["code"] == "cross_origin"
+        # DNS rebinding: a foreign name resolving to 127.0.0.1.
+        rebound = await client.get("/v1/models", headers={"Host": "evil.example:8000"})
+        assert rebound.status_code == 421
+        assert (await client.get("/health", headers={"Host": "localhost:8000"})).status_code == 200

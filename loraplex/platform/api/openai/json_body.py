@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from loraplex.platform.api.errors import bad_request, validation_error
+from loraplex.platform.api.errors import APIError, bad_request, validation_error
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -119,7 +119,15 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 
 
 async def read_json(request: Request, model: type[ModelT]) -> ModelT:
-    """The request's body as ``model``; every failure is an ``APIError`` (400 or 413)."""
+    """The request's body as ``model``; every failure is an ``APIError`` (400, 413 or 415)."""
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        # A web page can post text/plain or a form cross-site without a preflight; never JSON.
+        raise APIError(
+            415,
+            "Send the request body as JSON with 'Content-Type: application/json'.",
+            code="unsupported_media_type",
+        )
     raw = await request.body()
     if len(raw) > OFF_LOOP_BYTES:
         return await asyncio.to_thread(parse_body, raw, model)

@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 LOCAL_TENANT = "local"
 """The tenant every call runs as with ``auth="open"``."""
+OPEN_MODE_TOKEN = "local"
+"""The one bearer token open mode accepts (clients that must send a key send this one)."""
 _MAX_HEADER_CHARS = 1024
 
 
@@ -45,6 +47,13 @@ async def authenticate_tenant(db: Database, mode: AuthMode, request: Request) ->
     """The tenant the request's API key belongs to; 401 for a missing, wrong, revoked or expired key,
     or a disabled tenant. With ``mode="open"`` every request is the ``local`` tenant."""
     if mode == "open":
+        # A key sent to a server that ignores keys is a mistake to report, not to run as 'local'.
+        open_token = bearer_token(request)
+        if open_token is not None and not hmac.compare_digest(open_token, OPEN_MODE_TOKEN):
+            raise unauthorized(
+                "This server runs in open mode (no API keys): send no Authorization header, or "
+                f"'Bearer {OPEN_MODE_TOKEN}'; start it with auth=keys to use keys."
+            )
         return await local_tenant(db)
     token = bearer_token(request)
     if token is None:
