@@ -67,7 +67,16 @@ def build_app(
         finally:
             await gateway.stop()
 
-    app = FastAPI(title="loraplex", version=version("loraplex"), lifespan=lifespan)
+    # The API's description lists the admin routes too: public only where nobody needs a key.
+    docs = gateway is None or settings.gateway.api_docs_on
+    app = FastAPI(
+        title="loraplex",
+        version=version("loraplex"),
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
     app.state.loraplex = AppState(
         engine=engine,
         settings=settings,

@@ -66,7 +66,9 @@ class ServingSettings(BaseModel):
 class GatewaySettings(BaseModel):
     """The multi-tenant gateway: its database, quotas, adapter store and who may call."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", use_attribute_docstrings=True, hide_input_in_errors=True
+    )
 
     data_dir: Path = Field(default_factory=default_data_dir)
     """Where the default database and adapter store live."""
@@ -101,6 +103,14 @@ class GatewaySettings(BaseModel):
     """An upload whose body sends nothing for this long is refused (408) and its files removed."""
     upload_timeout_s: float = Field(default=600.0, gt=0)
     """Longest time an upload's body may take to arrive, however steadily (408 past it)."""
+    api_docs: bool | None = None
+    """Serve /docs and /openapi.json (they list every route, the admin API's too); default: on
+    in open mode, off with auth=keys."""
+
+    @property
+    def api_docs_on(self) -> bool:
+        """``api_docs``, or its default for the auth mode."""
+        return self.api_docs if self.api_docs is not None else self.auth == "open"
 
     @field_validator("admin_token")
     @classmethod

@@ -471,3 +471,38 @@ async def test_open_mode_answers_only_local_callers_without_keys(
         rebound = await client.get("/v1/models", headers={"Host": "evil.example:8000"})
         assert rebound.status_code == 421
         assert (await client.get("/health", headers={"Host": "localhost:8000"})).status_code == 200
+
+
+# -- 11: exposure ----------------------------------------------------------------------------
+@pytest.mark.asyncio
+async def test_api_docs_are_off_with_keys_and_secrets_are_never_echoed(
+    hostile: Hostile, gateway_engine: AsyncEngine, tmp_path: Path
+) -> None:
+    for path in ("/docs", "/openapi.json", "/redoc"):
+        assert (await hostile.client.get(path)).status_code == 404, path
+    settings = settings_for(tmp_path / "b", f"sqlite+aiosqlite:///{tmp_path / 'b.db'}", api_docs=True)
+    async with serving(make_gateway(gateway_engine, settings)) as client:
+        assert (await client.get("/openapi.json")).status_code == 200
+
+    from pydantic import ValidationError
+
+    from loraplex.platform.settings import ServerSettings
+    from loraplex.platform.settings.loader import load_settings
+
+    with pytest.raises(ValidationError) as info:
+        ServerSettings(admin_token="tooshort-secret")
+    assert "tooshort" not in str(info.value)
+    with pytest.raises(ValidationError) as info:
+        load_settings({"admin_token": "tooshort-secret"})
+    assert "tooshort" not in str(info.value)
+
+
+def test_admin_token_on_the_command_line_warns(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loraplex.platform.cli import main
+
+    monkeypatch.delenv("LORAPLEX_ADMIN_TOKEN", raising=False)
+    assert main(["serve", "--print-settings", "--admin-token", "a-real-secret-of-some-length"]) == 0
+    out, err = capsys.readouterr()
+    assert "visible to every user" in err and "a-real-secret" not in out + err
