@@ -88,10 +88,16 @@ def build_app(
         gateway=gateway,
     )
     install_error_handlers(app)
-    by_path = {}
+    by_path, shown_by_path = {}, {}
     if gateway is not None:
         by_path[adapters.UPLOAD_PATH] = gateway.max_upload_bytes + _MULTIPART_SLACK_BYTES
-    app.add_middleware(BodyLimits, default_bytes=settings.limits.max_request_body_bytes, by_path=by_path)
+        shown_by_path[adapters.UPLOAD_PATH] = gateway.max_upload_bytes  # as the upload form's 413 says
+    app.add_middleware(
+        BodyLimits,
+        default_bytes=settings.limits.max_request_body_bytes,
+        by_path=by_path,
+        shown_by_path=shown_by_path,
+    )
     if gateway is not None and settings.gateway.auth == "open":
         app.add_middleware(OpenModeGuard, bound_host=settings.serving.host)
     for module in (completions, chat, models, health):

@@ -41,6 +41,7 @@ from loraplex.platform.cli.flags import given, settings_options
 from loraplex.platform.cli.serve import fail, settings_error
 from loraplex.platform.engine.config import parse_dtype
 from loraplex.platform.settings import ServerSettings, load_settings
+from loraplex.platform.settings.units import parse_bytes
 from loraplex.storage.db import Database, upgrade_to_head
 from loraplex.storage.db.models import utcnow
 
@@ -50,7 +51,19 @@ tenants_app = typer.Typer(help="Tenants and their quotas.", no_args_is_help=True
 keys_app = typer.Typer(help="Tenants' API keys.", no_args_is_help=True)
 adapters_app = typer.Typer(help="Tenants' LoRA adapters.", no_args_is_help=True)
 
-Quota = Annotated[int | None, typer.Option(min=0, help="unset: unlimited")]
+Quota = Annotated[int | None, typer.Option(min=1, help="unset: unlimited")]
+
+
+def _byte_size(value: str) -> int:
+    try:
+        return parse_bytes(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+ByteQuota = Annotated[
+    int | None, typer.Option(parser=_byte_size, metavar="BYTES", help="unset: unlimited; 10MiB, 1e9, ...")
+]
 
 _GROUP_OPTIONS = ("database_url", "data_dir", "adapter_store")
 """The settings every group takes as options before its subcommand."""
@@ -135,10 +148,13 @@ def tenants_create(
     tpm: Quota = None,
     max_concurrency: Quota = None,
     max_adapters: Quota = None,
-    max_adapter_bytes: Quota = None,
+    max_adapter_bytes: ByteQuota = None,
 ) -> None:
     """Create a tenant with its quotas."""
-    quotas = TenantQuotas(rpm, tpm, max_concurrency, max_adapters, max_adapter_bytes)
+    try:
+        quotas = TenantQuotas(rpm, tpm, max_concurrency, max_adapters, max_adapter_bytes)
+    except ServiceError as exc:
+        raise fail(str(exc)) from None
 
     async def work(db: Database) -> None:
         async with db.transaction(write=True) as session:

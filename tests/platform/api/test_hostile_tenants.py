@@ -506,3 +506,15 @@ def test_admin_token_on_the_command_line_warns(
     assert main(["serve", "--print-settings", "--admin-token", "a-real-secret-of-some-length"]) == 0
     out, err = capsys.readouterr()
     assert "visible to every user" in err and "a-real-secret" not in out + err
+
+
+# -- 12: one limit, one number -----------------------------------------------------------------
+@pytest.mark.asyncio
+async def test_both_upload_413s_quote_the_same_limit(hostile: Hostile) -> None:
+    limit = hostile.app.state.loraplex.gateway.max_upload_bytes
+    over_framing = await upload(hostile.client, hostile.key, "big", bytes(limit + (2 << 20)))  # middleware
+    over_files = await upload(
+        hostile.client, hostile.key, "big", bytes(limit + 1024)
+    )  # counted as it streams
+    for answer in (over_framing, over_files):
+        assert answer.status_code == 413 and f"limit of {limit} bytes" in answer.json()["error"]["message"]

@@ -159,7 +159,7 @@ class _Collector:
         if self.num_file_bytes > self.max_bytes:
             raise APIError(
                 413,
-                f"The upload is larger than this server's limit of {self.max_bytes} bytes.",
+                f"Request body is larger than the server's limit of {self.max_bytes} bytes.",
                 code="upload_too_large",
             )
         self.file_chunks.append((self.part.name, chunk))
