@@ -518,3 +518,19 @@ async def test_both_upload_413s_quote_the_same_limit(hostile: Hostile) -> None:
     )  # counted as it streams
     for answer in (over_framing, over_files):
         assert answer.status_code == 413 and f"limit of {limit} bytes" in answer.json()["error"]["message"]
+
+
+def test_cli_quota_errors_are_one_line_and_sizes_take_units(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loraplex.platform.cli import main
+
+    monkeypatch.setenv("LORAPLEX_DATA_DIR", str(tmp_path))
+    monkeypatch.delenv("LORAPLEX_DATABASE_URL", raising=False)
+    assert main(["tenants", "create", "acme", "--rpm", "0"]) == 2
+    _, err = capsys.readouterr()
+    assert "Traceback" not in err and "--rpm" in err
+    assert main(["tenants", "create", "acme", "--max-adapter-bytes", "10MiB"]) == 0
+    assert main(["tenants", "list"]) == 0
+    out, _ = capsys.readouterr()
+    assert str(10 << 20) in out or "10MiB" in out, out
