@@ -529,7 +529,10 @@ def test_cli_quota_errors_are_one_line_and_sizes_take_units(
     monkeypatch.delenv("LORAPLEX_DATABASE_URL", raising=False)
     assert main(["tenants", "create", "acme", "--rpm", "0"]) == 2
     _, err = capsys.readouterr()
-    assert "Traceback" not in err and "--rpm" in err
+    assert err.count("\n") == 1 and "--rpm" in err and "--help" in err, err
+    assert main(["tenants", "create", "acme", "--database-url", "sqlite:///x.db"]) == 2
+    _, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "goes before the subcommand" in err, err
     assert main(["tenants", "create", "acme", "--max-adapter-bytes", "10MiB"]) == 0
     assert main(["tenants", "list"]) == 0
     out, _ = capsys.readouterr()
