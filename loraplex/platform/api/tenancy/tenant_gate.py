@@ -63,7 +63,7 @@ def tokens_used(outputs: Sequence[RequestOutput | None]) -> tuple[int, int, int]
     return prompt, cached, completion
 
 
-@dataclass
+@dataclass(eq=False)  # identity: admissions live in sets (``TenantGate.running``)
 class TenantAdmission:
     """One admitted request of a tenant: its reservation until ``close``."""
 
@@ -81,9 +81,6 @@ class TenantAdmission:
     streams: list[RequestStream] = field(default_factory=list)
     tenant_gone: bool = False
     """Its tenant was deleted while it ran: nothing to write its usage to."""
-
-    def __hash__(self) -> int:
-        return id(self)
 
     def bind(self, streams: Sequence[RequestStream]) -> None:
         self.streams = list(streams)
