@@ -44,7 +44,9 @@ class PostgresServer:
         _run(self._run_as, [*pg_ctl, "-m", "immediate", "stop"])
 
     def resume(self) -> None:
-        """Start a halted server again on the same port and data."""
+        """Start a halted server again on the same port and data (nothing if it runs)."""
+        if (self.data_dir / "postmaster.pid").exists():
+            return
         log = str(self.data_dir.parent / "server.log")
         pg_ctl = [str(self._bin_dir / "pg_ctl"), "-D", str(self.data_dir), "-l", log]
         _run(self._run_as, [*pg_ctl, "-w", "-t", "60", "-o", self._options, "start"])
