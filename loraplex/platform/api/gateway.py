@@ -41,7 +41,7 @@ from loraplex.platform.api.tenancy.tenant_gate import TenantGate
 from loraplex.platform.api.usage_buffer import UsageBuffer
 from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.settings import GatewaySettings
-from loraplex.storage.db import Database, DatabaseUnavailable, PoolSettings, create_engine, upgrade_to_head
+from loraplex.storage.db import Database, DatabaseUnavailable, PoolSettings, upgrade_database
 
 logger = logging.getLogger(__name__)
 
@@ -149,14 +149,7 @@ class Gateway:
 
     async def start(self) -> None:
         """Migrate the database, open the store, create ``local`` in open mode."""
-        if self.db.backend == "sqlite":  # no timeouts to avoid (and an in-memory one is per engine)
-            revision = await upgrade_to_head(self.db.engine)
-        else:
-            migrating = create_engine(self.db.url)
-            try:
-                revision = await upgrade_to_head(migrating)
-            finally:
-                await migrating.dispose()
+        revision = await upgrade_database(self.db)
         self.store.open()
         if self.settings.auth == "open":
             await local_tenant(self.db)

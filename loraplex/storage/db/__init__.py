@@ -14,7 +14,13 @@ What the tables mean to tenants (who may see what) is the gateway's business:
 """
 
 from loraplex.storage.db.availability import DatabaseHealth, DatabaseUnavailable, is_unavailable
-from loraplex.storage.db.migrate import current_revision, head_revision, schema_diff, upgrade_to_head
+from loraplex.storage.db.migrate import (
+    current_revision,
+    head_revision,
+    schema_diff,
+    upgrade_database,
+    upgrade_to_head,
+)
 from loraplex.storage.db.models import (
     USAGE_STATUSES,
     VISIBILITIES,
@@ -57,5 +63,6 @@ __all__ = [
     "head_revision",
     "is_unavailable",
     "schema_diff",
+    "upgrade_database",
     "upgrade_to_head",
 ]

@@ -169,7 +169,8 @@ class Database:
     """
 
     def __init__(self, url: str | URL, *, echo: bool = False, pool: PoolSettings | None = None) -> None:
-        self.engine = create_engine(url, echo=echo, pool=pool)
+        self.pool = pool or PoolSettings()
+        self.engine = create_engine(url, echo=echo, pool=self.pool)
         self.health = DatabaseHealth()
         """Whether the database answers now, and how often it did not (``availability``)."""
         self.url: URL = self.engine.url
