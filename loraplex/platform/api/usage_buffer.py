@@ -78,13 +78,16 @@ class UsageBuffer:
         self._wake.set()
 
     async def flush(self, timeout_s: float) -> None:
-        """Stop the writer and write what is pending, trying for at most ``timeout_s``."""
+        """Write what is pending, trying for at most ``timeout_s``, and stop the writer."""
+        deadline = time.monotonic() + timeout_s
         if self._writer is not None:
+            # The writer drains the buffer itself; cancelling it mid-commit could write a batch twice.
+            while self._pending and time.monotonic() < deadline and not self._writer.done():
+                await asyncio.sleep(0.05)
             self._writer.cancel()
             await asyncio.gather(self._writer, return_exceptions=True)
             self._writer = None
-        deadline = time.monotonic() + timeout_s
-        while self._pending and time.monotonic() < deadline:
+        while self._pending and time.monotonic() < deadline:  # a writer never started, or died
             try:
                 await asyncio.wait_for(self._write_batch(), max(0.01, deadline - time.monotonic()))
             except (DatabaseUnavailable, TimeoutError):

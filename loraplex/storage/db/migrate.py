@@ -126,7 +126,7 @@ async def upgrade_database(db: Database) -> str:
         finally:
             await migrating.dispose()
     except Exception as exc:
-        if is_unavailable(exc):
+        if db.backend == "postgresql" and is_unavailable(exc):
             raise DatabaseUnavailable(f"The metadata database is unreachable ({describe(exc)}).") from exc
         raise
 

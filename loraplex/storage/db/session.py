@@ -188,8 +188,8 @@ class Database:
     async def transaction(self, *, write: bool = False) -> AsyncIterator[AsyncSession]:
         """A session in a transaction: committed when the block ends, rolled back if it raises.
 
-        ``DatabaseUnavailable`` instead of the driver's error when the database cannot be
-        reached or does not answer in time, and at once during an outage (but for one probe
+        ``DatabaseUnavailable`` instead of the driver's error when a PostgreSQL database cannot
+        be reached or does not answer in time, and at once during an outage (but for one probe
         per interval: ``DatabaseHealth``).
         """
         self.health.check()
@@ -199,7 +199,9 @@ class Database:
         except DatabaseUnavailable:
             raise
         except Exception as exc:
-            if is_unavailable(exc):
+            # SQLite is a local file: its OperationalError ("database is locked": a stale snapshot
+            # or a busy writer) is contention or a bug, not an outage, and propagates as it is.
+            if self.backend == "postgresql" and is_unavailable(exc):
                 raise self.health.failed(exc) from exc
             raise
         self.health.succeeded()
