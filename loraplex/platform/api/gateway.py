@@ -25,6 +25,7 @@ waits in the buffer (docs/operations.md, "Database outages").
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from loraplex.adapters.store import AdapterStore
@@ -32,6 +33,8 @@ from loraplex.adapters.uploads import AdapterValidator
 from loraplex.platform.api.background import BackgroundWork
 from loraplex.platform.api.catalog.catalog import AdapterCatalog
 from loraplex.platform.api.catalog.engine_adapters import EngineAdapters
+from loraplex.platform.api.catalog.upload_admission import UploadAdmission
+from loraplex.platform.api.catalog.upload_form import UploadDeadlines
 from loraplex.platform.api.services import tenants
 from loraplex.platform.api.services.errors import EngineBusy
 from loraplex.platform.api.tenancy.auth import local_tenant
@@ -97,6 +100,8 @@ class GatewayStats:
     """Usage records waiting in the buffer for the database."""
     num_usage_dropped: int
     """Usage records lost: the buffer was full, or shutdown could not write them (logged)."""
+    num_quota_refusals: int = 0
+    """Requests and uploads refused by a quota (429 / 503); no usage row is written for them."""
 
 
 @dataclass(frozen=True)
@@ -119,12 +124,13 @@ class Gateway:
         self.store = AdapterStore(settings.adapter_store_dir)
         self.engine_adapters = EngineAdapters(engine, self.store)
         limits = engine.limits
+        validator = AdapterValidator(engine.adapter_spec, limits.max_lora_rank, limits.dtype)
+        self.max_upload_bytes = settings.max_upload_bytes or validator.max_upload_bytes
+        """Largest upload (files together): the setting, else sized from the largest valid adapter."""
+        self.upload_deadlines = UploadDeadlines(settings.upload_idle_timeout_s, settings.upload_timeout_s)
+        self.upload_executor = ThreadPoolExecutor(settings.upload_workers, thread_name_prefix="lpx-upload")
         self.catalog = AdapterCatalog(
-            self.db,
-            self.store,
-            AdapterValidator(engine.adapter_spec, limits.max_lora_rank, limits.dtype),
-            served_model_name,
-            self.engine_adapters,
+            self.db, self.store, validator, served_model_name, self.engine_adapters, self.upload_executor
         )
         self.background = BackgroundWork()
         self.usage = UsageBuffer(self.db, settings.usage_buffer_size)
@@ -146,6 +152,7 @@ class Gateway:
             authenticator,
             self.usage,
         )
+        self.uploads = UploadAdmission(self.gate, settings.max_uploads_per_tenant)
 
     async def start(self) -> None:
         """Migrate the database, open the store, create ``local`` in open mode."""
@@ -166,6 +173,7 @@ class Gateway:
         """Write pending usage, close the limiter and the database."""
         await self.background.drain(_DRAIN_S)
         await self.usage.flush(_DRAIN_S)
+        self.upload_executor.shutdown(wait=False, cancel_futures=True)
         await self.limiter.aclose()
         await self.db.dispose()
 
@@ -189,6 +197,7 @@ class Gateway:
             ),
             num_usage_pending=self.usage.num_pending,
             num_usage_dropped=self.usage.num_dropped,
+            num_quota_refusals=self.gate.num_quota_refusals,
         )
 
     async def database_ready(self) -> tuple[bool, str]:

@@ -88,8 +88,19 @@ class GatewaySettings(BaseModel):
     """Length of the rpm / tpm sliding window in seconds."""
     quota_key_prefix: str = "lpx"
     """Prefix of the quota keys in Redis (several deployments can share one Redis)."""
-    max_upload_bytes: int = Field(default=1 << 30, ge=1024)
-    """Largest adapter upload (all files of one request together)."""
+    max_upload_bytes: int | None = Field(default=None, ge=1024)
+    """Largest adapter upload (all files of one request together); default: the largest adapter
+    the engine accepts (base model and max_lora_rank) plus its config."""
+    max_uploads_per_tenant: int = Field(default=2, ge=1)
+    """Uploads of one tenant in flight at once in this process (more: 429); uploads also count
+    against the tenant's rpm and max_concurrency."""
+    upload_workers: int = Field(default=2, ge=1)
+    """Threads that validate uploads (extraction, parsing); uploads beyond them wait, so they never
+    take the threads that tokenize and render requests."""
+    upload_idle_timeout_s: float = Field(default=30.0, gt=0)
+    """An upload whose body sends nothing for this long is refused (408) and its files removed."""
+    upload_timeout_s: float = Field(default=600.0, gt=0)
+    """Longest time an upload's body may take to arrive, however steadily (408 past it)."""
     database_connect_timeout_s: float = Field(default=5.0, gt=0)
     """PostgreSQL: longest wait to open a connection, or for a pooled one to come free."""
     database_statement_timeout_s: float = Field(default=10.0, gt=0)

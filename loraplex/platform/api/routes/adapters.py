@@ -27,19 +27,22 @@ router = APIRouter(prefix=UPLOAD_PATH, tags=["adapters"])
 @router.post("", status_code=201)
 async def upload_adapter(request: Request, tenant: CurrentTenant, gateway: GatewayDep) -> AdapterPublic:
     """Store a new version of one of the caller's adapters."""
-    staging = gateway.store.new_staging()
-    try:
-        form = await read_upload_form(request, staging, gateway.settings.max_upload_bytes)
-        name = form.fields.get("name")
-        if not name:
-            raise bad_field("name", "Missing required field 'name' (the adapter's name).")
-        visibility = parse_visibility(form.fields.get("visibility") or "private")
+    async with gateway.uploads.admit(tenant):  # rpm, concurrency, uploads in flight: before the body
+        staging = gateway.store.new_staging()
         try:
-            adapter = await gateway.catalog.upload(tenant, form.files, staging, name, visibility)
-        except AdapterValidationError as exc:
-            raise rejected_adapter(exc, hide=(str(staging),)) from None
-    finally:
-        gateway.store.discard(staging)
+            form = await read_upload_form(
+                request, staging, gateway.max_upload_bytes, gateway.upload_deadlines
+            )
+            name = form.fields.get("name")
+            if not name:
+                raise bad_field("name", "Missing required field 'name' (the adapter's name).")
+            visibility = parse_visibility(form.fields.get("visibility") or "private")
+            try:
+                adapter = await gateway.catalog.upload(tenant, form.files, staging, name, visibility)
+            except AdapterValidationError as exc:
+                raise rejected_adapter(exc, hide=(str(staging),)) from None
+        finally:
+            gateway.store.discard(staging)
     return AdapterPublic.of(adapter)
 
 

@@ -5,10 +5,13 @@
     resolve(model)   base model | own adapter ``name`` | another tenant's public ``owner/name``;
                      a private adapter of another tenant and a missing name: the same 404;
                      while the database is unreachable, the last answer for it (``TTLCache``)
-    admit(...)       text prompts tokenized and counted; reserve prompt + max_tokens * n per
-                     prompt (max_tokens unset: up to the context); 429 / 503 when refused
-    close(...)       settle with the tokens really used (background), queue the usage record
-                     (``UsageBuffer``: an outage delays it)
+    admit(...)       first the request and its concurrency slot (rpm, max_concurrency), before any
+                     CPU work; then the prompts made, tokenized and reserved (tpm: prompt +
+                     max_tokens * n per prompt, max_tokens unset: up to the context); 429 / 503
+                     when refused, counted in ``num_quota_refusals`` (no usage row: a refusal
+                     must cost nothing but the count)
+    close(...)       queue the usage record (``UsageBuffer``: an outage delays it), then settle
+                     the reservations with the tokens really used
 
 The engine's tenant (the prefix cache salts with it) is derived here, from the tenant's id,
 name and creation time, so a client can never choose it and a tenant re-created under an old
@@ -32,7 +35,14 @@ from loraplex.platform.api.services import adapters, usage
 from loraplex.platform.api.services.errors import NotFound
 from loraplex.platform.api.services.tenants import engine_tenant_id
 from loraplex.platform.api.tenancy.auth_cache import Authenticator, TTLCache
-from loraplex.platform.api.tenancy.gate import Admission, ModelCard, ModelTarget, RequestEnd
+from loraplex.platform.api.tenancy.gate import (
+    Admission,
+    ModelCard,
+    ModelTarget,
+    PromptSource,
+    RequestEnd,
+    prompts_of,
+)
 from loraplex.platform.api.tenancy.quotas import Quota, QuotaLimiter, Reservation
 from loraplex.platform.api.usage_buffer import UsageBuffer
 from loraplex.platform.engine.async_engine import AsyncEngine
@@ -67,6 +77,9 @@ class TenantAdmission:
     request_id: str
     prompts: list[Prompt]
     reservation: Reservation
+    """The token reservation (tpm)."""
+    slot: Reservation | None
+    """The request and its concurrency slot (rpm, max_concurrency), taken before tokenizing."""
     started_s: float = field(default_factory=time.monotonic)
     closed: bool = False
 
@@ -88,6 +101,8 @@ class TenantAdmission:
             self.tenant, self.target, self.request_id, (prompt, cached, completion), latency_ms, end
         )
         await self.gate.limiter.settle(self.reservation, prompt + completion)
+        if self.slot is not None:
+            await self.gate.limiter.settle(self.slot, 0)
 
 
 class TenantCall:
@@ -117,23 +132,33 @@ class TenantCall:
         return cards
 
     async def admit(
-        self, request_id: str, target: ModelTarget, prompts: list[Prompt], params: SamplingParams
+        self, request_id: str, target: ModelTarget, prompts: PromptSource, params: SamplingParams
     ) -> Admission:
         gate = self.gate
-        token_prompts = [await gate.tokenize(p) for p in prompts]
-        max_len = gate.engine.limits.max_model_len
-        reserve = sum(
-            len(p)
-            + params.n * (params.max_tokens if params.max_tokens is not None else max(0, max_len - len(p)))
-            for p in token_prompts
-        )
-        quota = Quota(rpm=self.tenant.rpm, tpm=self.tenant.tpm, max_concurrency=self.tenant.max_concurrency)
-        decision = await gate.limiter.admit(self.tenant.name, quota, reserve, request_id)
-        if not decision.allowed or decision.reservation is None:
-            gate.record(self.tenant, target, request_id, (0, 0, 0), 0.0, "rejected")
-            raise quota_refusal(decision)
+        tenant = self.tenant
+        # Phase 1, before any CPU work: the request (rpm) and its concurrency slot.
+        slot: Reservation | None = None
+        if tenant.rpm is not None or tenant.max_concurrency is not None:
+            slot = await gate.take_slot(
+                tenant, Quota(rpm=tenant.rpm, max_concurrency=tenant.max_concurrency), request_id
+            )
+        try:
+            token_prompts = [await gate.tokenize(p) for p in await prompts_of(prompts)]
+            max_len = gate.engine.limits.max_model_len
+            reserve = sum(
+                len(p)
+                + params.n
+                * (params.max_tokens if params.max_tokens is not None else max(0, max_len - len(p)))
+                for p in token_prompts
+            )
+            # Phase 2: the tokens (tpm only: the request itself counted in phase 1).
+            reservation = await gate.take_slot(tenant, Quota(tpm=tenant.tpm), request_id, reserve)
+        except BaseException:
+            if slot is not None:
+                gate.background.spawn(gate.limiter.settle(slot, 0), f"release {request_id}")
+            raise
         prompts_out: list[Prompt] = list(token_prompts)
-        return TenantAdmission(gate, self.tenant, target, request_id, prompts_out, decision.reservation)
+        return TenantAdmission(gate, tenant, target, request_id, prompts_out, reservation, slot)
 
 
 class TenantGate:
@@ -163,6 +188,8 @@ class TenantGate:
         self.resolutions: TTLCache[tuple[int, str], Adapter] = TTLCache(authenticator.cache.size)
         """(tenant id, model) -> the adapter version it last resolved to: an outage's fallback."""
         self.num_resolution_outage_hits = 0
+        self.num_quota_refusals = 0
+        """Requests (and uploads) refused by a quota: counted here, never written one row each."""
 
     @property
     def num_usage_write_failures(self) -> int:
@@ -194,6 +221,15 @@ class TenantGate:
             return cached
         self.resolutions.put(key, adapter)
         return adapter
+
+    async def take_slot(self, tenant: Tenant, quota: Quota, request_id: str, reserve: int = 0) -> Reservation:
+        """Admit ``request_id`` under ``quota`` (limits left None are not counted), or raise the
+        refusal (429 / 503) and count it."""
+        decision = await self.limiter.admit(tenant.name, quota, reserve, request_id)
+        if not decision.allowed or decision.reservation is None:
+            self.num_quota_refusals += 1
+            raise quota_refusal(decision)
+        return decision.reservation
 
     async def tokenize(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt, counted the way the engine will (text: off the event loop)."""
