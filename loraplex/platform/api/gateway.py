@@ -9,6 +9,7 @@
 Operations the routes (and the admin UI) call, so none of them lives in a route:
 
     delete_tenant(name)       rows, the adapter files nobody else uses, its engine adapters, its KV
+                              (here, and on the other replicas through ``replica_events``)
     reset_prefix_cache()      every cached KV block on every tier (``EngineBusy`` while requests run)
 
 At start-up (``start``): migrations under a lock (replicas may start together), the store opened,
@@ -30,6 +31,7 @@ from loraplex.platform.api.services import tenants
 from loraplex.platform.api.services.errors import EngineBusy
 from loraplex.platform.api.tenancy.auth import local_tenant
 from loraplex.platform.api.tenancy.quotas import QuotaSettings, RedisQuotaLimiter, make_quota_limiter
+from loraplex.platform.api.tenancy.replica_events import ReplicaEvents
 from loraplex.platform.api.tenancy.tenant_gate import TenantGate
 from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.settings import GatewaySettings
@@ -94,6 +96,12 @@ class Gateway:
             self.engine_adapters,
         )
         self.background = BackgroundWork()
+        # Replicas share Redis when there is more than one: the channel that reaches the others.
+        self.replica_events = (
+            ReplicaEvents.from_url(settings.redis_url, settings.quota_key_prefix)
+            if settings.redis_url
+            else None
+        )
         self.gate = TenantGate(
             self.db,
             settings.auth,
@@ -110,6 +118,8 @@ class Gateway:
         self.store.open()
         if self.settings.auth == "open":
             await local_tenant(self.db)
+        if self.replica_events is not None:
+            await self.replica_events.start(self._purge_deleted_elsewhere)
         logger.info(
             "gateway ready: database at revision %s, adapter store %s, quotas %s, auth %s",
             revision,
@@ -121,6 +131,8 @@ class Gateway:
     async def stop(self) -> None:
         """Write pending usage, close the limiter and the database."""
         await self.background.drain(_DRAIN_S)
+        if self.replica_events is not None:
+            await self.replica_events.aclose()
         await self.limiter.aclose()
         await self.db.dispose()
 
@@ -149,7 +161,21 @@ class Gateway:
             refs = await tenants.delete_tenant(session, name)
         await self.catalog.forget(refs)
         device, host, disk = await self.engine.purge_tenant(engine_id)
+        if self.replica_events is not None:
+            await self.replica_events.tenant_deleted(engine_id)
         return TenantDeleted(name, len(refs), device + host + disk)
+
+    async def _purge_deleted_elsewhere(self, engine_tenant_id: str) -> None:
+        device, host, disk = await self.engine.purge_tenant(engine_tenant_id)
+        logger.info(
+            "tenant %s was deleted on another replica: purged %d cached KV blocks here "
+            "(device %d, host %d, disk %d)",
+            engine_tenant_id,
+            device + host + disk,
+            device,
+            host,
+            disk,
+        )
 
     async def reset_prefix_cache(self) -> None:
         """Drop every cached KV block (device, host, disk records erased). The engine does it only
