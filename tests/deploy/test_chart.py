@@ -23,6 +23,8 @@ from chart_testlib import (
 )
 from crd_schemas import CUSTOM_RESOURCES
 
+from loraplex.platform.settings import all_fields
+
 SETS = list(VALUE_SETS)
 
 
@@ -101,9 +103,12 @@ def test_writable_paths_are_volumes(rendered: tuple[str, list[Manifest]]) -> Non
 
 
 def _grace(manifests: list[Manifest]) -> int:
+    """The shutdown grace the server will run with: the rendered setting, else the model's default
+    (so a changed default fails here until the chart's ``loraplex.shutdownGrace`` follows it)."""
     (config_map,) = [m for m in of_kind(manifests, "ConfigMap") if m["metadata"]["name"] == "rel-loraplex"]
-    data = config_map["data"]
-    return int(data.get("LORAPLEX_SHUTDOWN_GRACE_S") or data.get("LORAPLEX_GRACEFUL_SHUTDOWN_S") or 10)
+    fields = all_fields()
+    (name,) = [n for n in ("shutdown_grace_s", "graceful_shutdown_s") if n in fields][:1]
+    return int(config_map["data"].get(fields[name].env) or fields[name].default)
 
 
 def test_termination_grace_covers_the_shutdown_grace(rendered: tuple[str, list[Manifest]]) -> None:

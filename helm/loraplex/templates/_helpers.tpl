@@ -67,12 +67,14 @@ app.kubernetes.io/component: {{ .component }}
 {{- if or (gt (int .Values.replicaCount) 1) .Values.autoscaling.enabled .Values.keda.enabled }}true{{ end }}
 {{- end }}
 
-{{/* The server's shutdown grace in seconds: the setting's value, else the server's default. */}}
+{{/* The server's shutdown grace in seconds: the setting's value, else the server's default (10;
+tests/deploy checks it against the settings model). shutdown_grace_s wins over the older
+graceful_shutdown_s when a settings model has both. */}}
 {{- define "loraplex.shutdownGrace" -}}
 {{- $c := .Values.config }}
 {{- $grace := 10 }}
-{{- if hasKey $c "shutdown_grace_s" }}{{ if not (kindIs "invalid" $c.shutdown_grace_s) }}{{ $grace = $c.shutdown_grace_s }}{{ end }}{{ end }}
 {{- if hasKey $c "graceful_shutdown_s" }}{{ if not (kindIs "invalid" $c.graceful_shutdown_s) }}{{ $grace = $c.graceful_shutdown_s }}{{ end }}{{ end }}
+{{- if hasKey $c "shutdown_grace_s" }}{{ if not (kindIs "invalid" $c.shutdown_grace_s) }}{{ $grace = $c.shutdown_grace_s }}{{ end }}{{ end }}
 {{- int $grace }}
 {{- end }}
 
