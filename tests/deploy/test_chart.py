@@ -144,6 +144,14 @@ def test_a_termination_grace_below_the_shutdown_grace_is_refused() -> None:
         ),
         ({"existingSecret": "s", "autoscaling.enabled": "true", "keda.enabled": "true"}, "choose one"),
         ({"kvCache.disk.enabled": "true"}, "disk_kv_cache_bytes"),
+        (
+            {
+                "existingSecret": "s",
+                "autoscaling.enabled": "true",
+                "autoscaling.targetCPUUtilizationPercentage": "null",
+            },
+            "needs a metric",
+        ),
         ({"config.max_num_seq": "4"}, "max_num_seq"),  # a misspelt setting: the schema refuses it
         ({"config.max_num_seqs": "many"}, "max_num_seqs"),
     ],
@@ -223,3 +231,17 @@ def test_config_and_secret_changes_roll_the_pods() -> None:
 def test_schema_file_is_the_one_helm_reads() -> None:
     assert (CHART / "values.schema.json").is_file()
     assert Path(CHART / "templates" / "NOTES.txt").is_file()
+
+
+def test_a_restricted_ingress_still_admits_the_helm_test_pod() -> None:
+    manifests = render(VALUE_SETS["production-gpu"])
+    (policy,) = [m for m in of_kind(manifests, "NetworkPolicy") if m["metadata"]["name"] == "rel-loraplex"]
+    peers = policy["spec"]["ingress"][0]["from"]
+    (test_pod,) = of_kind(manifests, "Pod")
+    test_labels = test_pod["metadata"]["labels"]
+    admitted = [
+        p
+        for p in peers
+        if "podSelector" in p and p["podSelector"]["matchLabels"].items() <= test_labels.items()
+    ]
+    assert admitted and any("namespaceSelector" in p for p in peers)

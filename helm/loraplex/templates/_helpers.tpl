@@ -116,6 +116,9 @@ graceful_shutdown_s when a settings model has both. */}}
 {{- if and .Values.autoscaling.enabled .Values.keda.enabled }}
 {{- fail "autoscaling.enabled and keda.enabled both make an HPA for the workload: choose one" }}
 {{- end }}
+{{- if and .Values.autoscaling.enabled (not (or .Values.autoscaling.targetCPUUtilizationPercentage .Values.autoscaling.requestsWaiting.enabled)) }}
+{{- fail "autoscaling.enabled needs a metric: targetCPUUtilizationPercentage or requestsWaiting.enabled" }}
+{{- end }}
 {{- if and .Values.postgresql.enabled .Values.database.url }}
 {{- fail "database.url and postgresql.enabled: choose the external database or the in-chart one" }}
 {{- end }}
