@@ -35,6 +35,7 @@ from loraplex.adapters.layout import CONFIG_NAME, WEIGHTS_NAME
 from loraplex.adapters.store import AdapterStore
 from loraplex.adapters.uploads import AdapterValidator, UploadedFile
 from loraplex.platform.api.catalog.catalog import AdapterCatalog, parse_visibility
+from loraplex.platform.api.gateway import pool_settings
 from loraplex.platform.api.services import adapters, keys, tenants
 from loraplex.platform.api.services.errors import ServiceError
 from loraplex.platform.api.services.tenants import TenantQuotas
@@ -42,7 +43,7 @@ from loraplex.platform.cli.flags import given, settings_options
 from loraplex.platform.cli.serve import fail, settings_error
 from loraplex.platform.engine.config import parse_dtype
 from loraplex.platform.settings import ServerSettings, load_settings
-from loraplex.storage.db import Database, current_revision, upgrade_to_head
+from loraplex.storage.db import Database, DatabaseUnavailable, current_revision, upgrade_database
 from loraplex.storage.db.models import utcnow
 
 T = TypeVar("T")
@@ -111,9 +112,10 @@ def _run(ctx: typer.Context, work: Callable[[Database], Awaitable[T]]) -> T:
     settings = _settings(ctx)
 
     async def main() -> T:
-        db = Database(settings.gateway.database_url_or_default)
+        # The server's timeouts: an unreachable database is a message, not a command that hangs.
+        db = Database(settings.gateway.database_url_or_default, pool=pool_settings(settings.gateway))
         try:
-            await upgrade_to_head(db.engine)
+            await upgrade_database(db)
             return await work(db)
         finally:
             await db.dispose()
@@ -122,6 +124,9 @@ def _run(ctx: typer.Context, work: Callable[[Database], Awaitable[T]]) -> T:
         return asyncio.run(main())
     except (ServiceError, AdapterValidationError) as exc:
         typer.echo(f"loraplex: {exc}", err=True)
+        raise typer.Exit(1) from None
+    except DatabaseUnavailable as exc:
+        typer.echo(f"loraplex: {exc.reason}", err=True)
         raise typer.Exit(1) from None
 
 

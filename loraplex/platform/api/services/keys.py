@@ -92,6 +92,19 @@ async def create_key(
     )
 
 
+@dataclass(frozen=True)
+class KeyCheck:
+    """A key that authenticates: its tenant, and when the key stops working by itself."""
+
+    tenant: Tenant
+    expires_at: datetime | None
+
+
+def well_formed(presented_key: str) -> bool:
+    """Whether ``presented_key`` has the format of a key we issue (checked before any lookup)."""
+    return presented_key.startswith(KEY_PREFIX) and len(presented_key) <= _MAX_KEY_LEN
+
+
 async def authenticate(
     session: AsyncSession, presented_key: str, *, now: datetime | None = None
 ) -> Tenant | None:
@@ -100,7 +113,15 @@ async def authenticate(
     Every refusal is the same None, so a caller cannot tell a revoked key from a wrong one.
     Updates the key's ``last_used_at`` (at most once per ``LAST_USED_RESOLUTION``).
     """
-    if not presented_key.startswith(KEY_PREFIX) or len(presented_key) > _MAX_KEY_LEN:
+    checked = await check_key(session, presented_key, now=now)
+    return None if checked is None else checked.tenant
+
+
+async def check_key(
+    session: AsyncSession, presented_key: str, *, now: datetime | None = None
+) -> KeyCheck | None:
+    """``authenticate``, with the key's expiry (a cache of the answer must not outlive it)."""
+    if not well_formed(presented_key):
         return None  # the format is public: refusing it early tells an attacker nothing secret
     presented_hash = hash_key(presented_key)
     # Constant time with respect to the secret: the database compares *hashes*, and what the
@@ -118,9 +139,10 @@ async def authenticate(
     tenant = row.tenant  # taken first: a failed _touch expires the row, and async cannot reload it
     if tenant.disabled:
         return None
+    expires_at = row.expires_at
     if row.last_used_at is None or now - row.last_used_at >= LAST_USED_RESOLUTION:
         await _touch(session, row, now)
-    return tenant
+    return KeyCheck(tenant, expires_at)
 
 
 async def _touch(session: AsyncSession, row: ApiKey, now: datetime) -> None:

@@ -5,9 +5,10 @@
     await events.tenant_deleted(engine_tenant)   after this replica deleted the tenant and purged its KV
     await events.aclose()
 
-Only the purge travels this way. Everything else replicas share is read per request: API keys,
-tenants and adapter versions from the database (a revoked key or a re-uploaded adapter is current
-on every replica at its next request), quotas in Redis. A deleted tenant's cached KV is the one
+Only the purge travels this way. Everything else replicas share is read from the database or
+Redis: adapter versions per request (a re-upload is current on every replica at its next
+request), API keys through a cache of checks (a revocation within ``auth_cache_ttl_s``), quotas
+in Redis. A deleted tenant's cached KV is the one
 thing no request looks up again (its prefix-cache salt binds the tenant's row id and creation
 time, so nothing can hit it), so a version check on the request path would never find it: the
 other replicas must be told. Their disk tiers hold records derived from its prompts.
