@@ -10,6 +10,7 @@
 Operations the routes (and the admin UI) call, so none of them lives in a route:
 
     delete_tenant(name)       rows, the adapter files nobody else uses, its engine adapters, its KV
+                              (here, and on the other replicas through ``replica_events``)
     reset_prefix_cache()      every cached KV block on every tier (``EngineBusy`` while requests run)
 
 At start-up (``start``): migrations under a lock (replicas may start together; on a connection
@@ -40,6 +41,7 @@ from loraplex.platform.api.services.errors import EngineBusy
 from loraplex.platform.api.tenancy.auth import local_tenant
 from loraplex.platform.api.tenancy.auth_cache import Authenticator
 from loraplex.platform.api.tenancy.quotas import QuotaSettings, RedisQuotaLimiter, make_quota_limiter
+from loraplex.platform.api.tenancy.replica_events import ReplicaEvents
 from loraplex.platform.api.tenancy.tenant_gate import TenantGate
 from loraplex.platform.api.usage_buffer import UsageBuffer
 from loraplex.platform.engine.async_engine import AsyncEngine
@@ -133,6 +135,12 @@ class Gateway:
             self.db, self.store, validator, served_model_name, self.engine_adapters, self.upload_executor
         )
         self.background = BackgroundWork()
+        # Replicas share Redis when there is more than one: the channel that reaches the others.
+        self.replica_events = (
+            ReplicaEvents.from_url(settings.redis_url, settings.quota_key_prefix)
+            if settings.redis_url
+            else None
+        )
         self.usage = UsageBuffer(self.db, settings.usage_buffer_size)
         authenticator = Authenticator(
             self.db,
@@ -161,6 +169,8 @@ class Gateway:
         if self.settings.auth == "open":
             await local_tenant(self.db)
         self.usage.start()
+        if self.replica_events is not None:
+            await self.replica_events.start(self._purge_deleted_elsewhere)
         logger.info(
             "gateway ready: database at revision %s, adapter store %s, quotas %s, auth %s",
             revision,
@@ -174,6 +184,8 @@ class Gateway:
         await self.background.drain(_DRAIN_S)
         await self.usage.flush(_DRAIN_S)
         self.upload_executor.shutdown(wait=False, cancel_futures=True)
+        if self.replica_events is not None:
+            await self.replica_events.aclose()
         await self.limiter.aclose()
         await self.db.dispose()
 
@@ -225,7 +237,21 @@ class Gateway:
             refs = await tenants.delete_tenant(session, name)
         await self.catalog.forget(refs)
         device, host, disk = await self.engine.purge_tenant(engine_id)
+        if self.replica_events is not None:
+            await self.replica_events.tenant_deleted(engine_id)
         return TenantDeleted(name, len(refs), device + host + disk)
+
+    async def _purge_deleted_elsewhere(self, engine_tenant_id: str) -> None:
+        device, host, disk = await self.engine.purge_tenant(engine_tenant_id)
+        logger.info(
+            "tenant %s was deleted on another replica: purged %d cached KV blocks here "
+            "(device %d, host %d, disk %d)",
+            engine_tenant_id,
+            device + host + disk,
+            device,
+            host,
+            disk,
+        )
 
     async def reset_prefix_cache(self) -> None:
         """Drop every cached KV block (device, host, disk records erased). The engine does it only

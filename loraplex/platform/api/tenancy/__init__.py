@@ -6,4 +6,5 @@
 | ``tenant_gate`` | ``TenantGate``: API keys, per-tenant models, quota admission, usage records |
 | ``auth`` | bearer credentials: a tenant's API key, the admin token |
 | ``quotas/`` | the limiter contract, Redis (Lua) and in-process implementations |
+| ``replica_events`` | Redis pub/sub between replicas: a tenant deleted on one has its KV purged on all |
 """
