@@ -177,6 +177,15 @@ class Calls:
             self.served.setdefault(key, []).append(r.json()["id"])
         return r
 
+    def stream(self, key: str, model: str) -> None:
+        """A streamed completion that must succeed: 200, chunks, ``[DONE]``."""
+        body = {"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 3, "temperature": 0, "stream": True}
+        r = self.call("POST", "/v1/completions", json=body, headers=_bearer(key))
+        assert r.status_code == 200, r.text
+        events = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "error" not in events[0], events
+        self.served.setdefault(key, []).append(json.loads(events[0])["id"])
+
     def upload(self, key: str, name: str, archive: bytes) -> httpx.Response:
         files = {"file": ("adapter.zip", archive)}
         return self.call("POST", "/v1/adapters", data={"name": name}, files=files, headers=_bearer(key))
@@ -230,6 +239,7 @@ def _outage_then_recovery(
             for model in ("tiny", "tone"):
                 r = calls.complete(known, model)
                 assert r.status_code == 200, r.text
+            calls.stream(known, "tone")
         # What the gateway cannot answer without the database: 503, never 401 / 500.
         _unavailable(calls.complete(unseen))
         _unavailable(calls.upload(known, "tone2", zips[1]))
