@@ -177,6 +177,15 @@ class Calls:
             self.served.setdefault(key, []).append(r.json()["id"])
         return r
 
+    def stream(self, key: str, model: str) -> None:
+        """A streamed completion that must succeed: 200, chunks, ``[DONE]``."""
+        body = {"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 3, "temperature": 0, "stream": True}
+        r = self.call("POST", "/v1/completions", json=body, headers=_bearer(key))
+        assert r.status_code == 200, r.text
+        events = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "error" not in events[0], events
+        self.served.setdefault(key, []).append(json.loads(events[0])["id"])
+
     def upload(self, key: str, name: str, archive: bytes) -> httpx.Response:
         files = {"file": ("adapter.zip", archive)}
         return self.call("POST", "/v1/adapters", data={"name": name}, files=files, headers=_bearer(key))
@@ -230,6 +239,7 @@ def _outage_then_recovery(
             for model in ("tiny", "tone"):
                 r = calls.complete(known, model)
                 assert r.status_code == 200, r.text
+            calls.stream(known, "tone")
         # What the gateway cannot answer without the database: 503, never 401 / 500.
         _unavailable(calls.complete(unseen))
         _unavailable(calls.upload(known, "tone2", zips[1]))
@@ -242,7 +252,9 @@ def _outage_then_recovery(
     finally:
         bring_back()
     # Back without a restart: every kind of call, and the usage of the outage's requests.
+    back_s = time.monotonic()
     _eventually(lambda: calls.complete(unseen).status_code == 200, 30, "an unseen key after recovery")
+    print(f"an unseen key served {time.monotonic() - back_s:.2f} s after the database came back")
     assert calls.upload(known, "tone2", zips[1]).status_code == 201
     assert calls.complete(known, "tone2").status_code == 200
     assert calls.admin("GET", "/tenants").status_code == 200
@@ -283,6 +295,7 @@ def test_paused_database_answers_within_the_timeouts(
     try:
         calls = Calls(gateway.url)
         _outage_then_recovery(calls, postgres.pause, postgres.unpause, adapter_zips)
+        print(f"slowest request with the database paused: {calls.slowest_s:.2f} s (bound {WAIT_BOUND_S} s)")
         assert calls.slowest_s <= WAIT_BOUND_S + SLACK_S, calls.slowest_s
     finally:
         output = gateway.stop()
@@ -305,7 +318,7 @@ def test_revocation_reaches_every_replica_within_the_ttl(
         revoked_s = time.monotonic()
         assert a.complete(key).status_code == 401  # the replica that revoked: at once
         _eventually(lambda: b.complete(key).status_code == 401, TTL_S + SLACK_S, "revocation on replica b")
-        assert time.monotonic() - revoked_s <= TTL_S + SLACK_S
+        print(f"revocation reached replica b after {time.monotonic() - revoked_s:.2f} s (TTL {TTL_S} s)")
         # Disabling a tenant travels the same way; another key of another tenant is untouched.
         assert a.admin("PATCH", "/tenants/globex", json={"disabled": True}).status_code == 200
         assert a.complete(other).status_code == 401

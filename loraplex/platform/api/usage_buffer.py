@@ -9,7 +9,9 @@ buffer filled; the next episode starts when it has drained). ``flush`` at shutdo
 what is left, for at most its timeout, and logs what it could not.
 
 A record the database refuses (its tenant was deleted meanwhile, an invalid value) is not
-retried: it is counted in ``num_failed`` and logged, and the rest of its batch is written.
+retried: it is counted in ``num_failed`` and logged, and the rest of its batch is written. Any
+other error is retried ``_ATTEMPTS`` times, then its batch is dropped (counted, logged): an
+error that is not an outage may be a bug, which retrying forever would turn into a stuck writer.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from loraplex.storage.db import Database, DatabaseUnavailable, Tenant
 logger = logging.getLogger(__name__)
 
 _BATCH = 500
+_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,7 @@ class UsageBuffer:
 
     async def _write_forever(self) -> None:
         delay_s = self.retry_s
+        errors = 0
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -112,12 +116,18 @@ class UsageBuffer:
                     await asyncio.sleep(delay_s)
                     delay_s = min(2 * delay_s, self.max_retry_s)
                     continue
-                except Exception:  # a bug, not an outage: retrying would loop forever
+                except Exception:
+                    errors += 1
+                    if errors < _ATTEMPTS:
+                        logger.warning("could not write usage records (will retry)", exc_info=True)
+                        await asyncio.sleep(delay_s)
+                        continue
                     lost = min(_BATCH, len(self._pending))
                     for _ in range(lost):
                         self._pending.popleft()
                     self.num_failed += lost
                     logger.exception("could not write %d usage record(s); they are dropped", lost)
+                errors = 0
                 delay_s = self.retry_s
 
     async def _write_batch(self) -> None:

@@ -57,14 +57,25 @@ class DatabaseUnavailable(Exception):
 
 
 def is_unavailable(exc: BaseException) -> bool:
-    """Whether ``exc`` means the database is not there now (see the module's table)."""
-    if isinstance(exc, DatabaseUnavailable | sa_exc.OperationalError | sa_exc.InterfaceError):
-        return True
-    if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
-        return True
-    if isinstance(exc, sa_exc.DBAPIError) and exc.orig is not None:
-        return is_unavailable(exc.orig)
-    return isinstance(exc, _RAW_UNAVAILABLE)
+    """Whether ``exc`` means the database is not there now (see the module's table).
+
+    The driver's error may be wrapped twice: SQLAlchemy's ``DBAPIError`` holds its asyncpg
+    adapter's generic ``Error`` (``orig``), caused by the asyncpg exception that says what
+    happened (``connection was closed in the middle of operation``). The chain is followed.
+    """
+    current: BaseException | None = exc
+    for _ in range(8):
+        if current is None:
+            return False
+        if isinstance(current, DatabaseUnavailable | sa_exc.OperationalError | sa_exc.InterfaceError):
+            return True
+        if isinstance(current, sa_exc.DBAPIError) and current.connection_invalidated:
+            return True
+        if isinstance(current, _RAW_UNAVAILABLE):
+            return True
+        wrapped = current.orig if isinstance(current, sa_exc.DBAPIError) else None
+        current = wrapped if wrapped is not None else current.__cause__
+    return False
 
 
 def describe(exc: BaseException) -> str:

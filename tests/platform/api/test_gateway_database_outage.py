@@ -25,7 +25,14 @@ from loraplex.platform.api.services import tenants, usage
 from loraplex.platform.api.state import app_state
 from loraplex.platform.api.usage_buffer import UsageBuffer
 from loraplex.platform.engine.async_engine import AsyncEngine
-from loraplex.storage.db import Database, DatabaseUnavailable, Tenant, UsageRecord, upgrade_to_head
+from loraplex.storage.db import (
+    Database,
+    DatabaseUnavailable,
+    Tenant,
+    UsageRecord,
+    is_unavailable,
+    upgrade_to_head,
+)
 from loraplex.storage.db.models import utcnow
 
 
@@ -237,3 +244,19 @@ async def test_unavailable_database_fails_fast_between_probes(
         assert db.health.down and db.health.num_outages == 1 and db.health.num_errors >= 21
     finally:
         await db.dispose()
+
+
+def test_a_connection_lost_mid_statement_is_an_outage() -> None:
+    """As SQLAlchemy raises it: a ``DBAPIError`` around asyncpg's adapter ``Error``, caused by
+    ``ConnectionDoesNotExistError`` (the server killed under a running statement)."""
+    from sqlalchemy.dialects.postgresql.asyncpg import AsyncAdapt_asyncpg_dbapi
+    from sqlalchemy.exc import DBAPIError
+
+    lost = asyncpg.exceptions.ConnectionDoesNotExistError("connection was closed in the middle of operation")
+    adapted = AsyncAdapt_asyncpg_dbapi.Error(str(lost))
+    adapted.__cause__ = lost
+    assert is_unavailable(DBAPIError("INSERT ...", None, adapted))
+    unique = asyncpg.exceptions.UniqueViolationError("duplicate key")
+    refused = AsyncAdapt_asyncpg_dbapi.IntegrityError(str(unique))
+    refused.__cause__ = unique
+    assert not is_unavailable(DBAPIError("INSERT ...", None, refused))
