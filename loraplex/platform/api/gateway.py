@@ -33,7 +33,7 @@ from loraplex.platform.api.tenancy.quotas import QuotaSettings, RedisQuotaLimite
 from loraplex.platform.api.tenancy.tenant_gate import TenantGate
 from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.settings import GatewaySettings
-from loraplex.storage.db import Database, upgrade_to_head
+from loraplex.storage.db import Database, head_revision, upgrade_to_head
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,8 @@ class Gateway:
             self.engine_adapters,
         )
         self.background = BackgroundWork()
+        self.head_revision = head_revision()
+        """The code's newest migration: ``/ready`` wants the database there."""
         self.gate = TenantGate(
             self.db,
             settings.auth,
