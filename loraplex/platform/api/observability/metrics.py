@@ -275,10 +275,13 @@ class ServerMetrics:
             return
         tenant = {"tenant": record.tenant or UNKNOWN_TENANT} if self.tenant_label else {}
         self.requests.labels(**tenant, status=str(record.effective_status)).inc()
+        reason = None
         if record.error is not None:
             reason = rejection_reason(record.error)
-            if reason is not None:
-                self.rejected.labels(reason=reason).inc()
+        elif record.status in (400, 413):  # answered by a middleware, before any handler (413)
+            reason = "invalid"
+        if reason is not None:
+            self.rejected.labels(reason=reason).inc()
         if not record.streams:
             return
         prompt, cached, generated = tokens_used([s.last for s in record.streams])
