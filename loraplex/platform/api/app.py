@@ -7,7 +7,8 @@ OpenAI's error body (``errors``); per-request limits are ``ServerLimits``. Who m
 is the ``gate``: a single-tenant server has a ``StaticGate`` (no auth, the ``lora_modules``
 names, no quotas, no database); with tenants the ``Gateway``'s ``TenantGate`` (API keys,
 per-tenant adapters, quotas, usage) and the gateway's start-up and shutdown run in the
-app's lifespan.
+app's lifespan. Around every request but the probes, the ``RequestObserver`` (``observability``)
+feeds ``/metrics`` and the access log and refuses new work while the server drains (``lifecycle``).
 """
 
 from __future__ import annotations
@@ -22,9 +23,14 @@ from fastapi import FastAPI
 from loraplex.adapters import LoRARequest
 from loraplex.platform.api.errors import install_error_handlers
 from loraplex.platform.api.gateway import Gateway
+from loraplex.platform.api.lifecycle import Lifecycle
 from loraplex.platform.api.middleware import BodyLimits
+from loraplex.platform.api.observability.access_log import log_access
+from loraplex.platform.api.observability.metrics import ServerMetrics
+from loraplex.platform.api.observability.observer import RequestObserver
+from loraplex.platform.api.observability.record import RequestRecord
 from loraplex.platform.api.openai.logprobs import TokenText
-from loraplex.platform.api.routes import adapters, admin, chat, completions, health, models
+from loraplex.platform.api.routes import adapters, admin, chat, completions, health, metrics, models
 from loraplex.platform.api.state import AppState
 from loraplex.platform.api.tenancy.gate import StaticGate
 from loraplex.platform.engine.async_engine import AsyncEngine
@@ -67,6 +73,9 @@ def build_app(
             await gateway.stop()
 
     app = FastAPI(title="loraplex", version=version("loraplex"), lifespan=lifespan)
+    serving = settings.serving
+    server_metrics = ServerMetrics(engine, gateway, engine.limits.block_size, serving.metrics_tenant_label)
+    lifecycle = Lifecycle()
     app.state.loraplex = AppState(
         engine=engine,
         settings=settings,
@@ -76,13 +85,23 @@ def build_app(
         text_of=TokenText(engine.tokenizer),
         gate=StaticGate(name, named) if gateway is None else gateway.gate,
         gateway=gateway,
+        metrics=server_metrics,
+        lifecycle=lifecycle,
     )
     install_error_handlers(app)
     by_path = {}
     if gateway is not None:
         by_path[adapters.UPLOAD_PATH] = gateway.max_upload_bytes + _MULTIPART_SLACK_BYTES
     app.add_middleware(BodyLimits, default_bytes=settings.limits.max_request_body_bytes, by_path=by_path)
-    for module in (completions, chat, models, health):
+
+    def on_close(record: RequestRecord) -> None:
+        server_metrics.observe(record)
+        if serving.access_log:
+            log_access(record, serving.access_log_prompts)
+
+    # Added last, so it runs first: it sees the 413 of BodyLimits and the draining refusal.
+    app.add_middleware(RequestObserver, lifecycle=lifecycle, on_close=on_close)
+    for module in (completions, chat, models, health, metrics):
         app.include_router(module.router)
     if gateway is not None:
         app.include_router(adapters.router)

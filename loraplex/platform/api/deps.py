@@ -25,6 +25,7 @@ from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from loraplex.platform.api.gateway import Gateway
+from loraplex.platform.api.observability.record import record_of
 from loraplex.platform.api.state import AppState, app_state
 from loraplex.platform.api.tenancy.auth import check_admin
 from loraplex.platform.api.tenancy.gate import GatedCall
@@ -40,7 +41,11 @@ StateDep = Annotated[AppState, Depends(get_state)]
 
 async def open_call(request: Request) -> GatedCall:
     """The caller of ``request``, authenticated by the server's gate (401 from the gateway)."""
-    return await get_state(request).gate.open(request)
+    call = await get_state(request).gate.open(request)
+    record = record_of(request.scope)
+    if record is not None:
+        record.tenant = call.tenant_name
+    return call
 
 
 CallDep = Annotated[GatedCall, Depends(open_call)]

@@ -46,7 +46,7 @@ from loraplex.platform.api.tenancy.tenant_gate import TenantGate
 from loraplex.platform.api.usage_buffer import UsageBuffer
 from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.settings import GatewaySettings
-from loraplex.storage.db import Database, DatabaseUnavailable, PoolSettings, upgrade_database
+from loraplex.storage.db import Database, DatabaseUnavailable, PoolSettings, head_revision, upgrade_database
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +149,8 @@ class Gateway:
             stale_s=settings.auth_cache_stale_s,
             size=settings.auth_cache_size,
         )
+        self.head_revision = head_revision()
+        """The code's newest migration: ``/ready`` wants the database there."""
         self.gate = TenantGate(
             self.db,
             settings.auth,

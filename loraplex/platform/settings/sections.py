@@ -53,6 +53,16 @@ class ServingSettings(BaseModel):
     """Adapters to serve in single-tenant mode, as NAME=PATH: clients select one with model=NAME."""
     log_level: LogLevel = "info"
     """Log level of the server."""
+    access_log: bool = True
+    """One JSON line per request on stderr (logger loraplex.access): tenant, adapter, status,
+    tokens, time to first token, latency."""
+    access_log_prompts: bool = False
+    """Also log each request's prompts in its access-log line (they may hold personal data)."""
+    metrics_require_admin: bool = False
+    """GET /metrics needs the admin token (with tenants); off: anyone who reaches the port may scrape."""
+    metrics_tenant_label: bool = True
+    """Label the per-tenant metrics with the tenant's name; turn off with many tenants (one series
+    per tenant and status otherwise)."""
 
     @field_validator("lora_modules", mode="before")
     @classmethod

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Path, Query
 from pydantic import AwareDatetime
 
 from loraplex.platform.api.deps import GatewayDep, SessionDep, forget_cached_auth, require_admin
@@ -101,8 +101,12 @@ async def list_keys(name: str, session: SessionDep) -> ListOf[KeyPublic]:
     return ListOf[KeyPublic](data=[KeyPublic.of(k) for k in await keys.list_keys(session, tenant)])
 
 
+_MAX_ROW_ID = (1 << 63) - 1
+"""Largest id a database integer holds: a larger one is a 400, never a driver overflow (500)."""
+
+
 @router.delete("/keys/{key_id}")
-async def revoke_key(key_id: int, session: SessionDep) -> KeyPublic:
+async def revoke_key(key_id: Annotated[int, Path(ge=1, le=_MAX_ROW_ID)], session: SessionDep) -> KeyPublic:
     return KeyPublic.of(await keys.revoke_key(session, key_id))
 
 

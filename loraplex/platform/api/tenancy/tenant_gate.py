@@ -112,6 +112,10 @@ class TenantCall:
         self.gate = gate
         self.tenant = tenant
 
+    @property
+    def tenant_name(self) -> str:
+        return self.tenant.name
+
     async def resolve(self, model: str | None) -> ModelTarget:
         gate = self.gate
         if model is None or model == gate.served_model_name:
