@@ -8,6 +8,7 @@
 | ``SessionDep`` | a session in a transaction, committed before the response is sent | |
 | ``CurrentTenant`` | the tenant of the request's API key (``local`` with auth="open") | 401 |
 | ``require_admin`` | nothing: the request carries the admin token (once, on the admin router) | 401, 403 |
+| ``PageDep`` | the page a list asks for: ``?limit=`` (1-100, default 20) and ``?after=`` | 400 |
 
 ``SessionDep`` opens a write transaction (``BEGIN IMMEDIATE`` on SQLite) for methods other than
 GET, since those read and then write. Long work (an upload) opens its own short transaction
@@ -20,10 +21,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Query, Request
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from loraplex.platform.api.gateway import Gateway
+from loraplex.platform.api.services.pages import DEFAULT_LIMIT, MAX_LIMIT, PageRequest
 from loraplex.platform.api.state import AppState, app_state
 from loraplex.platform.api.tenancy.auth import authenticate_tenant, check_admin
 from loraplex.platform.api.tenancy.gate import GatedCall
@@ -75,3 +77,14 @@ CurrentTenant = Annotated[Tenant, Depends(current_tenant)]
 def require_admin(request: Request) -> None:
     """Pass when the request carries the admin token (401 otherwise; 403 when none is set)."""
     check_admin(get_gateway(request).settings.admin_token, request)
+
+
+def page_request(
+    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = DEFAULT_LIMIT,
+    after: Annotated[str | None, Query(min_length=1, max_length=512)] = None,
+) -> PageRequest:
+    """The page a list request asks for (OpenAI's ``limit`` and ``after``)."""
+    return PageRequest(limit=limit, after=after)
+
+
+PageDep = Annotated[PageRequest, Depends(page_request)]

@@ -5,17 +5,19 @@
 body streams to a staging folder inside the adapter store (``catalog.upload_form``), is
 validated against the base model, and becomes the newest version of ``name``
 (``catalog.catalog``). Only the caller's own adapters are visible here: another tenant's is a
-404 like a missing one.
+404 like a missing one. Lists are pages in OpenAI's list shape (``?limit=``, ``?after=``).
 """
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
 
 from loraplex.adapters import AdapterValidationError
 from loraplex.platform.api.catalog.catalog import parse_visibility
 from loraplex.platform.api.catalog.upload_form import read_upload_form
-from loraplex.platform.api.deps import CurrentTenant, GatewayDep, SessionDep
+from loraplex.platform.api.deps import CurrentTenant, GatewayDep, PageDep, SessionDep
 from loraplex.platform.api.errors import bad_field, rejected_adapter
 from loraplex.platform.api.schemas import AdapterDeleted, AdapterPublic, ListOf
 from loraplex.platform.api.services import adapters
@@ -44,11 +46,15 @@ async def upload_adapter(request: Request, tenant: CurrentTenant, gateway: Gatew
 
 
 @router.get("")
-async def list_adapters(tenant: CurrentTenant, session: SessionDep) -> ListOf[AdapterPublic]:
-    """The newest version of each of the caller's adapters, by name."""
-    return ListOf[AdapterPublic](
-        data=[AdapterPublic.of(a) for a in await adapters.list_newest(session, tenant)]
-    )
+async def list_adapters(
+    tenant: CurrentTenant,
+    session: SessionDep,
+    page: PageDep,
+    name_prefix: Annotated[str | None, Query(max_length=128)] = None,
+) -> ListOf[AdapterPublic]:
+    """The newest version of each of the caller's adapters, by name, a page at a time."""
+    found = await adapters.page_newest(session, tenant, page, name_prefix=name_prefix)
+    return ListOf[AdapterPublic].of_page(found.map(AdapterPublic.of))
 
 
 @router.get("/{name}")
@@ -58,11 +64,12 @@ async def get_adapter(name: str, tenant: CurrentTenant, session: SessionDep) -> 
 
 
 @router.get("/{name}/versions")
-async def list_versions(name: str, tenant: CurrentTenant, session: SessionDep) -> ListOf[AdapterPublic]:
-    """Every stored version of the caller's adapter ``name``, newest first."""
-    return ListOf[AdapterPublic](
-        data=[AdapterPublic.of(a) for a in await adapters.list_versions(session, tenant, name)]
-    )
+async def list_versions(
+    name: str, tenant: CurrentTenant, session: SessionDep, page: PageDep
+) -> ListOf[AdapterPublic]:
+    """The stored versions of the caller's adapter ``name``, newest first, a page at a time."""
+    found = await adapters.page_versions(session, tenant, name, page)
+    return ListOf[AdapterPublic].of_page(found.map(AdapterPublic.of))
 
 
 @router.delete("/{name}")

@@ -16,11 +16,12 @@ import secrets
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import Select, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from loraplex.platform.api.services.errors import InvalidInput, NotFound
+from loraplex.platform.api.services.pages import Page, PageRequest, int_cursor, make_page
 from loraplex.storage.db.models import ApiKey, Tenant, utcnow
 
 logger = logging.getLogger(__name__)
@@ -142,15 +143,37 @@ async def list_keys(
     prefix: str | None = None,
     include_revoked: bool = True,
 ) -> list[ApiKey]:
-    """Keys of ``tenant`` (every tenant's if None), oldest first; ``prefix``: those starting so."""
+    """Keys of ``tenant`` (every tenant's if None), oldest first; ``prefix``: those starting so.
+
+    All at once: for small databases and tests; listings use ``page_keys``."""
+    return list(await session.scalars(_keys_query(tenant, prefix, include_revoked)))
+
+
+async def page_keys(
+    session: AsyncSession,
+    page: PageRequest,
+    tenant: Tenant | None = None,
+    *,
+    prefix: str | None = None,
+    include_revoked: bool = True,
+) -> Page[ApiKey]:
+    """One page of ``list_keys`` (the cursor is the last key's id): the (tenant_id, id) index
+    is walked from the cursor, so any page costs the same."""
+    query = _keys_query(tenant, prefix, include_revoked).limit(page.limit + 1)
+    if page.after is not None:
+        query = query.where(ApiKey.id > int_cursor(page.after))
+    return make_page(list(await session.scalars(query)), page, lambda k: str(k.id))
+
+
+def _keys_query(tenant: Tenant | None, prefix: str | None, include_revoked: bool) -> Select[ApiKey]:
     query = select(ApiKey).order_by(ApiKey.id)
     if tenant is not None:
         query = query.where(ApiKey.tenant_id == tenant.id)
-    if prefix is not None:
+    if prefix:
         query = query.where(ApiKey.prefix.startswith(prefix, autoescape=True))  # '%', '_' literal
     if not include_revoked:
         query = query.where(ApiKey.revoked_at.is_(None))
-    return list(await session.scalars(query))
+    return query
 
 
 async def revoke_key(

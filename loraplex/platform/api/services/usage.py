@@ -11,12 +11,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import ColumnElement, func, select
+from sqlalchemy import BigInteger, ColumnElement, func, literal, select, tuple_
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from loraplex.platform.api.services.errors import InvalidInput, NotFound
-from loraplex.storage.db.models import USAGE_STATUSES, Tenant, UsageRecord, UsageStatus
+from loraplex.platform.api.services.pages import Page, PageRequest, decode_cursor, encode_cursor, make_page
+from loraplex.storage.db.models import USAGE_STATUSES, Tenant, UsageRecord, UsageStatus, UTCDateTime
 
 MAX_QUERY_ROWS = 10_000
 
@@ -99,6 +100,31 @@ async def query_usage(
         .limit(limit)
     )
     return list(await session.scalars(query))
+
+
+async def page_usage(session: AsyncSession, where: UsageFilter, page: PageRequest) -> Page[UsageRecord]:
+    """One page of ``query_usage`` (newest first). The opaque cursor holds the last record's
+    (created_at, id): the query goes on below it in the (tenant_id, created_at) or
+    (created_at) index."""
+    query = (
+        select(UsageRecord)
+        .where(*_conditions(where))
+        .order_by(UsageRecord.created_at.desc(), UsageRecord.id.desc())
+        .limit(page.limit + 1)
+    )
+    if page.after is not None:
+        at, after_id = decode_cursor(page.after, (str, int))
+        try:
+            when = datetime.fromisoformat(str(at))
+        except ValueError:
+            raise InvalidInput("after", "not a cursor this list gave") from None
+        if when.tzinfo is None:
+            raise InvalidInput("after", "not a cursor this list gave")
+        # Typed literals: the cursor's time goes through UTCDateTime like the column's values.
+        below = tuple_(literal(when, UTCDateTime()), literal(after_id, BigInteger()))
+        query = query.where(tuple_(UsageRecord.created_at, UsageRecord.id) < below)
+    rows = list(await session.scalars(query))
+    return make_page(rows, page, lambda r: encode_cursor(r.created_at.isoformat(), r.id))
 
 
 async def usage_totals(session: AsyncSession, where: UsageFilter | None = None) -> UsageTotals:
