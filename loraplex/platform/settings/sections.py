@@ -90,6 +90,10 @@ class GatewaySettings(BaseModel):
     """Prefix of the quota keys in Redis (several deployments can share one Redis)."""
     max_upload_bytes: int = Field(default=1 << 30, ge=1024)
     """Largest adapter upload (all files of one request together)."""
+    admin_session_ttl_s: float = Field(default=8 * 3600.0, gt=0)
+    """How long an admin web UI sign-in lasts (seconds); signing out ends it at once."""
+    admin_signin_max_failures: int = Field(default=5, ge=1)
+    """Failed admin web UI sign-ins one client address may make per minute before it must wait."""
 
     @field_validator("admin_token")
     @classmethod

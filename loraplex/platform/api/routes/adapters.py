@@ -19,8 +19,10 @@ from loraplex.platform.api.catalog.catalog import parse_visibility
 from loraplex.platform.api.catalog.upload_form import read_upload_form
 from loraplex.platform.api.deps import CurrentTenant, GatewayDep, PageDep, SessionDep
 from loraplex.platform.api.errors import bad_field, rejected_adapter
+from loraplex.platform.api.gateway import Gateway
 from loraplex.platform.api.schemas import AdapterDeleted, AdapterPublic, ListOf
 from loraplex.platform.api.services import adapters
+from loraplex.storage.db import Adapter, Tenant
 
 UPLOAD_PATH = "/v1/adapters"
 router = APIRouter(prefix=UPLOAD_PATH, tags=["adapters"])
@@ -29,6 +31,12 @@ router = APIRouter(prefix=UPLOAD_PATH, tags=["adapters"])
 @router.post("", status_code=201)
 async def upload_adapter(request: Request, tenant: CurrentTenant, gateway: GatewayDep) -> AdapterPublic:
     """Store a new version of one of the caller's adapters."""
+    return AdapterPublic.of(await receive_upload(request, tenant, gateway))
+
+
+async def receive_upload(request: Request, tenant: Tenant, gateway: Gateway) -> Adapter:
+    """Read a multipart upload (``name``, ``visibility``, the files) and store it for ``tenant``:
+    the one code path of uploads, for this API and the admin UI's upload form."""
     staging = gateway.store.new_staging()
     try:
         form = await read_upload_form(request, staging, gateway.settings.max_upload_bytes)
@@ -37,12 +45,11 @@ async def upload_adapter(request: Request, tenant: CurrentTenant, gateway: Gatew
             raise bad_field("name", "Missing required field 'name' (the adapter's name).")
         visibility = parse_visibility(form.fields.get("visibility") or "private")
         try:
-            adapter = await gateway.catalog.upload(tenant, form.files, staging, name, visibility)
+            return await gateway.catalog.upload(tenant, form.files, staging, name, visibility)
         except AdapterValidationError as exc:
             raise rejected_adapter(exc, hide=(str(staging),)) from None
     finally:
         gateway.store.discard(staging)
-    return AdapterPublic.of(adapter)
 
 
 @router.get("")

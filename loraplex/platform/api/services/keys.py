@@ -101,6 +101,22 @@ async def authenticate(
     Every refusal is the same None, so a caller cannot tell a revoked key from a wrong one.
     Updates the key's ``last_used_at`` (at most once per ``LAST_USED_RESOLUTION``).
     """
+    found = await find_key(session, presented_key, now=now)
+    return None if found is None else found.tenant
+
+
+@dataclass(frozen=True)
+class KeyHolder:
+    """Who a presented key authenticates: the key's id and its tenant."""
+
+    key_id: int
+    tenant: Tenant
+
+
+async def find_key(
+    session: AsyncSession, presented_key: str, *, now: datetime | None = None
+) -> KeyHolder | None:
+    """The key id and tenant of ``presented_key`` under ``authenticate``'s rules, or None."""
     if not presented_key.startswith(KEY_PREFIX) or len(presented_key) > _MAX_KEY_LEN:
         return None  # the format is public: refusing it early tells an attacker nothing secret
     presented_hash = hash_key(presented_key)
@@ -114,14 +130,26 @@ async def authenticate(
     if row is None or not hmac.compare_digest(row.key_hash, presented_hash):
         return None
     now = now or utcnow()
-    if row.revoked_at is not None or (row.expires_at is not None and row.expires_at <= now):
+    if not _usable(row, now):
         return None
-    tenant = row.tenant  # taken first: a failed _touch expires the row, and async cannot reload it
-    if tenant.disabled:
-        return None
+    # Taken first: a failed _touch expires the row, and async cannot reload it.
+    holder = KeyHolder(row.id, row.tenant)
     if row.last_used_at is None or now - row.last_used_at >= LAST_USED_RESOLUTION:
         await _touch(session, row, now)
-    return tenant
+    return holder
+
+
+async def usable_key(session: AsyncSession, key_id: int, *, now: datetime | None = None) -> ApiKey | None:
+    """Key ``key_id`` if it still authenticates (not revoked, not expired, tenant enabled), else None:
+    what a session opened with that key checks on every request."""
+    row = await session.get(ApiKey, key_id, populate_existing=True)
+    return row if row is not None and _usable(row, now or utcnow()) else None
+
+
+def _usable(row: ApiKey, now: datetime) -> bool:
+    if row.revoked_at is not None or (row.expires_at is not None and row.expires_at <= now):
+        return False
+    return not row.tenant.disabled
 
 
 async def _touch(session: AsyncSession, row: ApiKey, now: datetime) -> None:
