@@ -49,7 +49,7 @@ def _quotas_from_form(form: dict[str, str]) -> dict[QuotaField, int | None]:
             values[field] = None
             continue
         if not raw.isascii() or not raw.isdigit():
-            raise InvalidInput(field, "a whole number, or empty for unlimited")
+            raise InvalidInput(field, "must be a whole number, or empty for unlimited")
         values[field] = int(raw)
     return values
 
@@ -65,7 +65,7 @@ def _errors_of(exc: ServiceError, default_field: str = "name") -> dict[str, str]
     if isinstance(exc, InvalidInput):
         return {exc.field: exc.detail}
     if isinstance(exc, Conflict):
-        return {default_field: "is taken"}
+        return {default_field: "is taken already"}
     return {"": str(exc)}
 
 
