@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from browser import LAUNCH_ARGS, chromium_path, playwright_or_skip
-from gateway_testlib import ADAPTER_SPEC, ADMIN, ADMIN_TOKEN, MAX_LORA_RANK, settings_for, zip_bytes
+from gateway_testlib import ADAPTER_SPEC, ADMIN, ADMIN_TOKEN, BASE, MAX_LORA_RANK, settings_for, zip_bytes
 from ui_server import UIServer, start_ui_server
 
 from loraplex.platform.engine.async_engine import AsyncEngine
@@ -192,10 +192,10 @@ def test_the_admin_ui_in_a_browser(
             page.get_by_label("Name", exact=True).fill(f"bad-{name}")
             page.set_input_files("#u-file", str(path))
             page.get_by_role("button", name="Upload").click()
-            refusal = page.locator("#upload-result .result.bad")
+            refusal = page.locator("#e-file")
             expect(refusal).to_be_visible()
+            expect(refusal).to_contain_text("Refused")
             expect(refusal).to_contain_text(re.compile(reason, re.IGNORECASE))
-            expect(page.locator("#e-file")).to_be_visible()
             shot(page, f"upload-refused-{name}")
             assert _store_files(ui_server) == stored, name
         listed = httpx.get(f"{url}/admin/api/adapters", headers=ADMIN).json()["data"]
@@ -211,6 +211,9 @@ def test_the_admin_ui_in_a_browser(
         expect(page.locator("#kv-tiers")).to_contain_text("accelerator")
         expect(page.locator("#adapter-tiers")).to_contain_text("accelerator")
         expect(page.locator("#tenant-chart")).to_contain_text("acme")
+        client.completions.create(model=BASE, prompt="Hello again", max_tokens=8, temperature=0)
+        expect(page.locator('[data-k="rps"]')).not_to_have_text("–")  # two polls: a rate
+        page.wait_for_timeout(4500)  # a few points on the requests-per-second line
         shot(page, "dashboard")
 
         # -- the playground streams; two models side by side ---------------------------------------

@@ -51,6 +51,7 @@ function setupUpload() {
     const target = $(`#e-${param}`) || $("#e-file");
     target.textContent = message;
     target.hidden = false;
+    target.setAttribute("role", "alert");
   };
   form.addEventListener("submit", (event) => {
     event.preventDefault();
@@ -93,11 +94,11 @@ function setupUpload() {
         result.append(box);
         refreshTable();
       } else {
+        // The reason goes next to the field it concerns (the files, the name or the tenant).
         const err = answer.error || {};
-        const box = el("div", { class: "result bad", role: "alert" });
-        box.append(el("strong", {}, "Refused: "), document.createTextNode(err.message || `HTTP ${xhr.status}`));
-        result.append(box);
-        fieldError(err.param === "name" || err.param === "tenant" ? err.param : "file", err.message || `HTTP ${xhr.status}`);
+        bar.hidden = true;
+        const param = err.param === "name" || err.param === "tenant" ? err.param : "file";
+        fieldError(param, `Refused: ${err.message || `HTTP ${xhr.status}`}`);
       }
     };
     xhr.send(body);
@@ -107,7 +108,7 @@ function setupUpload() {
 async function refreshTable() {
   const response = await fetch(location.href, { headers: { Accept: "text/html" } });
   const page = new DOMParser().parseFromString(await response.text(), "text/html");
-  const fresh = $("#adapter-table", page), current = $("#adapter-table");
+  const fresh = $("#adapter-list", page), current = $("#adapter-list");
   if (fresh && current) current.replaceWith(fresh);
 }
 
@@ -123,27 +124,39 @@ function meter(used, total) {
   return wrap;
 }
 
+// Charts are drawn in the SVG's own pixel size, so text stays at its CSS size at any width.
+function fitView(svg, height) {
+  if (height) svg.style.height = `${height}px`;
+  const w = Math.max(120, Math.round(svg.clientWidth || 300)), h = height || Math.max(60, Math.round(svg.clientHeight || 110));
+  svg.setAttribute("viewBox", `0 0 ${w} ${h}`);
+  return [w, h];
+}
+
 function drawSpark(svg, points) {
   svg.replaceChildren();
-  const w = 300, h = 80, max = Math.max(1, ...points);
+  const [w, h] = fitView(svg), max = Math.max(1, ...points);
   const xy = points.map((p, i) => [(w * i) / Math.max(1, points.length - 1), h - 14 - ((h - 24) * p) / max]);
   if (xy.length > 1) {
     const d = xy.map(([x, y], i) => `${i ? "L" : "M"}${x.toFixed(1)},${y.toFixed(1)}`).join("");
     svg.append(el("svg:path", { class: "area", d: `${d}L${w},${h - 14}L0,${h - 14}Z` }), el("svg:path", { class: "line", d }));
   }
-  svg.append(el("svg:text", { x: 0, y: h - 2 }, `${points.length * 2} s`), el("svg:text", { x: w - 60, y: 10 }, `max ${fmt(max)}/s`));
+  if (xy.length < 2) svg.append(el("svg:text", { x: 0, y: 16 }, "collecting…"));
+  svg.append(el("svg:text", { x: 0, y: h - 2 }, `last ${points.length * 2} s`));
+  svg.append(el("svg:text", { x: w, y: 12, "text-anchor": "end" }, `max ${fmt(max)}/s`));
 }
 
 function drawBars(svg, byTenant) {
   svg.replaceChildren();
-  const rows = Object.entries(byTenant).sort((a, b) => b[1] - a[1]).slice(0, 6);
-  if (!rows.length) { svg.append(el("svg:text", { x: 0, y: 20 }, "No requests in the last hour.")); return; }
+  const rows = Object.entries(byTenant).sort((a, b) => b[1] - a[1]).slice(0, 5);
+  const [w] = fitView(svg, Math.max(1, rows.length) * 22 + 6); // as tall as its bars
+  if (!rows.length) { svg.append(el("svg:text", { x: 0, y: 16 }, "No requests in the last hour.")); return; }
   const max = Math.max(...rows.map((r) => r[1]));
+  const left = Math.min(140, w * 0.3), right = 70, span = Math.max(10, w - left - right);
   rows.forEach(([name, tokens], i) => {
-    const y = i * 20;
-    svg.append(el("svg:text", { x: 0, y: y + 13 }, name.slice(0, 14)));
-    svg.append(el("svg:rect", { class: "bar", x: 90, y: y + 3, height: 13, width: Math.max(2, (150 * tokens) / max), rx: 2 }));
-    svg.append(el("svg:text", { x: 246, y: y + 13 }, fmt(tokens)));
+    const y = i * 22;
+    svg.append(el("svg:text", { x: 0, y: y + 15 }, name.length > 18 ? name.slice(0, 17) + "…" : name));
+    svg.append(el("svg:rect", { class: "bar", x: left, y: y + 4, height: 14, width: Math.max(2, (span * tokens) / max), rx: 2 }));
+    svg.append(el("svg:text", { x: w, y: y + 15, "text-anchor": "end" }, `${fmt(tokens)} tok`));
   });
 }
 

@@ -10,8 +10,19 @@ from typing import Any
 
 import httpx
 import pytest
+from admin_ui_testlib import ui_sign_in
 from bulk_rows import WHALE, fill, tenant_name
-from gateway_testlib import ADMIN, Admin, bearer, make_gateway, serving, settings_for, upload, zip_bytes
+from gateway_testlib import (
+    ADMIN,
+    ADMIN_TOKEN,
+    Admin,
+    bearer,
+    make_gateway,
+    serving,
+    settings_for,
+    upload,
+    zip_bytes,
+)
 
 from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.storage.db import Database
@@ -108,5 +119,21 @@ async def test_every_list_answers_fast_with_100k_keys(
             response = await client.get(url, headers=ADMIN)
             timings[url] = round(time.perf_counter() - start, 3)
             assert response.status_code == 200, response.text
+        # the admin UI's tenants and keys pages, signed in as the operator
+        assert (await ui_sign_in(client, ADMIN_TOKEN)).status_code == 303
+        pages = [
+            "/admin/tenants",
+            "/admin/tenants?after=t09950",
+            f"/admin/tenants/{WHALE}",
+            f"/admin/tenants/{WHALE}?after=49990&limit=100",
+            f"/admin/tenants/{small}",
+            "/admin/adapters",
+            "/admin/usage",
+        ]
+        for url in pages:
+            start = time.perf_counter()
+            response = await client.get(url)
+            timings[url] = round(time.perf_counter() - start, 3)
+            assert response.status_code == 200 and "<table" in response.text, url
         assert max(timings.values()) < 1.0, timings
         print(database_url.split(":")[0], "seconds per list:", timings)
