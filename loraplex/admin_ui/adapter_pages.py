@@ -14,6 +14,7 @@ validation, quotas): the page's script only adds a progress bar and shows the an
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Annotated
 from urllib.parse import urlencode
 
@@ -25,13 +26,17 @@ from loraplex.admin_ui.views import SECURITY_HEADERS, render
 from loraplex.platform.api.deps import PageDep
 from loraplex.platform.api.routes.adapters import receive_upload
 from loraplex.platform.api.schemas import AdapterPublic
-from loraplex.platform.api.services import adapters, tenants
+from loraplex.platform.api.services import adapters, tenants, usage
 from loraplex.platform.api.services.errors import NotFound
 from loraplex.storage.db import Tenant
+from loraplex.storage.db.models import utcnow
 
 router = APIRouter(prefix="/admin", include_in_schema=False)
 
 UPLOAD_PATH = "/admin/ui/adapters"
+SERVED_WINDOW = timedelta(hours=24)
+"""The adapter list shows the requests and tokens each version served over this window."""
+PLACES = {"device": "accelerator slot", "host": "host cache", "disk": "store (registered)"}
 
 
 async def owner_for(request: Request, viewer: Viewer, name: str | None) -> Tenant | None:
@@ -56,17 +61,24 @@ async def adapters_page(
     name_prefix: Annotated[str | None, Query(max_length=128)] = None,
 ) -> Response:
     owner = await owner_for(request, viewer, tenant)
-    async with gateway_of(request).db.transaction() as session:
+    gateway = gateway_of(request)
+    async with gateway.db.transaction() as session:
         if viewer.tenant is not None:
             found = await adapters.page_newest(session, viewer.tenant, page, name_prefix=name_prefix)
         else:
             found = await adapters.page_adapters(session, page, owner, name_prefix=name_prefix)
-    gateway = gateway_of(request)
+        served = await usage.served_by_version(
+            session, [a.version for a in found.items], utcnow() - SERVED_WINDOW
+        )
+    # The engine registers a version under its row id (catalog.engine_adapters).
+    tiers = await gateway.engine.lora_tiers()
     return render(
         request,
         "adapters.html",
         viewer,
         found=found,
+        places={a.id: PLACES.get(tiers.get(a.id, ""), "store (not loaded)") for a in found.items},
+        served=served,
         tenant=tenant or "",
         name_prefix=name_prefix or "",
         limit=page.limit,

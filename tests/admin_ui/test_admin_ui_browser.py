@@ -211,6 +211,12 @@ def test_the_admin_ui_in_a_browser(
         expect(page.locator("#kv-tiers")).to_contain_text("accelerator")
         expect(page.locator("#adapter-tiers")).to_contain_text("accelerator")
         expect(page.locator("#tenant-chart")).to_contain_text("acme")
+        nav(page, "Adapters").click()
+        expect(page.locator("#adapter-table")).to_contain_text("accelerator slot")  # it just ran
+        row = page.locator("#adapter-table tbody tr").first
+        expect(row.locator("td").nth(8)).to_have_text("1")  # one request on it today
+        shot(page, "adapters-served")
+        nav(page, "Dashboard").click()
         client.completions.create(model=BASE, prompt="Hello again", max_tokens=8, temperature=0)
         expect(page.locator('[data-k="rps"]')).not_to_have_text("–")  # two polls: a rate
         page.wait_for_timeout(4500)  # a few points on the requests-per-second line

@@ -173,6 +173,8 @@ class UsageRecord(Base):
         Index(None, "tenant_id", "created_at"),
         # Every tenant's records newest first, a page at a time (the admin's usage list).
         Index(None, "created_at", "id"),
+        # What one adapter version served lately (the admin UI's adapter list).
+        Index(None, "adapter_version", "created_at"),
         CheckConstraint("status IN ('ok', 'aborted', 'error', 'rejected')", name="status"),
     )
 

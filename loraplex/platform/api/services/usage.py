@@ -172,6 +172,37 @@ def _check(usage: Usage) -> None:
         raise InvalidInput("request_id", "must be 1-128 characters")
 
 
+@dataclass(frozen=True)
+class ServedTotals:
+    """What requests on one adapter version used."""
+
+    num_requests: int
+    tokens: int
+    """Prompt + completion."""
+
+
+async def served_by_version(
+    session: AsyncSession, versions: Sequence[str], since: datetime
+) -> dict[str, ServedTotals]:
+    """Requests and tokens per adapter version (content sha256) since ``since``, for the versions
+    given (a page of them): the (adapter_version, created_at) index bounds the rows read."""
+    if not versions:
+        return {}
+    query = (
+        select(
+            UsageRecord.adapter_version,
+            func.count(UsageRecord.id),
+            func.sum(UsageRecord.prompt_tokens + UsageRecord.completion_tokens),
+        )
+        .where(UsageRecord.adapter_version.in_(list(set(versions))), UsageRecord.created_at >= since)
+        .group_by(UsageRecord.adapter_version)
+    )
+    return {
+        str(version): ServedTotals(int(count), int(tokens or 0))
+        for version, count, tokens in await session.execute(query)
+    }
+
+
 async def tokens_by_tenant(
     session: AsyncSession, since: datetime, tenant: Tenant | None = None
 ) -> dict[str, int]:

@@ -132,6 +132,37 @@ async def test_usage_pages_newest_first_through_equal_times(database: Database) 
         assert [r.request_id for r in mine] == ["r7", "r5", "r3", "r1"]  # type: ignore[attr-defined]
 
 
+async def test_what_each_version_served_and_each_tenant_used(database: Database) -> None:
+    acme = await make_tenant(database, "acme")
+    beta = await make_tenant(database, "beta")
+    now = datetime.now(UTC)
+    async with database.transaction() as session:
+        for tenant, version, at in [
+            (acme, "v1", now),
+            (beta, "v1", now),
+            (acme, "v2", now),
+            (acme, "v1", now - timedelta(days=2)),  # before the window
+        ]:
+            done = usage.Usage(
+                f"r-{tenant.name}-{version}-{at.day}",
+                3,
+                0,
+                2,
+                1.0,
+                "ok",
+                adapter_name="x",
+                adapter_version=version,
+            )
+            await usage.record_usage(session, tenant, done, at=at)
+    since = now - timedelta(hours=1)
+    async with database.transaction() as session:
+        served = await usage.served_by_version(session, ["v1", "v2", "v3"], since)
+        assert served == {"v1": usage.ServedTotals(2, 10), "v2": usage.ServedTotals(1, 5)}
+        assert await usage.served_by_version(session, [], since) == {}
+        assert await usage.tokens_by_tenant(session, since) == {"acme": 10, "beta": 5}
+        assert await usage.tokens_by_tenant(session, since, beta) == {"beta": 5}
+
+
 async def test_limits_are_checked() -> None:
     for limit in (0, 101, -1):
         with pytest.raises(InvalidInput, match="limit"):

@@ -1,4 +1,5 @@
-"""Indexes for paged lists: keys by (tenant_id, id), adapters by (owner_id, id), usage by time.
+"""Indexes for paged lists: keys by (tenant_id, id), adapters by (owner_id, id), usage by time
+and by adapter version.
 
 Revision ID: 0002
 Revises: 0001
@@ -27,9 +28,15 @@ def upgrade() -> None:
     op.drop_index(op.f("ix_api_keys_tenant_id"), table_name="api_keys")
     op.create_index(op.f("ix_adapters_owner_id_id"), "adapters", ["owner_id", "id"])
     op.create_index(op.f("ix_usage_records_created_at_id"), "usage_records", ["created_at", "id"])
+    op.create_index(
+        op.f("ix_usage_records_adapter_version_created_at"),
+        "usage_records",
+        ["adapter_version", "created_at"],
+    )
 
 
 def downgrade() -> None:
+    op.drop_index(op.f("ix_usage_records_adapter_version_created_at"), table_name="usage_records")
     op.drop_index(op.f("ix_usage_records_created_at_id"), table_name="usage_records")
     op.drop_index(op.f("ix_adapters_owner_id_id"), table_name="adapters")
     op.create_index(op.f("ix_api_keys_tenant_id"), "api_keys", ["tenant_id"])
