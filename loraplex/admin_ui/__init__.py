@@ -33,7 +33,9 @@ from loraplex.admin_ui import adapter_pages, live_pages, signin, tenant_pages
 from loraplex.admin_ui.adapter_pages import UPLOAD_PATH
 from loraplex.admin_ui.security import SignInRequired, UIState, wants_json
 from loraplex.admin_ui.sessions import SessionStore, SignInLimiter
-from loraplex.platform.api.errors import unauthorized
+from loraplex.admin_ui.views import render
+from loraplex.platform.api.errors import APIError, to_api_error, unauthorized
+from loraplex.platform.api.services.errors import ServiceError
 from loraplex.platform.settings import GatewaySettings
 
 __all__ = ["UPLOAD_PATH", "mount_admin_ui"]
@@ -56,3 +58,24 @@ def mount_admin_ui(app: FastAPI, settings: GatewaySettings) -> None:
         if wants_json(request) or request.method != "GET":
             return unauthorized("Sign in to the admin UI first.", code="signed_out").response()
         return RedirectResponse("/admin", status_code=303)
+
+    # A page answers an error as a page; everything else (the APIs, the UI's JSON calls) keeps
+    # the app's OpenAI error body: the same mapping, ``to_api_error``.
+    async def _error(request: Request, exc: Exception) -> Response:
+        error = to_api_error(exc)
+        if not _is_page(request):
+            return error.response()
+        return render(request, "error.html", None, status=error.status, message=error.message)
+
+    for error_class in (APIError, ServiceError):
+        app.add_exception_handler(error_class, _error)
+
+
+def _is_page(request: Request) -> bool:
+    path = request.url.path
+    return (
+        request.method == "GET"
+        and path.startswith("/admin")
+        and not path.startswith(("/admin/api", "/admin/ui/", "/admin/static"))
+        and not wants_json(request)
+    )
