@@ -1,13 +1,14 @@
 """The admin UI in a real browser (Debian's chromium, headless, driven by Playwright) against the
-real server on loopback: sign in, upload a PEFT adapter and watch it validate, bad uploads
-refused with their reason, tenants and keys, a key used by the ``openai`` client and seen on
-the dashboard, revoked and refused, the playground streaming, a tenant's own view, and a phone
-width. Every page is screenshotted (``LORAPLEX_SCREENSHOT_DIR``, else a temporary folder), and no
-page may request anything from outside the server.
+real server on loopback: sign in, upload a PEFT adapter by drag and drop and watch it validate,
+bad uploads (file picker) refused with their reason, tenants and keys, a key used by the
+``openai`` client and seen on the dashboard, revoked and refused, the playground streaming, a
+tenant's own view, and a phone width. Every page is screenshotted (``LORAPLEX_SCREENSHOT_DIR``,
+else a temporary folder), and no page may request anything from outside the server.
 """
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import os
@@ -176,7 +177,18 @@ def test_the_admin_ui_in_a_browser(
         nav(page, "Adapters").click()
         page.get_by_label("Tenant", exact=True).first.fill("acme")
         page.get_by_label("Name", exact=True).fill("sql")
-        page.set_input_files("#u-file", str(archive))
+        # dropped onto the drop zone, as a user drags it from a file manager
+        dropped = page.evaluate_handle(
+            """(b64) => {
+                const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+                const data = new DataTransfer();
+                data.items.add(new File([bytes], "adapter.zip", { type: "application/zip" }));
+                return data;
+            }""",
+            base64.b64encode(archive.read_bytes()).decode(),
+        )
+        page.dispatch_event("#drop", "drop", {"dataTransfer": dropped})
+        expect(page.locator("#file-list")).to_contain_text("adapter.zip")
         page.get_by_role("button", name="Upload").click()
         result = page.locator("#upload-result .result")
         expect(result).to_contain_text("Stored acme/sql")
