@@ -240,7 +240,9 @@ def test_the_admin_ui_in_a_browser(
         page.get_by_role("button", name="Open playground").click()
         page.get_by_label("Model B").fill("sql")
         page.get_by_label("Max tokens").fill("8")
-        page.get_by_role("button", name="Run").click()
+        with page.expect_response(lambda r: r.url.endswith("/admin/ui/completions?tenant=acme")) as streamed:
+            page.get_by_role("button", name="Run").click()
+        assert streamed.value.headers["content-type"].startswith("text/event-stream")
         expect(page.locator("#out-a")).not_to_be_empty()
         expect(page.locator("#out-b")).not_to_be_empty()
         expect(page.locator("#err-a")).to_be_hidden()

@@ -134,6 +134,26 @@ async def test_a_tenant_sees_only_its_own(
             headers={"x-csrf-token": csrf},
         )
         assert ran.status_code == 404
+        # the operator's forms, posted by a tenant with a valid CSRF token: 403, nothing changes
+        beta_key_id = (await client.get("/admin/api/tenants/beta/keys", headers=ADMIN)).json()["data"][0][
+            "id"
+        ]
+        for path in [
+            "/admin/tenants",
+            "/admin/tenants/beta/quotas",
+            "/admin/tenants/beta/state",
+            "/admin/tenants/beta/delete",
+            "/admin/tenants/beta/keys",
+            f"/admin/keys/{beta_key_id}/revoke",
+        ]:
+            r = await client.post(
+                path, data={"csrf_token": csrf, "name": "x", "disabled": "1", "confirm_name": "beta"}
+            )
+            assert r.status_code == 403, (path, r.status_code)
+        beta = (await client.get("/admin/api/tenants/beta", headers=ADMIN)).json()
+        assert beta["disabled"] is False
+        beta_keys = (await client.get("/admin/api/tenants/beta/keys", headers=ADMIN)).json()["data"]
+        assert len(beta_keys) == 1 and beta_keys[0]["revoked_at"] is None
         stats = (await client.get("/admin/ui/stats")).json()
         assert "engine" not in stats and set(stats["tenants"]) <= {"acme"}
         beta_adapters = (await client.get("/admin/api/adapters?tenant=beta", headers=ADMIN)).json()["data"]
