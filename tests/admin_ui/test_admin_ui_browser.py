@@ -291,6 +291,12 @@ def test_the_admin_ui_in_a_browser(
         width = phone.evaluate("document.documentElement.scrollWidth")
         assert width <= 390, f"the dashboard is {width}px wide on a 390px phone"
         shot(phone, "dashboard-phone")
+        for where in ("adapters", "tenants/acme", "usage"):
+            phone.goto(f"{url}/admin/{where}")
+            width = phone.evaluate("document.documentElement.scrollWidth")
+            assert width <= 390, (
+                f"/admin/{where} is {width}px wide on a 390px phone (wide tables scroll inside)"
+            )
         phone.goto(f"{url}/admin/adapters")
         shot(phone, "adapters-phone")
         # keyboard: the sign-out button is reachable with Tab from the top of the page
