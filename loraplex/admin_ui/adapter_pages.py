@@ -36,7 +36,7 @@ router = APIRouter(prefix="/admin", include_in_schema=False)
 UPLOAD_PATH = "/admin/ui/adapters"
 SERVED_WINDOW = timedelta(hours=24)
 """The adapter list shows the requests and tokens each version served over this window."""
-PLACES = {"device": "accelerator slot", "host": "host cache", "disk": "store (registered)"}
+PLACES = {"device": "accelerator slot", "host": "host cache", "disk": "store"}
 
 
 async def owner_for(request: Request, viewer: Viewer, name: str | None) -> Tenant | None:
@@ -77,7 +77,7 @@ async def adapters_page(
         "adapters.html",
         viewer,
         found=found,
-        places={a.id: PLACES.get(tiers.get(a.id, ""), "store (not loaded)") for a in found.items},
+        places={a.id: PLACES.get(tiers.get(a.id, ""), "store") for a in found.items},
         served=served,
         tenant=tenant or "",
         name_prefix=name_prefix or "",
