@@ -15,6 +15,7 @@ Forms post back to the page; a refused value is shown next to its field (status 
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
@@ -52,6 +53,20 @@ def _quotas_from_form(form: dict[str, str]) -> dict[QuotaField, int | None]:
             raise InvalidInput(field, "must be a whole number, or empty for unlimited")
         values[field] = int(raw)
     return values
+
+
+def _expiry(days: str) -> datetime | None:
+    """``expires_in_days`` of the key form: empty is never; else a positive number of days."""
+    days = days.strip()
+    if not days:
+        return None
+    try:
+        value = float(days)
+    except ValueError:
+        raise InvalidInput("expires_at", "a number of days, or empty for never") from None
+    if not 0 < value <= 36_500:
+        raise InvalidInput("expires_at", "a number of days from 0 to 36500, or empty for never")
+    return utcnow() + timedelta(days=value)
 
 
 async def _form(request: Request, viewer: Viewer) -> dict[str, str]:
@@ -200,9 +215,10 @@ async def create_key(request: Request, name: str, viewer: OperatorDep) -> Respon
     form = await _form(request, viewer)
     label = form.get("name", "").strip() or None
     try:
+        expires_at = _expiry(form.get("expires_in_days", ""))
         async with gateway_of(request).db.transaction(write=True) as session:
             tenant = await tenants.get_tenant(session, name)
-            created = await keys.create_key(session, tenant, name=label)
+            created = await keys.create_key(session, tenant, name=label, expires_at=expires_at)
     except InvalidInput as exc:
         return await _tenant_page(
             request, viewer, name, PageRequest(), None, status=400, errors=_errors_of(exc), values=form

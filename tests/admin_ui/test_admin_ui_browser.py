@@ -165,9 +165,16 @@ def test_the_admin_ui_in_a_browser(
 
         # -- a key, shown once ------------------------------------------------------------------
         page.get_by_label("Label").fill("browser-test")
+        page.get_by_label("Expires in (days)").fill("soon")
+        page.get_by_role("button", name="Create key").click()
+        expect(page.locator("#d-key-days")).to_contain_text("number of days")
+        page.get_by_label("Label").fill("browser-test")
+        page.get_by_label("Expires in (days)").fill("30")
         page.get_by_role("button", name="Create key").click()
         key = page.locator("#new-key").input_value()
         assert key.startswith("lpx-")
+        expect(page.locator("table").last).to_contain_text("browser-test")
+        assert page.locator("table").last.locator("tbody tr td").nth(5).inner_text() != "-"  # expires
         shot(page, "tenant-new-key")
         nav(page, "Tenants").click()
         expect(page.get_by_role("link", name="acme")).to_be_visible()
