@@ -2,7 +2,8 @@
 
 ``/v1/completions``, ``/v1/chat/completions`` (both streamed with SSE, with
 ``stream_options.include_usage``), ``/v1/models`` and ``/health`` always; with tenants (the
-default) also ``/v1/adapters`` (tenant uploads) and ``/admin/api`` (operators). Every error is
+default) also ``/v1/adapters`` (tenant uploads), ``/admin/api`` (operators) and the admin web UI under
+``/admin`` (``loraplex.admin_ui``). Every error is
 OpenAI's error body (``errors``); per-request limits are ``ServerLimits``. Who may call and what
 is the ``gate``: a single-tenant server has a ``StaticGate`` (no auth, the ``lora_modules``
 names, no quotas, no database); with tenants the ``Gateway``'s ``TenantGate`` (API keys,
@@ -20,6 +21,7 @@ from importlib.metadata import version
 
 from fastapi import FastAPI
 
+from loraplex import admin_ui
 from loraplex.adapters import LoRARequest
 from loraplex.platform.api.errors import install_error_handlers
 from loraplex.platform.api.gateway import Gateway
@@ -92,6 +94,7 @@ def build_app(
     by_path = {}
     if gateway is not None:
         by_path[adapters.UPLOAD_PATH] = gateway.max_upload_bytes + _MULTIPART_SLACK_BYTES
+        by_path[admin_ui.UPLOAD_PATH] = gateway.max_upload_bytes + _MULTIPART_SLACK_BYTES
     app.add_middleware(BodyLimits, default_bytes=settings.limits.max_request_body_bytes, by_path=by_path)
 
     def on_close(record: RequestRecord) -> None:
@@ -106,4 +109,5 @@ def build_app(
     if gateway is not None:
         app.include_router(adapters.router)
         app.include_router(admin.router)
+        admin_ui.mount_admin_ui(app, settings.gateway)
     return app

@@ -9,6 +9,7 @@
 | ``CurrentTenant`` | the tenant of the request's API key (``local`` with auth="open"), cached | 401, 503 |
 | ``require_admin`` | nothing: the request carries the admin token (once, on the admin router) | 401, 403 |
 | ``forget_cached_auth`` | nothing; after a non-GET admin call, the cached key checks dropped | |
+| ``PageDep`` | the page a list asks for: ``?limit=`` (1-100, default 20) and ``?after=`` | 400 |
 
 ``SessionDep`` opens a write transaction (``BEGIN IMMEDIATE`` on SQLite) for methods other than
 GET, since those read and then write. Long work (an upload) opens its own short transaction
@@ -21,11 +22,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Query, Request
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from loraplex.platform.api.gateway import Gateway
 from loraplex.platform.api.observability.record import record_of
+from loraplex.platform.api.services.pages import DEFAULT_LIMIT, MAX_LIMIT, PageRequest
 from loraplex.platform.api.state import AppState, app_state
 from loraplex.platform.api.tenancy.auth import check_admin
 from loraplex.platform.api.tenancy.gate import GatedCall
@@ -88,3 +90,14 @@ async def forget_cached_auth(request: Request) -> AsyncIterator[None]:
     yield
     if request.method != "GET":
         get_gateway(request).gate.authenticator.forget()
+
+
+def page_request(
+    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = DEFAULT_LIMIT,
+    after: Annotated[str | None, Query(min_length=1, max_length=512)] = None,
+) -> PageRequest:
+    """The page a list request asks for (OpenAI's ``limit`` and ``after``)."""
+    return PageRequest(limit=limit, after=after)
+
+
+PageDep = Annotated[PageRequest, Depends(page_request)]

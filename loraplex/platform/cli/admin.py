@@ -38,6 +38,7 @@ from loraplex.platform.api.catalog.catalog import AdapterCatalog, parse_visibili
 from loraplex.platform.api.gateway import pool_settings
 from loraplex.platform.api.services import adapters, keys, tenants
 from loraplex.platform.api.services.errors import ServiceError
+from loraplex.platform.api.services.pages import DEFAULT_LIMIT, MAX_LIMIT, Page, PageRequest
 from loraplex.platform.api.services.tenants import TenantQuotas
 from loraplex.platform.cli.flags import given, settings_options
 from loraplex.platform.cli.serve import fail, settings_error
@@ -155,16 +156,33 @@ def tenants_create(
     typer.echo(f"created tenant {name}")
 
 
+LimitOption = Annotated[int, typer.Option(min=1, max=MAX_LIMIT, help="rows per page")]
+AfterOption = Annotated[str | None, typer.Option(help="go on after this cursor (a page's last id)")]
+
+
+def _more(found: Page[Any]) -> None:
+    """Tell (on stderr) how to get the next page, when there is one."""
+    if found.has_more:
+        typer.echo(f"more: --after {found.last_id}", err=True)
+
+
 @tenants_app.command("list")
-def tenants_list(ctx: typer.Context) -> None:
-    """Every tenant: name, state, rpm, tpm, concurrency, adapters, adapter bytes."""
+def tenants_list(
+    ctx: typer.Context,
+    limit: LimitOption = DEFAULT_LIMIT,
+    after: AfterOption = None,
+    name_prefix: Annotated[str | None, typer.Option(help="only names starting so")] = None,
+) -> None:
+    """One page of tenants by name: name, state, rpm, tpm, concurrency, adapters, adapter bytes."""
 
     async def work(db: Database) -> None:
         async with db.transaction() as session:
-            for t in await tenants.list_tenants(session):
-                quotas = (t.rpm, t.tpm, t.max_concurrency, t.max_adapters, t.max_adapter_bytes)
-                state = "disabled" if t.disabled else "enabled"
-                typer.echo("\t".join([t.name, state, *map(_quota_text, quotas)]))
+            found = await tenants.page_tenants(session, PageRequest(limit, after), name_prefix=name_prefix)
+        for t in found.items:
+            quotas = (t.rpm, t.tpm, t.max_concurrency, t.max_adapters, t.max_adapter_bytes)
+            state = "disabled" if t.disabled else "enabled"
+            typer.echo("\t".join([t.name, state, *map(_quota_text, quotas)]))
+        _more(found)
 
     _run(ctx, work)
 
@@ -204,16 +222,24 @@ def keys_create(
 
 
 @keys_app.command("list")
-def keys_list(ctx: typer.Context, tenant: Annotated[str | None, typer.Argument()] = None) -> None:
-    """Keys (of one tenant, or all): id, tenant, prefix, name, expiry, revoked, last use."""
+def keys_list(
+    ctx: typer.Context,
+    tenant: Annotated[str | None, typer.Argument()] = None,
+    limit: LimitOption = DEFAULT_LIMIT,
+    after: AfterOption = None,
+    prefix: Annotated[str | None, typer.Option(help="only keys starting so")] = None,
+) -> None:
+    """One page of keys (of one tenant, or all): id, tenant, prefix, name, expiry, revoked, last use."""
 
     async def work(db: Database) -> None:
         async with db.transaction() as session:
             owner = None if tenant is None else await tenants.get_tenant(session, tenant)
-            for k in await keys.list_keys(session, owner):
-                when = (k.expires_at, k.revoked_at, k.last_used_at)
-                cells = [str(k.id), k.tenant.name, k.prefix, k.name or "-"]
-                typer.echo("\t".join(cells + ["-" if t is None else t.isoformat() for t in when]))
+            found = await keys.page_keys(session, PageRequest(limit, after), owner, prefix=prefix)
+        for k in found.items:
+            when = (k.expires_at, k.revoked_at, k.last_used_at)
+            cells = [str(k.id), k.tenant.name, k.prefix, k.name or "-"]
+            typer.echo("\t".join(cells + ["-" if t is None else t.isoformat() for t in when]))
+        _more(found)
 
     _run(ctx, work)
 
@@ -313,15 +339,26 @@ adapters_app.command("upload")(adapters_upload)
 
 
 @adapters_app.command("list")
-def adapters_list(ctx: typer.Context, tenant: Annotated[str | None, typer.Argument()] = None) -> None:
-    """Adapter versions (of one tenant, or all): owner, name, version, visibility, rank, bytes."""
+def adapters_list(
+    ctx: typer.Context,
+    tenant: Annotated[str | None, typer.Argument()] = None,
+    limit: LimitOption = DEFAULT_LIMIT,
+    after: AfterOption = None,
+    name_prefix: Annotated[str | None, typer.Option(help="only names starting so")] = None,
+) -> None:
+    """One page of adapter versions (of one tenant, or all): owner, name, version, visibility,
+    rank, bytes."""
 
     async def work(db: Database) -> None:
         async with db.transaction() as session:
             owner = None if tenant is None else await tenants.get_tenant(session, tenant)
-            for a in await adapters.list_adapters(session, owner):
-                cells = [a.owner.name, a.name, a.version, a.visibility, str(a.rank), str(a.nbytes)]
-                typer.echo("\t".join(cells))
+            found = await adapters.page_adapters(
+                session, PageRequest(limit, after), owner, name_prefix=name_prefix
+            )
+        for a in found.items:
+            cells = [a.owner.name, a.name, a.version, a.visibility, str(a.rank), str(a.nbytes)]
+            typer.echo("\t".join(cells))
+        _more(found)
 
     _run(ctx, work)
 

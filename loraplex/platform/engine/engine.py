@@ -361,6 +361,10 @@ class LLMEngine:
     def list_loras(self) -> list[int]:
         return list(self._lora().list_loras())
 
+    def lora_tiers(self) -> dict[int, str]:
+        """Where each registered adapter is now (``device``, ``host``, ``disk``); empty without LoRA."""
+        return {} if self.lora_manager is None else self.lora_manager.lora_tiers()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 

@@ -132,6 +132,10 @@ class GatewaySettings(BaseModel):
     usage_buffer_size: int = Field(default=100_000, ge=1)
     """Most usage records held in memory while the database is unreachable; beyond it they are
     counted as dropped and logged."""
+    admin_session_ttl_s: float = Field(default=8 * 3600.0, gt=0)
+    """How long an admin web UI sign-in lasts (seconds); signing out ends it at once."""
+    admin_signin_max_failures: int = Field(default=5, ge=1)
+    """Failed admin web UI sign-ins one client address may make per minute before it must wait."""
 
     @field_validator("admin_token")
     @classmethod

@@ -82,8 +82,15 @@ def check_admin(expected: SecretStr | None, request: Request) -> None:
     token = bearer_token(request)
     if token is None:
         raise _admin_refused("Send the admin token as 'Authorization: Bearer <admin token>'.")
-    if not hmac.compare_digest(token.encode("utf-8", "surrogatepass"), expected.get_secret_value().encode()):
+    if not admin_token_matches(expected, token):
         raise _admin_refused("Incorrect admin token.")
+
+
+def admin_token_matches(expected: SecretStr, presented: str) -> bool:
+    """Whether ``presented`` is the admin token (constant time)."""
+    return hmac.compare_digest(
+        presented.encode("utf-8", "surrogatepass"), expected.get_secret_value().encode()
+    )
 
 
 def _admin_refused(message: str) -> APIError:
