@@ -34,7 +34,8 @@ from loraplex.admin_ui.adapter_pages import UPLOAD_PATH
 from loraplex.admin_ui.security import SignInRequired, UIState, wants_json
 from loraplex.admin_ui.sessions import SessionStore, SignInLimiter
 from loraplex.admin_ui.views import render
-from loraplex.platform.api.errors import APIError, to_api_error, unauthorized
+from loraplex.platform.api.errors import APIError, error_response, to_api_error, unauthorized
+from loraplex.platform.api.observability.record import note_error
 from loraplex.platform.api.services.errors import ServiceError
 from loraplex.platform.settings import GatewaySettings
 
@@ -56,7 +57,7 @@ def mount_admin_ui(app: FastAPI, settings: GatewaySettings) -> None:
     @app.exception_handler(SignInRequired)
     async def _sign_in(request: Request, _: Exception) -> Response:
         if wants_json(request) or request.method != "GET":
-            return unauthorized("Sign in to the admin UI first.", code="signed_out").response()
+            return error_response(request, unauthorized("Sign in to the admin UI first.", code="signed_out"))
         return RedirectResponse("/admin", status_code=303)
 
     # A page answers an error as a page; everything else (the APIs, the UI's JSON calls) keeps
@@ -64,7 +65,8 @@ def mount_admin_ui(app: FastAPI, settings: GatewaySettings) -> None:
     async def _error(request: Request, exc: Exception) -> Response:
         error = to_api_error(exc)
         if not _is_page(request):
-            return error.response()
+            return error_response(request, error)
+        note_error(request.scope, error)
         return render(request, "error.html", None, status=error.status, message=error.message)
 
     for error_class in (APIError, ServiceError):

@@ -275,13 +275,18 @@ _MAPPED: tuple[type[Exception], ...] = (
 )
 
 
+def error_response(request: Request, err: APIError) -> JSONResponse:
+    """``err`` as OpenAI's error body, noted on the request's record first (where the metrics and
+    the access log read it): every handler that answers an error goes through here."""
+    note_error(request.scope, err)
+    return err.response()
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Route every exception the app can raise to OpenAI's error body (and note it on the
     request's record, where the metrics count refusals by reason)."""
 
-    def answer(request: Request, err: APIError) -> JSONResponse:
-        note_error(request.scope, err)
-        return err.response()
+    answer = error_response
 
     async def _mapped(request: Request, exc: Exception) -> JSONResponse:
         return answer(request, to_api_error(exc))

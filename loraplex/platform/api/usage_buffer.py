@@ -80,6 +80,14 @@ class UsageBuffer:
         self._pending.append(_Pending(tenant, record))
         self._wake.set()
 
+    async def written(self, timeout_s: float) -> bool:
+        """Wait until every record queued so far is in the database (the writer keeps running);
+        False if some are still pending after ``timeout_s``. For readers that must see them all."""
+        deadline = time.monotonic() + timeout_s
+        while self._pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return not self._pending
+
     async def flush(self, timeout_s: float) -> None:
         """Write what is pending, trying for at most ``timeout_s``, and stop the writer."""
         deadline = time.monotonic() + timeout_s

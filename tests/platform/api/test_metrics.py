@@ -129,6 +129,7 @@ async def test_metrics_after_a_mixed_load_agree_with_usage_and_responses(
         state.lifecycle.draining = False
 
         await gateway.background.drain(10)  # usage records are written in the background
+        assert await gateway.usage.written(10)  # then by the usage buffer's writer
         r = await client.get("/metrics")
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
         metrics = scrape(r.text)
