@@ -145,7 +145,9 @@ async def stats(request: Request, viewer: ViewerDep) -> JSONResponse:
             "gateway": {
                 "quota_backend": g.quota_backend,
                 "quota_backend_down": g.quota_backend_down,
+                "database_down": g.database_down,
                 "usage_write_failures": g.num_usage_write_failures,
+                "usage_pending": g.num_usage_pending,
             },
         }
     return JSONResponse(body, headers={"Cache-Control": "no-store"})

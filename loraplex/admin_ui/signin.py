@@ -92,7 +92,7 @@ async def sign_in(
         cookie, _ = state.sessions.create("operator")
     else:
         async with gateway.db.transaction() as session:
-            holder = await keys.find_key(session, credential) if credential else None
+            holder = await keys.check_key(session, credential) if credential else None
         if holder is None:
             state.signins.failed(client)
             return _signin_page(request, 401, "That is neither the admin token nor a valid API key.")

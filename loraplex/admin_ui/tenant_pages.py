@@ -18,19 +18,23 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from starlette.responses import RedirectResponse, Response
 
 from loraplex.admin_ui.security import OperatorDep, Viewer, ViewerDep, check_csrf, gateway_of, ui_state
 from loraplex.admin_ui.views import SECURITY_HEADERS, render
-from loraplex.platform.api.deps import PageDep
+from loraplex.platform.api.deps import PageDep, forget_cached_auth
 from loraplex.platform.api.services import keys, tenants
 from loraplex.platform.api.services.errors import Conflict, InvalidInput, ServiceError
 from loraplex.platform.api.services.pages import PageRequest
 from loraplex.platform.api.services.tenants import QUOTA_FIELDS, QuotaField, TenantQuotas
 from loraplex.storage.db.models import utcnow
 
-router = APIRouter(prefix="/admin", include_in_schema=False)
+# A change here (a key revoked, a tenant disabled, an adapter deleted) drops this replica's cached
+# key checks and adapter resolutions at once, as the admin API does.
+router = APIRouter(
+    prefix="/admin", include_in_schema=False, dependencies=[Depends(forget_cached_auth, scope="function")]
+)
 
 QUOTA_LABELS: dict[QuotaField, str] = {
     "rpm": "Requests per minute",

@@ -13,6 +13,7 @@ engine's internals, the model and the KV storage here).
 | ``gateway`` | ``Gateway``: database, quotas, adapter store and catalog; tenant deletion, cache reset |
 | ``schemas`` | request and response bodies of the gateway's own APIs (admin, adapters) |
 | ``background`` | work that must finish after a response (settling quotas, usage records) |
+| ``usage_buffer`` | ``UsageBuffer``: usage records held through a database outage, written in batches |
 | ``server`` | ``Server`` / ``serve``: uvicorn until a signal or the engine dies (exit code 1) |
 | ``openai/`` | the OpenAI surface: request bodies, params, the request pipeline, responses, SSE |
 | ``tenancy/`` | the request gate, API keys and the admin token, quotas, usage accounting |

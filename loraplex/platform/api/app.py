@@ -82,8 +82,8 @@ def build_app(
     install_error_handlers(app)
     by_path = {}
     if gateway is not None:
-        by_path[adapters.UPLOAD_PATH] = settings.gateway.max_upload_bytes + _MULTIPART_SLACK_BYTES
-        by_path[admin_ui.UPLOAD_PATH] = settings.gateway.max_upload_bytes + _MULTIPART_SLACK_BYTES
+        by_path[adapters.UPLOAD_PATH] = gateway.max_upload_bytes + _MULTIPART_SLACK_BYTES
+        by_path[admin_ui.UPLOAD_PATH] = gateway.max_upload_bytes + _MULTIPART_SLACK_BYTES
     app.add_middleware(BodyLimits, default_bytes=settings.limits.max_request_body_bytes, by_path=by_path)
     for module in (completions, chat, models, health):
         app.include_router(module.router)

@@ -6,9 +6,10 @@
 | ``CallDep`` | the caller, authenticated by the gate (a tenant, or anyone single-tenant) | 401 |
 | ``GatewayDep`` | the ``Gateway`` (database, quotas, adapter catalog) | |
 | ``SessionDep`` | a session in a transaction, committed before the response is sent | |
-| ``CurrentTenant`` | the tenant of the request's API key (``local`` with auth="open") | 401 |
+| ``CurrentTenant`` | the tenant of the request's API key (``local`` with auth="open"), cached | 401, 503 |
 | ``require_admin`` | nothing: the request carries the admin token (once, on the admin router) | 401, 403 |
 | ``PageDep`` | the page a list asks for: ``?limit=`` (1-100, default 20) and ``?after=`` | 400 |
+| ``forget_cached_auth`` | nothing; after a non-GET admin call, the cached key checks dropped | |
 
 ``SessionDep`` opens a write transaction (``BEGIN IMMEDIATE`` on SQLite) for methods other than
 GET, since those read and then write. Long work (an upload) opens its own short transaction
@@ -27,7 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from loraplex.platform.api.gateway import Gateway
 from loraplex.platform.api.services.pages import DEFAULT_LIMIT, MAX_LIMIT, PageRequest
 from loraplex.platform.api.state import AppState, app_state
-from loraplex.platform.api.tenancy.auth import authenticate_tenant, check_admin
+from loraplex.platform.api.tenancy.auth import check_admin
 from loraplex.platform.api.tenancy.gate import GatedCall
 from loraplex.storage.db import Tenant
 
@@ -67,8 +68,7 @@ SessionDep = Annotated[AsyncSession, Depends(get_session, scope="function")]
 
 
 async def current_tenant(request: Request) -> Tenant:
-    gateway = get_gateway(request)
-    return await authenticate_tenant(gateway.db, gateway.settings.auth, request)
+    return await get_gateway(request).gate.authenticator.tenant(request)
 
 
 CurrentTenant = Annotated[Tenant, Depends(current_tenant)]
@@ -88,3 +88,11 @@ def page_request(
 
 
 PageDep = Annotated[PageRequest, Depends(page_request)]
+
+
+async def forget_cached_auth(request: Request) -> AsyncIterator[None]:
+    """After an admin call that may change keys or tenants, this replica's cached key checks go:
+    a revocation, a disabled tenant or new quotas apply here at once (elsewhere within the TTL)."""
+    yield
+    if request.method != "GET":
+        get_gateway(request).gate.authenticator.forget()

@@ -10,6 +10,7 @@ Invalid input is always 400 (FastAPI's own 422 included), never 422.
 | ``InvalidParameterError`` (engine) | 400 | invalid_value |
 | ``UnknownAdapterError`` (engine) | 404 | model_not_found |
 | ``EngineDeadError`` | 503 | engine_dead |
+| ``DatabaseUnavailable``: database unreachable or too slow | 503, ``Retry-After`` | database_unavailable |
 | ``unauthorized``: no, wrong, revoked, expired key | 401, ``WWW-Authenticate: Bearer`` | invalid_api_key |
 | ``quota_refusal``: rpm, tpm, concurrency | 429, ``Retry-After`` | rate_limit_exceeded |
 | ``quota_refusal``: request_over_tpm (never fits) | 429 | rate_limit_exceeded |
@@ -50,6 +51,7 @@ from loraplex.platform.engine.errors import (
     InvalidParameterError,
     UnknownAdapterError,
 )
+from loraplex.storage.db import DatabaseUnavailable
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
@@ -129,6 +131,18 @@ def quota_refusal(decision: QuotaDecision) -> APIError:
     return APIError(429, decision.detail, code="rate_limit_exceeded", err_type=kind, headers=headers)
 
 
+def database_unavailable(exc: DatabaseUnavailable) -> APIError:
+    """503 while the metadata database cannot be reached: the caller should retry, nothing is wrong
+    with its request (and a key not seen recently is not refused: the gateway cannot know)."""
+    return APIError(
+        503,
+        exc.reason,
+        code="database_unavailable",
+        err_type=SERVER_ERROR,
+        headers={"Retry-After": str(exc.retry_after_s)},
+    )
+
+
 def rejected_adapter(exc: AdapterValidationError, hide: tuple[str, ...] = ()) -> APIError:
     """400 naming the rule an uploaded adapter broke; ``hide``: server paths to cut from the message."""
     message = exc.detail
@@ -167,6 +181,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(503, str(exc) or "the engine has stopped", code="engine_dead", err_type=SERVER_ERROR)
     if isinstance(exc, ServiceError):
         return _service_error(exc)
+    if isinstance(exc, DatabaseUnavailable):
+        return database_unavailable(exc)
     if isinstance(exc, AdapterValidationError):
         return rejected_adapter(exc)
     return APIError(500, "internal server error", code="internal_error", err_type=SERVER_ERROR)
@@ -198,6 +214,7 @@ _MAPPED: tuple[type[Exception], ...] = (
     EngineDeadError,
     ServiceError,
     AdapterValidationError,
+    DatabaseUnavailable,
 )
 
 

@@ -7,6 +7,7 @@
     loraplex keys list [TENANT] | revoke ID
     loraplex adapters upload TENANT NAME PATH [--visibility private|public] [--model M] [--max-lora-rank R]
     loraplex adapters list [TENANT] | delete TENANT NAME [--version SHA256]
+    loraplex db upgrade                 (migrate to the newest schema and exit: a deployment's hook)
 
 Every group reads the server's settings (``LORAPLEX_*``, the config file) and takes the ones it
 needs as options before the subcommand (``loraplex tenants --database-url ... list``), with the
@@ -34,6 +35,7 @@ from loraplex.adapters.layout import CONFIG_NAME, WEIGHTS_NAME
 from loraplex.adapters.store import AdapterStore
 from loraplex.adapters.uploads import AdapterValidator, UploadedFile
 from loraplex.platform.api.catalog.catalog import AdapterCatalog, parse_visibility
+from loraplex.platform.api.gateway import pool_settings
 from loraplex.platform.api.services import adapters, keys, tenants
 from loraplex.platform.api.services.errors import ServiceError
 from loraplex.platform.api.services.pages import DEFAULT_LIMIT, MAX_LIMIT, Page, PageRequest
@@ -42,7 +44,7 @@ from loraplex.platform.cli.flags import given, settings_options
 from loraplex.platform.cli.serve import fail, settings_error
 from loraplex.platform.engine.config import parse_dtype
 from loraplex.platform.settings import ServerSettings, load_settings
-from loraplex.storage.db import Database, upgrade_to_head
+from loraplex.storage.db import Database, DatabaseUnavailable, current_revision, upgrade_database
 from loraplex.storage.db.models import utcnow
 
 T = TypeVar("T")
@@ -50,6 +52,7 @@ T = TypeVar("T")
 tenants_app = typer.Typer(help="Tenants and their quotas.", no_args_is_help=True)
 keys_app = typer.Typer(help="Tenants' API keys.", no_args_is_help=True)
 adapters_app = typer.Typer(help="Tenants' LoRA adapters.", no_args_is_help=True)
+db_app = typer.Typer(help="The gateway's database.", no_args_is_help=True)
 
 Quota = Annotated[int | None, typer.Option(min=0, help="unset: unlimited")]
 
@@ -101,7 +104,7 @@ _settings_options.__signature__ = inspect.Signature(  # type: ignore[attr-define
         ),
     ]
 )
-for _group in (tenants_app, keys_app, adapters_app):
+for _group in (tenants_app, keys_app, adapters_app, db_app):
     _group.callback()(_settings_options)
 
 
@@ -110,9 +113,10 @@ def _run(ctx: typer.Context, work: Callable[[Database], Awaitable[T]]) -> T:
     settings = _settings(ctx)
 
     async def main() -> T:
-        db = Database(settings.gateway.database_url_or_default)
+        # The server's timeouts: an unreachable database is a message, not a command that hangs.
+        db = Database(settings.gateway.database_url_or_default, pool=pool_settings(settings.gateway))
         try:
-            await upgrade_to_head(db.engine)
+            await upgrade_database(db)
             return await work(db)
         finally:
             await db.dispose()
@@ -121,6 +125,9 @@ def _run(ctx: typer.Context, work: Callable[[Database], Awaitable[T]]) -> T:
         return asyncio.run(main())
     except (ServiceError, AdapterValidationError) as exc:
         typer.echo(f"loraplex: {exc}", err=True)
+        raise typer.Exit(1) from None
+    except DatabaseUnavailable as exc:
+        typer.echo(f"loraplex: {exc.reason}", err=True)
         raise typer.Exit(1) from None
 
 
@@ -374,3 +381,18 @@ def adapters_delete(
         return len(await catalog.delete(owner, name, version))
 
     typer.echo(f"deleted {_run(ctx, work)} version(s) of {tenant}/{name}")
+
+
+@db_app.command("upgrade")
+def db_upgrade(ctx: typer.Context) -> None:
+    """Migrate the database to the newest schema and exit.
+
+    Deployments run it once before the replicas start (the Helm chart's pre-install and
+    pre-upgrade Job). It takes the same lock as the server's start-up migration, so replicas
+    that start meanwhile wait for it and then find nothing left to do.
+    """
+
+    async def work(db: Database) -> str | None:
+        return await current_revision(db.engine)
+
+    typer.echo(f"database at revision {_run(ctx, work)}")

@@ -88,8 +88,40 @@ class GatewaySettings(BaseModel):
     """Length of the rpm / tpm sliding window in seconds."""
     quota_key_prefix: str = "lpx"
     """Prefix of the quota keys in Redis (several deployments can share one Redis)."""
-    max_upload_bytes: int = Field(default=1 << 30, ge=1024)
-    """Largest adapter upload (all files of one request together)."""
+    max_upload_bytes: int | None = Field(default=None, ge=1024)
+    """Largest adapter upload (all files of one request together); default: the largest adapter
+    the engine accepts (base model and max_lora_rank) plus its config."""
+    max_uploads_per_tenant: int = Field(default=2, ge=1)
+    """Uploads of one tenant in flight at once in this process (more: 429); uploads also count
+    against the tenant's rpm and max_concurrency."""
+    upload_workers: int = Field(default=2, ge=1)
+    """Threads that validate uploads (extraction, parsing); uploads beyond them wait, so they never
+    take the threads that tokenize and render requests."""
+    upload_idle_timeout_s: float = Field(default=30.0, gt=0)
+    """An upload whose body sends nothing for this long is refused (408) and its files removed."""
+    upload_timeout_s: float = Field(default=600.0, gt=0)
+    """Longest time an upload's body may take to arrive, however steadily (408 past it)."""
+    database_connect_timeout_s: float = Field(default=5.0, gt=0)
+    """PostgreSQL: longest wait to open a connection, or for a pooled one to come free."""
+    database_statement_timeout_s: float = Field(default=10.0, gt=0)
+    """PostgreSQL: longest wait for one statement (client side, and the server's statement_timeout)."""
+    database_pool_size: int = Field(default=10, ge=1)
+    """PostgreSQL: connections kept open per replica."""
+    database_max_overflow: int = Field(default=10, ge=0)
+    """PostgreSQL: connections opened beyond database_pool_size under load, closed when returned."""
+    database_pool_pre_ping: bool = True
+    """PostgreSQL: check a pooled connection before use (one that died with a restart is replaced)."""
+    auth_cache_ttl_s: float = Field(default=60.0, ge=0)
+    """How long an API key's check (tenant, quotas, status) is reused without the database: the
+    bound on how late a revocation, expiry, deletion or disabling reaches each replica."""
+    auth_cache_stale_s: float = Field(default=300.0, ge=0)
+    """While the database is unreachable, how long past auth_cache_ttl_s a cached key check (or
+    adapter resolution) still serves; then such requests get 503 too."""
+    auth_cache_size: int = Field(default=100_000, ge=1)
+    """Most API keys (and adapter resolutions) cached per replica; the least recently used go."""
+    usage_buffer_size: int = Field(default=100_000, ge=1)
+    """Most usage records held in memory while the database is unreachable; beyond it they are
+    counted as dropped and logged."""
     admin_session_ttl_s: float = Field(default=8 * 3600.0, gt=0)
     """How long an admin web UI sign-in lasts (seconds); signing out ends it at once."""
     admin_signin_max_failures: int = Field(default=5, ge=1)

@@ -4,5 +4,6 @@
 |---|---|
 | ``catalog`` | ``AdapterCatalog``: store files, database rows and the engine kept in step |
 | ``upload_form`` | streaming a multipart upload to a staging folder, every part checked |
+| ``upload_admission`` | who may upload now: rpm, concurrency and uploads in flight per tenant |
 | ``engine_adapters`` | ``EngineAdapters``: versions registered in the engine (through ``AsyncEngine``) |
 """

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import Executor
 from pathlib import Path
 
 from loraplex.adapters.store import AdapterStore
@@ -49,8 +50,12 @@ class AdapterCatalog:
         validator: AdapterValidator | None = None,
         base_model: str = "",
         engine_adapters: EngineAdapters | None = None,
+        executor: Executor | None = None,
     ) -> None:
-        """``validator`` and ``base_model`` are needed to upload; deleting works without them."""
+        """``validator`` and ``base_model`` are needed to upload; deleting works without them.
+        ``executor`` runs validation (default: asyncio's shared pool; the gateway gives its own,
+        bounded one, so uploads never wait on or starve the tokenizer's threads)."""
+        self.executor = executor
         self.db = db
         self.store = store
         self.validator = validator
@@ -76,7 +81,8 @@ class AdapterCatalog:
         if self.validator is None:
             raise RuntimeError("this AdapterCatalog has no validator; it can only delete")
         check_adapter_name(name)
-        facts = await asyncio.to_thread(self.validator.validate, uploaded, staging)
+        loop = asyncio.get_running_loop()
+        facts = await loop.run_in_executor(self.executor, self.validator.validate, uploaded, staging)
         new = NewAdapter(
             name=name,
             version=facts.version,

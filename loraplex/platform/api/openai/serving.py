@@ -14,12 +14,11 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from loraplex.platform.api.openai.protocol import Prompt
 from loraplex.platform.api.openai.responses import ResponseShape
 from loraplex.platform.api.openai.streaming import SSEResponse, sse_events
 from loraplex.platform.api.openai.submission import MeteredStream, abort_all, collect, submit
 from loraplex.platform.api.state import AppState
-from loraplex.platform.api.tenancy.gate import GatedCall, ModelTarget, RequestEnd
+from loraplex.platform.api.tenancy.gate import GatedCall, ModelTarget, PromptSource, RequestEnd
 from loraplex.platform.engine.async_engine import RequestStream
 from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.engine.sampling_params import SamplingParams
@@ -72,7 +71,7 @@ async def respond(
     state: AppState,
     call: GatedCall,
     shape: ResponseShape,
-    prompts: list[Prompt],
+    prompts: PromptSource,
     params: SamplingParams,
     target: ModelTarget,
     stream: bool,

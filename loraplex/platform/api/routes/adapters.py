@@ -37,19 +37,22 @@ async def upload_adapter(request: Request, tenant: CurrentTenant, gateway: Gatew
 async def receive_upload(request: Request, tenant: Tenant, gateway: Gateway) -> Adapter:
     """Read a multipart upload (``name``, ``visibility``, the files) and store it for ``tenant``:
     the one code path of uploads, for this API and the admin UI's upload form."""
-    staging = gateway.store.new_staging()
-    try:
-        form = await read_upload_form(request, staging, gateway.settings.max_upload_bytes)
-        name = form.fields.get("name")
-        if not name:
-            raise bad_field("name", "Missing required field 'name' (the adapter's name).")
-        visibility = parse_visibility(form.fields.get("visibility") or "private")
+    async with gateway.uploads.admit(tenant):  # rpm, concurrency, uploads in flight: before the body
+        staging = gateway.store.new_staging()
         try:
-            return await gateway.catalog.upload(tenant, form.files, staging, name, visibility)
-        except AdapterValidationError as exc:
-            raise rejected_adapter(exc, hide=(str(staging),)) from None
-    finally:
-        gateway.store.discard(staging)
+            form = await read_upload_form(
+                request, staging, gateway.max_upload_bytes, gateway.upload_deadlines
+            )
+            name = form.fields.get("name")
+            if not name:
+                raise bad_field("name", "Missing required field 'name' (the adapter's name).")
+            visibility = parse_visibility(form.fields.get("visibility") or "private")
+            try:
+                return await gateway.catalog.upload(tenant, form.files, staging, name, visibility)
+            except AdapterValidationError as exc:
+                raise rejected_adapter(exc, hide=(str(staging),)) from None
+        finally:
+            gateway.store.discard(staging)
 
 
 @router.get("")

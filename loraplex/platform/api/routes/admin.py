@@ -25,7 +25,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query
 from pydantic import AwareDatetime
 
-from loraplex.platform.api.deps import GatewayDep, PageDep, SessionDep, require_admin
+from loraplex.platform.api.deps import GatewayDep, PageDep, SessionDep, forget_cached_auth, require_admin
 from loraplex.platform.api.schemas import (
     AdapterDeleted,
     AdapterPublic,
@@ -42,8 +42,12 @@ from loraplex.platform.api.services import adapters, keys, tenants, usage
 from loraplex.platform.api.services.tenants import TenantQuotas
 from loraplex.storage.db import UsageStatus
 
-# The admin token is checked once, for every route of this router.
-router = APIRouter(prefix="/admin/api", tags=["admin"], dependencies=[Depends(require_admin)])
+# The admin token is checked once, for every route of this router; a change forgets cached keys.
+router = APIRouter(
+    prefix="/admin/api",
+    tags=["admin"],
+    dependencies=[Depends(require_admin), Depends(forget_cached_auth, scope="function")],
+)
 
 
 @router.post("/tenants", status_code=201)

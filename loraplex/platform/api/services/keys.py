@@ -93,6 +93,20 @@ async def create_key(
     )
 
 
+@dataclass(frozen=True)
+class KeyCheck:
+    """A key that authenticates: its tenant, and when the key stops working by itself."""
+
+    tenant: Tenant
+    expires_at: datetime | None
+    key_id: int = 0
+
+
+def well_formed(presented_key: str) -> bool:
+    """Whether ``presented_key`` has the format of a key we issue (checked before any lookup)."""
+    return presented_key.startswith(KEY_PREFIX) and len(presented_key) <= _MAX_KEY_LEN
+
+
 async def authenticate(
     session: AsyncSession, presented_key: str, *, now: datetime | None = None
 ) -> Tenant | None:
@@ -101,23 +115,16 @@ async def authenticate(
     Every refusal is the same None, so a caller cannot tell a revoked key from a wrong one.
     Updates the key's ``last_used_at`` (at most once per ``LAST_USED_RESOLUTION``).
     """
-    found = await find_key(session, presented_key, now=now)
-    return None if found is None else found.tenant
+    checked = await check_key(session, presented_key, now=now)
+    return None if checked is None else checked.tenant
 
 
-@dataclass(frozen=True)
-class KeyHolder:
-    """Who a presented key authenticates: the key's id and its tenant."""
-
-    key_id: int
-    tenant: Tenant
-
-
-async def find_key(
+async def check_key(
     session: AsyncSession, presented_key: str, *, now: datetime | None = None
-) -> KeyHolder | None:
-    """The key id and tenant of ``presented_key`` under ``authenticate``'s rules, or None."""
-    if not presented_key.startswith(KEY_PREFIX) or len(presented_key) > _MAX_KEY_LEN:
+) -> KeyCheck | None:
+    """``authenticate``, with the key's id and expiry (a cache of the answer must not outlive it;
+    an admin UI session lasts while that key authenticates)."""
+    if not well_formed(presented_key):
         return None  # the format is public: refusing it early tells an attacker nothing secret
     presented_hash = hash_key(presented_key)
     # Constant time with respect to the secret: the database compares *hashes*, and what the
@@ -133,10 +140,10 @@ async def find_key(
     if not _usable(row, now):
         return None
     # Taken first: a failed _touch expires the row, and async cannot reload it.
-    holder = KeyHolder(row.id, row.tenant)
+    checked = KeyCheck(row.tenant, row.expires_at, row.id)
     if row.last_used_at is None or now - row.last_used_at >= LAST_USED_RESOLUTION:
         await _touch(session, row, now)
-    return holder
+    return checked
 
 
 async def usable_key(session: AsyncSession, key_id: int, *, now: datetime | None = None) -> ApiKey | None:

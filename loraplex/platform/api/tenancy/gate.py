@@ -5,8 +5,13 @@ Every OpenAI route talks to a ``RequestGate`` in this order::
     call = await gate.open(request)           # who asks (the gateway answers 401 here)
     target = await call.resolve(body.model)   # base model or an adapter the caller may use, else 404
     admission = await call.admit(request_id, target, prompts, params)   # quotas: 429 / 503
+                                              # (prompts may be deferred: a ``PromptSource``)
     ... submit admission.prompts as admission.tenant_id, read the streams ...
     admission.close(last_outputs, end)        # exactly once, however the request ended
+
+``admit`` counts the request (rpm, concurrency) *before* it tokenizes or renders anything:
+a route passes prompts that cost CPU to produce (a chat template) as a coroutine function, so a
+caller over its quota costs a few dictionary operations, not a tokenizer run.
 
 ``close`` never blocks and never raises: settling a quota and writing a usage record are
 I/O, so the gate runs them in the background (an answer to the client is not delayed by
@@ -20,7 +25,7 @@ them, and a handler being cancelled cannot skip them).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -31,6 +36,16 @@ from loraplex.platform.api.openai.protocol import Prompt
 from loraplex.platform.engine.errors import UnknownAdapterError
 from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.engine.sampling_params import SamplingParams
+
+PromptSource = list[Prompt] | Callable[[], Awaitable[list[Prompt]]]
+"""The prompts of a request, or the coroutine function that makes them (CPU work the gate runs
+only once the request is admitted)."""
+
+
+async def prompts_of(source: PromptSource) -> list[Prompt]:
+    """The prompts a ``PromptSource`` stands for."""
+    return source if isinstance(source, list) else await source()
+
 
 RequestEnd = Literal["ok", "aborted", "error"]
 """How an admitted request ended: finished, the client left first, failed (refused or broken)."""
@@ -89,9 +104,10 @@ class GatedCall(Protocol):
         ...
 
     async def admit(
-        self, request_id: str, target: ModelTarget, prompts: list[Prompt], params: SamplingParams
+        self, request_id: str, target: ModelTarget, prompts: PromptSource, params: SamplingParams
     ) -> Admission:
-        """Count the request against the caller's quotas, or raise the refusal (429 / 503)."""
+        """Count the request against the caller's quotas, or raise the refusal (429 / 503); the
+        prompts are made (and tokenized) only after the request counts."""
         ...
 
 
@@ -137,6 +153,6 @@ class StaticGate:
         return [base, *(ModelCard(name, "loraplex", self.served_model_name) for name in sorted(self.loras))]
 
     async def admit(
-        self, request_id: str, target: ModelTarget, prompts: list[Prompt], params: SamplingParams
+        self, request_id: str, target: ModelTarget, prompts: PromptSource, params: SamplingParams
     ) -> Admission:
-        return _OpenAdmission(prompts)
+        return _OpenAdmission(await prompts_of(prompts))
