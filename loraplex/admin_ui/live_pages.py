@@ -137,7 +137,9 @@ async def stats(request: Request, viewer: ViewerDep) -> JSONResponse:
         }
     else:
         g = gateway.stats()
+        ttft = gateway.gate.ttft.percentiles((0.5, 0.99))
         body = {
+            "ttft_ms": None if ttft is None else {"p50": ttft[0] * 1000, "p99": ttft[1] * 1000},
             "timestamp": engine_stats.timestamp,
             "engine": _engine_numbers(engine_stats),
             "tenants": _usage_numbers(_by_name(dict(engine_stats.tenants))),
