@@ -110,6 +110,7 @@ def test_the_admin_ui_in_a_browser(
     import openai
     from playwright.sync_api import Page, expect, sync_playwright
 
+    expect.set_options(timeout=TIMEOUT_MS)  # a loaded machine; the dashboard's chart reads every 10 s
     url = ui_server.url
     outside: list[str] = []
 
