@@ -56,7 +56,9 @@ def mount_admin_ui(app: FastAPI, settings: GatewaySettings) -> None:
 
     @app.exception_handler(SignInRequired)
     async def _sign_in(request: Request, _: Exception) -> Response:
-        if wants_json(request) or request.method != "GET":
+        # A browser's page or form goes to the sign-in page; a script's call gets 401.
+        browser = "text/html" in request.headers.get("accept", "")
+        if wants_json(request) or (request.method != "GET" and not browser):
             return error_response(request, unauthorized("Sign in to the admin UI first.", code="signed_out"))
         return RedirectResponse("/admin", status_code=303)
 

@@ -18,12 +18,12 @@ from datetime import timedelta
 from typing import Annotated
 from urllib.parse import urlencode
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 
 from loraplex.admin_ui.security import Viewer, ViewerDep, check_csrf, gateway_of
 from loraplex.admin_ui.views import SECURITY_HEADERS, render
-from loraplex.platform.api.deps import PageDep
+from loraplex.platform.api.deps import PageDep, forget_cached_auth
 from loraplex.platform.api.routes.adapters import receive_upload
 from loraplex.platform.api.schemas import AdapterPublic
 from loraplex.platform.api.services import adapters, tenants, usage
@@ -31,7 +31,11 @@ from loraplex.platform.api.services.errors import NotFound
 from loraplex.storage.db import Tenant
 from loraplex.storage.db.models import utcnow
 
-router = APIRouter(prefix="/admin", include_in_schema=False)
+# A change here (a key revoked, a tenant disabled, an adapter deleted) drops this replica's cached
+# key checks and adapter resolutions at once, as the admin API does.
+router = APIRouter(
+    prefix="/admin", include_in_schema=False, dependencies=[Depends(forget_cached_auth, scope="function")]
+)
 
 UPLOAD_PATH = "/admin/ui/adapters"
 SERVED_WINDOW = timedelta(hours=24)

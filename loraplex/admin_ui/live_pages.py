@@ -14,6 +14,7 @@ gateway's on the event loop; counters are cumulative, so the page derives rates 
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Annotated, Any
 
@@ -21,7 +22,7 @@ from fastapi import APIRouter, Query, Request
 from starlette.responses import JSONResponse, Response
 
 from loraplex.admin_ui.adapter_pages import owner_for
-from loraplex.admin_ui.security import ViewerDep, check_csrf, gateway_of
+from loraplex.admin_ui.security import Viewer, ViewerDep, check_csrf, gateway_of, ui_state
 from loraplex.admin_ui.views import SECURITY_HEADERS, render
 from loraplex.platform.api.deps import PageDep, get_state
 from loraplex.platform.api.routes.completions import create_completion
@@ -35,6 +36,8 @@ from loraplex.storage.db.models import USAGE_STATUSES, UsageStatus, utcnow
 router = APIRouter(prefix="/admin", include_in_schema=False)
 
 CHART_WINDOW = timedelta(hours=1)
+CHART_TTL_S = 10.0
+"""The tokens-per-tenant chart is read from the usage records at most this often (seconds)."""
 
 
 @router.get("/dashboard")
@@ -120,14 +123,27 @@ def _by_name(engine_tenants: dict[str, TenantUsage]) -> dict[str, TenantUsage]:
     return named
 
 
+async def _tokens_last_hour(request: Request, viewer: Viewer) -> dict[str, int]:
+    cache = ui_state(request).chart_cache
+    key = None if viewer.tenant is None else viewer.tenant.id
+    now = time.monotonic()
+    cached = cache.get(key)
+    if cached is not None and cached[0] > now:
+        return cached[1]
+    async with gateway_of(request).db.transaction() as session:
+        totals = await usage.tokens_by_tenant(session, utcnow() - CHART_WINDOW, viewer.tenant)
+    if len(cache) > 10_000:  # one entry per tenant that looked: bounded all the same
+        cache.clear()
+    cache[key] = (now + CHART_TTL_S, totals)
+    return totals
+
+
 @router.get("/ui/stats")
 async def stats(request: Request, viewer: ViewerDep) -> JSONResponse:
     """The dashboard's numbers now; a tenant sees only its own requests and tokens."""
     gateway = gateway_of(request)
     engine_stats = gateway.engine.stats
-    since = utcnow() - CHART_WINDOW
-    async with gateway.db.transaction() as session:
-        last_hour = await usage.tokens_by_tenant(session, since, viewer.tenant)
+    last_hour = await _tokens_last_hour(request, viewer)
     if viewer.tenant is not None:
         own = engine_stats.tenants.get(engine_tenant_id(viewer.tenant))
         body: dict[str, Any] = {
@@ -137,7 +153,9 @@ async def stats(request: Request, viewer: ViewerDep) -> JSONResponse:
         }
     else:
         g = gateway.stats()
+        ttft = gateway.gate.ttft.percentiles((0.5, 0.99))
         body = {
+            "ttft_ms": None if ttft is None else {"p50": ttft[0] * 1000, "p99": ttft[1] * 1000},
             "timestamp": engine_stats.timestamp,
             "engine": _engine_numbers(engine_stats),
             "tenants": _usage_numbers(_by_name(dict(engine_stats.tenants))),
@@ -145,7 +163,9 @@ async def stats(request: Request, viewer: ViewerDep) -> JSONResponse:
             "gateway": {
                 "quota_backend": g.quota_backend,
                 "quota_backend_down": g.quota_backend_down,
+                "database_down": g.database_down,
                 "usage_write_failures": g.num_usage_write_failures,
+                "usage_pending": g.num_usage_pending,
             },
         }
     return JSONResponse(body, headers={"Cache-Control": "no-store"})

@@ -16,7 +16,7 @@ would do, because a forged request would act with the operator's powers.
 from __future__ import annotations
 
 import hmac
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 from urllib.parse import urlsplit
 
@@ -44,6 +44,10 @@ class UIState:
 
     sessions: SessionStore
     signins: SignInLimiter
+    chart_cache: dict[int | None, tuple[float, dict[str, int]]] = field(default_factory=dict)
+    """The dashboard's tokens-per-tenant of the last hour, per viewer tenant id (None: all), with
+    when each goes stale: an hour of usage rows is read at most every ``CHART_TTL_S``, however
+    many dashboards poll."""
 
 
 @dataclass(frozen=True)

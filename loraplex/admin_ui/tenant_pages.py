@@ -30,8 +30,11 @@ from loraplex.platform.api.services.pages import PageRequest
 from loraplex.platform.api.services.tenants import QUOTA_FIELDS, QuotaField, TenantQuotas
 from loraplex.storage.db.models import utcnow
 
-# Keys revoked and tenants disabled here apply on this replica at once (its key cache dropped).
-router = APIRouter(prefix="/admin", include_in_schema=False, dependencies=[Depends(forget_cached_auth)])
+# A change here (a key revoked, a tenant disabled, an adapter deleted) drops this replica's cached
+# key checks and adapter resolutions at once, as the admin API does.
+router = APIRouter(
+    prefix="/admin", include_in_schema=False, dependencies=[Depends(forget_cached_auth, scope="function")]
+)
 
 QUOTA_LABELS: dict[QuotaField, str] = {
     "rpm": "Requests per minute",

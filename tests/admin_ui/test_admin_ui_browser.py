@@ -110,6 +110,7 @@ def test_the_admin_ui_in_a_browser(
     import openai
     from playwright.sync_api import Page, expect, sync_playwright
 
+    expect.set_options(timeout=TIMEOUT_MS)  # a loaded machine; the dashboard's chart reads every 10 s
     url = ui_server.url
     outside: list[str] = []
 
@@ -238,6 +239,7 @@ def test_the_admin_ui_in_a_browser(
         nav(page, "Dashboard").click()
         client.completions.create(model=BASE, prompt="Hello again", max_tokens=8, temperature=0)
         expect(page.locator('[data-k="rps"]')).not_to_have_text("–")  # two polls: a rate
+        expect(page.locator('[data-k="ttft"]')).to_have_text(re.compile(r"^[\d.,]+ / [\d.,]+ ms$"))
         page.wait_for_timeout(4500)  # a few points on the requests-per-second line
         shot(page, "dashboard")
 

@@ -78,6 +78,9 @@ async def test_nothing_without_a_session(
         for path in FORM_POSTS:
             r = await client.post(path, data={"csrf_token": "x", "name": "evil"})
             assert r.status_code == 401, (path, r.status_code)
+            # a browser's form (an expired session) is sent to the sign-in page instead
+            r = await client.post(path, data={"csrf_token": "x"}, headers={"accept": "text/html"})
+            assert r.status_code == 303 and r.headers["location"] == "/admin", path
         # a made-up session cookie is no session
         client.cookies.set("lpx_admin_session", "forged-session-token", domain="gateway", path="/admin")
         assert (await client.get("/admin/tenants")).status_code == 303

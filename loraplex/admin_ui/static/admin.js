@@ -185,6 +185,8 @@ function setupDashboard() {
       set("requests", requests);
       if (s.engine) {
         set("running", s.engine.running); set("waiting", s.engine.waiting);
+        const ttft = $('[data-k="ttft"]', root);
+        if (ttft) ttft.textContent = s.ttft_ms ? `${fmt(s.ttft_ms.p50)} / ${fmt(s.ttft_ms.p99)} ms` : "–";
         const kv = $("#kv-tiers tbody"); kv.replaceChildren();
         for (const t of s.engine.kv_tiers) {
           const row = el("tr"); row.append(el("th", { scope: "row" }, t.tier));

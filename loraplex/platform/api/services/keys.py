@@ -122,7 +122,8 @@ async def authenticate(
 async def check_key(
     session: AsyncSession, presented_key: str, *, now: datetime | None = None
 ) -> KeyCheck | None:
-    """``authenticate``, with the key's id and expiry (a cache of the answer must not outlive it)."""
+    """``authenticate``, with the key's id and expiry (a cache of the answer must not outlive it;
+    an admin UI session lasts while that key authenticates)."""
     if not well_formed(presented_key):
         return None  # the format is public: refusing it early tells an attacker nothing secret
     presented_hash = hash_key(presented_key)

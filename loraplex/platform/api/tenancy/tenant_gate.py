@@ -43,6 +43,7 @@ from loraplex.platform.api.tenancy.gate import (
     RequestEnd,
     prompts_of,
 )
+from loraplex.platform.api.tenancy.latencies import RecentLatencies, time_to_first_token
 from loraplex.platform.api.tenancy.quotas import Quota, QuotaLimiter, Reservation
 from loraplex.platform.api.usage_buffer import UsageBuffer
 from loraplex.platform.engine.async_engine import AsyncEngine
@@ -92,6 +93,9 @@ class TenantAdmission:
             return
         self.closed = True
         latency_ms = (time.monotonic() - self.started_s) * 1000.0
+        ttft_s = time_to_first_token(outputs)
+        if ttft_s is not None:
+            self.gate.ttft.add(ttft_s)
         self.gate.background.spawn(self._settle(list(outputs), end, latency_ms), f"settle {self.request_id}")
 
     async def _settle(self, outputs: list[RequestOutput | None], end: RequestEnd, latency_ms: float) -> None:
@@ -193,6 +197,8 @@ class TenantGate:
         """(tenant id, model) -> the adapter version it last resolved to: an outage's fallback."""
         self.num_resolution_outage_hits = 0
         self.num_quota_refusals = 0
+        self.ttft = RecentLatencies()
+        """Time to first token of the latest requests (the admin dashboard's p50 / p99)."""
         """Requests (and uploads) refused by a quota: counted here, never written one row each."""
 
     @property
