@@ -224,16 +224,21 @@ async def test_metrics_without_the_tenant_label_and_behind_the_admin_token(
         metrics_require_admin=True,
         metrics_tenant_label=False,
         access_log_prompts=True,
+        max_request_body_bytes=2048,
     )
     async with serving(make_gateway(gateway_engine, settings)) as client:
         key = await Admin(client).tenant_with_key("acme")
         r = await client.post("/v1/completions", json=completion_body(BASE), headers=bearer(key))
         assert r.status_code == 200, r.text
+        too_large = completion_body(BASE, prompt="x" * 4000)  # refused by the body-size middleware
+        assert (await client.post("/v1/completions", json=too_large, headers=bearer(key))).status_code == 413
         assert (await client.get("/metrics")).status_code == 401
         scraped = await client.get("/metrics", headers=ADMIN)
         assert scraped.status_code == 200
     metrics = scrape(scraped.text)
     assert value(metrics, "loraplex_requests", status="200") == 1
+    assert value(metrics, "loraplex_requests", status="413") == 1
+    assert value(metrics, "loraplex_rejected_requests", reason="invalid") == 1
     assert value(metrics, "loraplex_prompt_tokens") == 3
     entry = next(
         json.loads(r.getMessage())
