@@ -141,6 +141,11 @@ async def test_metrics_after_a_mixed_load_agree_with_usage_and_responses(
 
     for family in FAMILIES:
         assert family in metrics, f"{family} missing from /metrics"
+    # the database's families (issue 28): up, every key check after the first from the cache
+    assert value(metrics, "loraplex_database_up") == 1
+    assert value(metrics, "loraplex_auth_cache_hits", kind="fresh") > 0
+    assert value(metrics, "loraplex_auth_cache_hits", kind="outage") == 0
+    assert value(metrics, "loraplex_quota_refusals") == 1
 
     # requests per tenant and status = the responses
     statuses: dict[tuple[str, int], int] = {}

@@ -36,7 +36,7 @@ from loraplex.platform.api.tenancy.tenant_gate import tokens_used
 from loraplex.platform.engine.async_engine import AsyncEngine
 
 if TYPE_CHECKING:
-    from loraplex.platform.api.gateway import Gateway
+    from loraplex.platform.api.gateway import Gateway, GatewayStats
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +203,42 @@ class SnapshotCollector(Collector):
             "Times Redis for quotas went down.",
             stats.num_quota_backend_outages,
         )
+        yield from _database_families(stats)
+
+
+def _database_families(stats: GatewayStats) -> Iterator[Metric]:
+    """The metadata database's outages and what kept serving through them (docs/operations.md)."""
+    up = 0 if stats.database_down else 1
+    yield _gauge("loraplex_database_up", "1 while the metadata database answers.", up)
+    yield _counter(
+        "loraplex_database_errors",
+        "Calls that failed, or were answered 503 at once, because the database was unreachable.",
+        stats.num_database_errors,
+    )
+    yield _counter(
+        "loraplex_database_outages", "Times the database became unreachable.", stats.num_database_outages
+    )
+    hits = CounterMetricFamily(
+        "loraplex_auth_cache_hits",
+        "Authentications served from the key cache: fresh (within the TTL) or outage (database down).",
+        labels=["kind"],
+    )
+    hits.add_metric(["fresh"], stats.num_auth_cache_hits)
+    hits.add_metric(["outage"], stats.num_auth_cache_outage_hits)
+    yield hits
+    yield _gauge(
+        "loraplex_usage_buffer_records", "Usage records waiting for the database.", stats.num_usage_pending
+    )
+    yield _counter(
+        "loraplex_usage_records_dropped",
+        "Usage records lost: the buffer was full, or shutdown could not write them.",
+        stats.num_usage_dropped,
+    )
+    yield _counter(
+        "loraplex_quota_refusals",
+        "Requests and uploads refused by a quota (no usage row is written for them).",
+        stats.num_quota_refusals,
+    )
 
 
 def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
