@@ -1,14 +1,15 @@
 """Weight formats a projection may be kept in, one module each (the ``WeightFormat`` contract).
 
-| name | module | block | bytes | value |
+| module | format | block | bytes | value |
 |---|---|---|---|---|
 | ``q8_0`` | ``q8_0`` | 32 | 34 | ``d * q`` (f16 d, int8 q) |
 | ``q4_0`` | ``q4_0`` | 32 | 18 | ``d * (q - 8)`` (f16 d, 4-bit q) |
 | ``q4_1`` | ``q4_1`` | 32 | 20 | ``d * q + m`` (f16 d, m, 4-bit q) |
-| ``q4_k`` | ``k_quants`` | 256 | 144 | ``d * sc[s] * q - dmin * m[s]`` (8 sub-blocks, 6-bit sc, m) |
-| ``q6_k`` | ``k_quants`` | 256 | 210 | ``d * sc[s] * (q - 32)`` (16 sub-blocks, int8 sc, 6-bit q) |
-| ``f16`` / ``bf16`` / ``f32`` | ``floats`` | 16 | 32 / 32 / 64 | the float |
+| ``k_quants`` | q4_k | 256 | 144 | ``d * sc[s] * q - dmin * m[s]`` (8 sub-blocks, 6-bit sc, m) |
+| | q6_k | 256 | 210 | ``d * sc[s] * (q - 32)`` (16 sub-blocks, int8 sc, 6-bit q) |
+| ``floats`` | f16, bf16, f32 | 16 | 32, 32, 64 | the float |
 | ``int8`` | ``int8`` | 16 | 16 | ``scale[row] * q`` (a float32 scale after each row) |
+| ``blocks`` | | | | byte helpers the references share |
 
 The GGUF block layouts are ggml's (``ggml-common.h``); each module's ``dequantize`` is the
 torch reference and gives the same floats as ``gguf.quants`` (tested). ``c_id`` names the
