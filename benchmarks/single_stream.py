@@ -105,9 +105,7 @@ def time_loraplex(llm: Any, prompt: list[int], gen: int) -> float:
 def time_llama_cpp(llm: Any, prompt: list[int], gen: int) -> float:
     llm.reset()
     start = time.perf_counter()
-    n = 0
-    for _ in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
-        n += 1
+    for n, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0, reset=True), start=1):
         if n == gen:
             break
     return gen / (time.perf_counter() - start)
