@@ -145,3 +145,41 @@ def test_quantization_setting_is_checked(tiny_dirs: dict[str, Path]) -> None:
         LLM(model=str(tiny_dirs["gqa_tied"]), quantization="q4")
     plain = LLM(model=str(tiny_dirs["gqa_tied"]), num_kv_blocks=16)
     assert plain.llm_engine.quantization == "none"
+
+
+@pytest.mark.slow
+def test_two_adapters_on_the_gguf_base_match_peft(smollm2_dir: Path, tmp_path: Path) -> None:
+    """QLoRA-style serving: adapters in float32 add their delta (the batched LoRA kernels) to
+    the packed projections' outputs; PEFT runs them on the de-quantised base."""
+    from helpers import make_peft_adapter
+
+    from loraplex import LoRARequest
+
+    specs: list[dict[str, Any]] = [
+        dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+        dict(r=16, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj", "q_proj"]),
+    ]
+    rng = random.Random(31)
+    loras, prompts, which, refs = [], [], [], []
+    for i, spec in enumerate(specs):
+        peft_model = make_peft_adapter(smollm2_dir, tmp_path / f"a{i}", seed=200 + i, spec=spec)
+        lora = LoRARequest(f"q-adapter-{i}", i + 1, str(tmp_path / f"a{i}"))
+        loras.append(lora)
+        for _ in range(12):
+            p = [rng.randrange(3, 49152) for _ in range(rng.randint(3, 30))]
+            prompts.append(p)
+            which.append(lora)
+            refs.append(hf_greedy(peft_model, p, 6, (2,)))
+        del peft_model
+    order = list(range(len(prompts)))
+    rng.shuffle(order)  # both adapters in every step
+    llm = LLM(quantization="gguf", enable_lora=True, max_loras=2, max_lora_rank=16, num_kv_blocks=256)
+    assert llm.llm_engine.quantization == "gguf"
+    outs = llm.generate(
+        [prompts[i] for i in order],
+        SamplingParams(temperature=0.0, max_tokens=6),
+        lora_request=[which[i] for i in order],
+        use_tqdm=False,
+    )
+    assert all(o.error is None for o in outs)
+    assert _matches(outs, [refs[i] for i in order], "gguf + LoRA") >= 23
