@@ -1,10 +1,11 @@
-"""The ``loraplex`` command line (typer): ``serve`` and the operators' ``tenants``, ``keys``, ``adapters``.
+"""The ``loraplex`` command line (typer): ``serve`` and the operators' ``tenants``, ``keys``, ``adapters``,
+``db``.
 
 | module | owns |
 |---|---|
 | ``app`` | the root typer app that lists every command |
 | ``serve`` | ``loraplex serve``: settings -> engine -> app -> uvicorn; ``--print-settings`` |
-| ``admin`` | ``loraplex tenants|keys|adapters ...`` on the gateway's database and adapter store |
+| ``admin`` | ``loraplex tenants|keys|adapters|db ...`` on the gateway's database and adapter store |
 | ``flags`` | one option per setting, made from the settings' fields and docstrings |
 """
 

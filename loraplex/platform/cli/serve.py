@@ -161,7 +161,19 @@ def serve_command(**values: Any) -> int:
         level=_log_level(settings.serving.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    _bare_access_log()
     raise typer.Exit(run_server(settings))
+
+
+def _bare_access_log() -> None:
+    """Access-log lines go to stderr as they are (one JSON object per line, no prefix)."""
+    from loraplex.platform.api.observability.access_log import ACCESS_LOGGER
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access = logging.getLogger(ACCESS_LOGGER)
+    access.addHandler(handler)
+    access.propagate = False
 
 
 _PRINT = inspect.Parameter(

@@ -291,6 +291,10 @@ class AsyncEngine:
         """Ids of the registered adapters."""
         return await self._call(lambda engine: engine.list_loras())
 
+    async def lora_tiers(self) -> dict[int, str]:
+        """Where each registered adapter is now, by id: ``device`` (a slot), ``host`` or ``disk``."""
+        return await self._call(lambda engine: engine.lora_tiers())
+
     async def _call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps; its result or its error."""
         self._check_alive()

@@ -63,7 +63,7 @@ async def test_an_empty_database_upgrades_to_head_without_drift(database_url: st
 async def test_the_drift_check_sees_a_schema_that_differs(database_url: str) -> None:
     async with _migrated(database_url) as db:
         async with db.engine.begin() as connection:
-            await connection.execute(text("DROP INDEX ix_api_keys_tenant_id"))
+            await connection.execute(text("DROP INDEX ix_api_keys_tenant_id_id"))
         diff = await schema_diff(db.engine)
     assert [entry[0] for entry in diff if isinstance(entry, tuple)] == ["add_index"], diff
 

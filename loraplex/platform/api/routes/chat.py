@@ -12,7 +12,7 @@ from starlette.responses import Response
 
 from loraplex.platform.api.deps import CallDep, StateDep
 from loraplex.platform.api.errors import bad_request
-from loraplex.platform.api.openai.json_body import read_json
+from loraplex.platform.api.openai.json_body import documented_body, read_json
 from loraplex.platform.api.openai.params import chat_params, check_prompt_chars
 from loraplex.platform.api.openai.protocol import ChatCompletionRequest, Prompt
 from loraplex.platform.api.openai.responses import ResponseShape
@@ -32,7 +32,9 @@ def _render(state: AppState, messages: list[dict[str, str]]) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-@router.post("/v1/chat/completions", response_model=None)
+@router.post(
+    "/v1/chat/completions", response_model=None, openapi_extra=documented_body(ChatCompletionRequest)
+)
 async def create_chat_completion(request: Request, state: StateDep, call: CallDep) -> Response:
     """OpenAI chat completions over the model's own chat template."""
     body = await read_json(request, ChatCompletionRequest)

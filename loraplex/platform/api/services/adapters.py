@@ -32,6 +32,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from loraplex.platform.api.services.errors import Conflict, InvalidInput, NotFound, QuotaExceeded
 from loraplex.platform.api.services.names import check_adapter_name
+from loraplex.platform.api.services.pages import Page, PageRequest, decode_cursor, encode_cursor, make_page
 from loraplex.storage.db.models import VISIBILITIES, Adapter, Tenant, Visibility
 
 _VERSION = re.compile(r"[0-9a-f]{64}")
@@ -202,6 +203,67 @@ async def list_adapters(session: AsyncSession, owner: Tenant | None = None) -> l
     if owner is not None:
         query = query.where(Adapter.owner_id == owner.id)
     return list(await session.scalars(query))
+
+
+async def page_adapters(
+    session: AsyncSession,
+    page: PageRequest,
+    owner: Tenant | None = None,
+    *,
+    name_prefix: str | None = None,
+) -> Page[Adapter]:
+    """One page of ``list_adapters`` (``name_prefix``: names starting so); an opaque cursor over
+    the row id, walked on the primary key or the (owner_id, id) index."""
+    query = select(Adapter).order_by(Adapter.id).limit(page.limit + 1)
+    if owner is not None:
+        query = query.where(Adapter.owner_id == owner.id)
+    if name_prefix:
+        query = query.where(Adapter.name.startswith(name_prefix, autoescape=True))
+    if page.after is not None:
+        (after_id,) = decode_cursor(page.after, (int,))
+        query = query.where(Adapter.id > after_id)
+    return make_page(list(await session.scalars(query)), page, lambda a: encode_cursor(a.id))
+
+
+async def page_newest(
+    session: AsyncSession, owner: Tenant, page: PageRequest, *, name_prefix: str | None = None
+) -> Page[Adapter]:
+    """One page of ``list_newest``: the newest version of each of ``owner``'s names, by name; the
+    cursor is the last name shown. The names come from the (owner_id, name, version) index."""
+    names = (
+        select(func.max(Adapter.id))
+        .where(Adapter.owner_id == owner.id)
+        .group_by(Adapter.name)
+        .order_by(Adapter.name)
+        .limit(page.limit + 1)
+    )
+    if name_prefix:
+        names = names.where(
+            Adapter.name >= name_prefix, Adapter.name.startswith(name_prefix, autoescape=True)
+        )
+    if page.after is not None:
+        names = names.where(Adapter.name > page.after)
+    ids = list(await session.scalars(names))
+    rows = list(await session.scalars(select(Adapter).where(Adapter.id.in_(ids)).order_by(Adapter.name)))
+    return make_page(rows, page, lambda a: a.name)
+
+
+async def page_versions(session: AsyncSession, owner: Tenant, name: str, page: PageRequest) -> Page[Adapter]:
+    """One page of ``list_versions`` (newest first; an opaque cursor); ``NotFound`` if the adapter
+    has no version at all."""
+    query = (
+        select(Adapter)
+        .where(Adapter.owner_id == owner.id, Adapter.name == name)
+        .order_by(Adapter.id.desc())
+        .limit(page.limit + 1)
+    )
+    if page.after is not None:
+        (after_id,) = decode_cursor(page.after, (int,))
+        query = query.where(Adapter.id < after_id)
+    rows = list(await session.scalars(query))
+    if not rows and (page.after is None or not await _versions(session, owner.id, name)):
+        raise NotFound("adapter", name)
+    return make_page(rows, page, lambda a: encode_cursor(a.id))
 
 
 async def list_newest(session: AsyncSession, owner: Tenant) -> list[Adapter]:

@@ -98,8 +98,17 @@ class Admission(Protocol):
         ...
 
 
+LOCAL_TENANT = "local"
+"""The tenant name of a single-tenant server's callers (as the open-mode tenant is named)."""
+
+
 class GatedCall(Protocol):
     """One authenticated caller, for the length of one HTTP request."""
+
+    @property
+    def tenant_name(self) -> str:
+        """Who calls, for metrics and access logs (``local`` on a single-tenant server)."""
+        ...
 
     async def resolve(self, model: str | None) -> ModelTarget:
         """The model ``model`` names for this caller; ``UnknownAdapterError`` (404) otherwise."""
@@ -145,6 +154,10 @@ class StaticGate:
     def __init__(self, served_model_name: str, loras: Mapping[str, LoRARequest]) -> None:
         self.served_model_name = served_model_name
         self.loras = dict(loras)
+
+    @property
+    def tenant_name(self) -> str:
+        return LOCAL_TENANT
 
     async def open(self, request: Request) -> StaticGate:
         return self
