@@ -120,6 +120,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--peers", default=",".join(ALL_SYSTEMS), help=f"comma list out of {','.join(ALL_SYSTEMS)}"
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=["auto", "none", "gguf", "int8"],
+        help="loraplex's weight storage (EngineConfig.quantization); none = the float path HF also runs",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads for every system")
     p.add_argument(
         "--attention-backend",
@@ -252,6 +258,7 @@ def run_loraplex(
         num_threads=args.threads,
         attention_backend=args.attention_backend,
         linear_backend=args.linear_backend,
+        quantization=args.quantization,
         seed=0,
     )
     engine = llm.llm_engine

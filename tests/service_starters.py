@@ -6,6 +6,10 @@ runs one from the machine's binaries (``initdb`` + ``pg_ctl`` from PATH, /usr/lo
 if none is found) in a temporary directory, on a free port, with trust auth for ``postgres``,
 and deletes it all when stopped. ``initdb`` refuses to run as root, so as root the server runs
 as the ``postgres`` system user (created if missing).
+
+Outage tests take the server away under a running gateway and bring it back, on the same port
+and data: ``halt()`` / ``resume()`` (a stopped server: connections refused) and ``pause()`` /
+``unpause()`` (SIGSTOP on every server process: connections hang).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -31,6 +36,36 @@ class PostgresServer:
     data_dir: Path
     _bin_dir: Path
     _run_as: str | None
+    _options: str = ""
+
+    def halt(self) -> None:
+        """Stop the server at once, keeping its data (``resume`` starts it again)."""
+        pg_ctl = [str(self._bin_dir / "pg_ctl"), "-D", str(self.data_dir)]
+        _run(self._run_as, [*pg_ctl, "-m", "immediate", "stop"])
+
+    def resume(self) -> None:
+        """Start a halted server again on the same port and data (nothing if it runs)."""
+        if (self.data_dir / "postmaster.pid").exists():
+            return
+        log = str(self.data_dir.parent / "server.log")
+        pg_ctl = [str(self._bin_dir / "pg_ctl"), "-D", str(self.data_dir), "-l", log]
+        _run(self._run_as, [*pg_ctl, "-w", "-t", "60", "-o", self._options, "start"])
+
+    def pause(self) -> None:
+        """SIGSTOP the postmaster and every backend: the port accepts, nothing answers."""
+        for pid in self._pids():
+            os.kill(pid, signal.SIGSTOP)
+
+    def unpause(self) -> None:
+        for pid in self._pids():
+            os.kill(pid, signal.SIGCONT)
+
+    def _pids(self) -> list[int]:
+        postmaster = int((self.data_dir / "postmaster.pid").read_text().split()[0])
+        children = subprocess.run(
+            ["pgrep", "-P", str(postmaster)], capture_output=True, text=True, check=False
+        ).stdout.split()
+        return [postmaster, *(int(pid) for pid in children)]
 
     def stop(self) -> None:
         """Stop the server at once (no checkpoint: its data is thrown away) and delete its files."""
@@ -88,7 +123,9 @@ def start_postgres() -> PostgresServer:
     options = f"-p {port} -c listen_addresses=127.0.0.1 -k {root} -c fsync=off -c full_page_writes=off"
     pg_ctl = [str(bin_dir / "pg_ctl"), "-D", str(data_dir), "-l", str(root / "server.log")]
     _run(run_as, [*pg_ctl, "-w", "-t", "60", "-o", options, "start"])
-    return PostgresServer(f"postgresql+asyncpg://{_PG_USER}@127.0.0.1:{port}", data_dir, bin_dir, run_as)
+    return PostgresServer(
+        f"postgresql+asyncpg://{_PG_USER}@127.0.0.1:{port}", data_dir, bin_dir, run_as, options
+    )
 
 
 def _server_user() -> str | None:

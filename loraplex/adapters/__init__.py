@@ -3,6 +3,7 @@
 - ``spec``: the base model's LoRA-able layers and the stacking groups (qkv, o, gate_up, down);
 - ``peft_config`` / ``peft_weights`` / ``loader``: read ``adapter_config.json`` and
   ``adapter_model.safetensors``, reject what cannot be served, fold PEFT's scaling into B;
+- ``patterns``: PEFT's rank/alpha pattern keys matched in linear time (no backtracking);
 - ``archive``: safe extraction of archives; ``store``: the content-addressed store (the disk tier,
   shared with the gateway's uploads); ``uploads``: checking an upload before it is stored;
 - ``host_cache``: the host LRU; ``slot_table`` / ``slot_buffers``: the device slots;

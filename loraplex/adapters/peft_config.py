@@ -7,18 +7,23 @@ Scaling follows PEFT exactly (``peft/tuners/lora/model.py::_create_and_replace``
     r     = rank_pattern[first pattern p with re.match(rf"(.*\\.)?({p})$", key)]  else config r
     alpha = alpha_pattern[same rule]                                               else lora_alpha
     scaling = alpha / sqrt(r) if use_rslora else alpha / r
+
+The patterns come from tenants: they are matched by ``patterns.LinearPattern`` (same syntax and
+meaning, linear time, no backtracking), compiled once per key and cached process-wide with
+their answers, so the engine loading an adapter the gateway validated does not match again.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
-import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from loraplex.adapters.errors import AdapterValidationError, ValidationReason
+from loraplex.adapters.patterns import LinearPattern, UnsupportedPattern
 from loraplex.adapters.spec import MODULE_NAMES
 
 # init_lora_weights values whose adapters only work on a *modified* base model
@@ -40,10 +45,29 @@ _VARIANT_FIELDS = (
 )
 
 
-def pattern_key(pattern_keys: list[str], module_key: str) -> str | None:
+MAX_PATTERNS = 1024
+"""rank_pattern and alpha_pattern keys of one config, together."""
+MAX_PATTERN_STATES = 4096
+"""NFA states of the non-literal keys of one config, together: what bounds the cost of matching
+every module name of the model (literal keys, the usual case, are compared as text)."""
+
+
+@functools.lru_cache(maxsize=512)
+def compiled_pattern(key: str) -> LinearPattern:
+    """The matcher of one pattern key (``UnsupportedPattern`` if it is not one we run)."""
+    return LinearPattern(key)
+
+
+def pattern_key(pattern_keys: Sequence[str], module_key: str) -> str | None:
     """The first pattern that matches ``module_key`` by PEFT's rule, or None."""
+    return _first_match(tuple(pattern_keys), module_key)
+
+
+@functools.lru_cache(maxsize=16384)
+def _first_match(pattern_keys: tuple[str, ...], module_key: str) -> str | None:
+    # Cached: the engine loading an adapter the gateway has validated asks again.
     for key in pattern_keys:
-        if re.match(rf"(.*\.)?({key})$", module_key):
+        if compiled_pattern(key).matches(module_key):
             return key
     return None
 
@@ -61,8 +85,8 @@ class LoraSettings:
 
     def rank_and_scaling(self, module_key: str) -> tuple[int, float]:
         """``(r, scaling)`` PEFT gives the module named ``module_key``."""
-        r_key = pattern_key(list(self.rank_pattern), module_key)
-        alpha_key = pattern_key(list(self.alpha_pattern), module_key)
+        r_key = pattern_key(tuple(self.rank_pattern), module_key)
+        alpha_key = pattern_key(tuple(self.alpha_pattern), module_key)
         r = self.rank_pattern[r_key] if r_key is not None else self.r
         alpha = self.alpha_pattern[alpha_key] if alpha_key is not None else self.lora_alpha
         scaling = alpha / math.sqrt(r) if self.use_rslora else alpha / r
@@ -152,11 +176,22 @@ def parse_lora_config(raw: bytes, source: str) -> LoraSettings:
         raise _fail("bad_config", source, "rank_pattern and alpha_pattern must be JSON objects")
     ranks = {str(k): _positive_int(v, f"rank_pattern[{k!r}]", source) for k, v in rank_pattern.items()}
     alphas = {str(k): _number(v, f"alpha_pattern[{k!r}]", source) for k, v in alpha_pattern.items()}
+    if len(ranks) + len(alphas) > MAX_PATTERNS:
+        raise _fail("bad_config", source, f"over {MAX_PATTERNS} rank_pattern / alpha_pattern keys")
+    num_states = 0
     for pattern in (*ranks, *alphas):
+        shown = pattern if len(pattern) <= 80 else pattern[:77] + "..."
         try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise _fail("bad_config", source, f"pattern {pattern!r} is not a valid regex ({exc})") from exc
+            num_states += compiled_pattern(pattern).num_states
+        except UnsupportedPattern as exc:
+            raise _fail("bad_config", source, f"pattern {shown!r} cannot be used: {exc}") from None
+        if num_states > MAX_PATTERN_STATES:
+            raise _fail(
+                "bad_config",
+                source,
+                f"the rank_pattern / alpha_pattern regexes are too complex together (over "
+                f"{MAX_PATTERN_STATES} states at {shown!r}); list module names instead",
+            )
     use_rslora = config.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
         raise _fail("bad_config", source, f"use_rslora must be true or false, got {use_rslora!r}")

@@ -18,7 +18,8 @@ One layout and one class for both users of a store:
   under it. Folders it copied are reference counted: two ids with identical content share one.
 
 A crash leaves only ``.staging-*`` folders: ``open`` removes those older than an hour (a
-younger one may be another replica's upload in flight).
+younger one may be another replica's upload in flight). Tenants' adapters are private: the root
+and every folder are 0700, the files 0600.
 """
 
 from __future__ import annotations
@@ -64,6 +65,14 @@ class StagedAdapter:
     parsed: ParsedAdapter
 
 
+def _private(folder: Path) -> None:
+    """Only this user may read an adapter: the folder 0700, its files 0600."""
+    os.chmod(folder, 0o700)
+    for child in folder.iterdir():
+        if child.is_file() and not child.is_symlink():
+            os.chmod(child, 0o600)
+
+
 class AdapterStore:
     """Content-addressed adapter folders under one root; thread-safe."""
 
@@ -96,6 +105,7 @@ class AdapterStore:
     def open(self) -> None:
         """Create the root and remove staging folders a crash left behind (older than an hour)."""
         root = self.root
+        os.chmod(root, 0o700)
         now = time.time()
         for stale in root.glob(STAGING_PREFIX + "*"):
             try:
@@ -124,9 +134,22 @@ class AdapterStore:
         with self._lock:
             if final.exists():
                 return False
-            os.chmod(folder, 0o755)
+            _private(folder)
             folder.rename(final)
             return True
+
+    def versions_older_than(self, age_s: float) -> list[str]:
+        """Stored versions whose folder is older than ``age_s`` (a younger one may be an upload
+        another replica is about to commit)."""
+        now = time.time()
+        out = []
+        for folder in self.root.iterdir():
+            try:
+                if _VERSION_NAME.fullmatch(folder.name) and now - folder.stat().st_mtime > age_s:
+                    out.append(folder.name)
+            except FileNotFoundError:
+                continue
+        return sorted(out)
 
     def remove(self, version: str) -> None:
         """Delete a stored version (once nothing references it)."""
@@ -184,7 +207,7 @@ class AdapterStore:
             if final.exists():
                 shutil.rmtree(staging)  # same content is already stored
             else:
-                os.chmod(staging, 0o755)
+                _private(staging)
                 staging.rename(final)
             self._refcounts[final] = self._refcounts.get(final, 0) + 1
         return final

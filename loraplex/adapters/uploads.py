@@ -80,6 +80,11 @@ class AdapterValidator:
             max_total_bytes=max_weights + MAX_CONFIG_BYTES + (1 << 20),
         )
 
+    @property
+    def max_upload_bytes(self) -> int:
+        """The largest upload that can hold a valid adapter: the archive limit, plus its headers."""
+        return self.archive_limits.max_total_bytes + self.archive_limits.max_members * 1024
+
     def validate(self, files: dict[str, UploadedFile], staging: Path) -> AdapterFacts:
         """Check an upload (``file``, or ``adapter_config`` + ``adapter_model``) against the base
         model; its two files end up in ``staging/adapter``. ``AdapterValidationError`` otherwise."""

@@ -1,13 +1,17 @@
 """Contracts of the engine's compute backends, and the one definition of their names.
 
-Four subsystems have more than one implementation, so each has a contract here:
+Four subsystems have more than one implementation, so each has a contract here
+(and one data contract, the weight formats a projection may be stored in):
 
 * ``AttentionBackend``: paged attention over a flat batch, plus the KV cache writes
   and block copies that go with it;
 * ``LoRABackend``: batched multi-adapter LoRA (shrink, expand, apply);
 * ``LinearBackend``: the base model's dense projections;
 * ``PointwiseBackend``: the per-token elementwise ops between them (RMSNorm with the
-  residual add, rotary embedding, the gated activation).
+  residual add, rotary embedding, the gated activation);
+* ``WeightFormat`` / ``PackedWeight``: a projection's weight kept in a block format
+  (GGUF's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K, F16 / BF16, per-channel int8) and never
+  expanded to floats; each format is one module in ``formats/`` with its torch reference.
 
 Implementations live in ``portable/`` (pure PyTorch, runs anywhere), ``cpu/`` (C
 kernels compiled for the host) and ``triton/`` (CUDA); ``registry.py`` picks one by
@@ -26,6 +30,7 @@ so one block's tokens are contiguous and one token's heads are contiguous.
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
@@ -35,12 +40,16 @@ from loraplex.kernels.metadata import AttentionMetadata, LoRAMetadata
 
 AttentionBackendName = Literal["auto", "torch", "triton", "cpu"]
 LoRABackendName = Literal["auto", "torch", "triton", "cpu"]
-# No Triton linear backend: on CUDA torch's F.linear already runs cuBLAS.
-LinearBackendName = Literal["auto", "torch", "cpu"]
+# "triton" computes packed (quantized) weights on CUDA; float weights there take F.linear (cuBLAS).
+LinearBackendName = Literal["auto", "torch", "cpu", "triton"]
+# Weight formats a projection may be kept in (formats/): block formats from GGUF files,
+# float halves, and per-channel int8 made at load time.
+WeightFormatName = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "int8"]
 
 ATTENTION_BACKEND_NAMES: tuple[AttentionBackendName, ...] = get_args(AttentionBackendName)
 LORA_BACKEND_NAMES: tuple[LoRABackendName, ...] = get_args(LoRABackendName)
 LINEAR_BACKEND_NAMES: tuple[LinearBackendName, ...] = get_args(LinearBackendName)
+WEIGHT_FORMAT_NAMES: tuple[WeightFormatName, ...] = get_args(WeightFormatName)
 
 
 class AttentionBackend(abc.ABC):
@@ -150,11 +159,93 @@ class LoRABackend(abc.ABC):
         self.expand(y, x_rank, lora_b, scales, slice_sizes, meta)
 
 
+class WeightFormat(abc.ABC):
+    """How one row of a projection's weight is stored: ``blocks_per_row`` blocks of
+    ``block_size`` weights in ``block_bytes`` bytes each (GGUF's layout: a row's blocks are
+    contiguous, so rows can be permuted or concatenated as byte rows).
+
+    ``dequantize`` is the portable reference every kernel is tested against; it must give
+    the very floats GGUF's own reader (``gguf.quants``) gives, because the fidelity tests
+    compare with HF transformers on those floats.
+    """
+
+    name: WeightFormatName
+    block_size: int  # weights per block
+    block_bytes: int  # bytes per block
+    c_id: int  # the format's number in the C kernels (quant_linear.c); 0 = none there
+    row_extra_bytes: int = 0  # bytes after a row's blocks (per-channel int8: its scale)
+
+    def row_bytes(self, in_features: int) -> int:
+        """Bytes of one stored row of ``in_features`` weights."""
+        self.check_in_features(in_features)
+        return in_features // self.block_size * self.block_bytes + self.row_extra_bytes
+
+    def check_in_features(self, in_features: int) -> None:
+        if in_features % self.block_size:
+            raise ValueError(
+                f"{self.name} stores rows in blocks of {self.block_size} weights; "
+                f"{in_features} is not a multiple"
+            )
+
+    @abc.abstractmethod
+    def dequantize(self, data: torch.Tensor, in_features: int) -> torch.Tensor:  # [rows, in] float32
+        """The float32 weights of ``data`` ([rows, row_bytes] uint8)."""
+
+    def quantize(self, weight: torch.Tensor) -> torch.Tensor:  # [rows, row_bytes] uint8
+        """Store ``weight`` ([rows, in_features], float) in this format (tests, load-time int8)."""
+        raise NotImplementedError(f"{self.name}: weights are read in this format, not written")
+
+
+@dataclass(frozen=True, eq=False)
+class PackedWeight:
+    """A projection's weight kept in ``format``: ``data`` is [out_features, row_bytes] uint8."""
+
+    format: WeightFormat
+    data: torch.Tensor
+    in_features: int
+
+    def __post_init__(self) -> None:
+        if self.data.dtype != torch.uint8 or self.data.dim() != 2:
+            raise ValueError(
+                f"packed data must be [rows, bytes] uint8, got {self.data.dtype} {tuple(self.data.shape)}"
+            )
+        if self.data.shape[1] != self.format.row_bytes(self.in_features):
+            raise ValueError(
+                f"{self.format.name} rows of {self.in_features} weights take "
+                f"{self.format.row_bytes(self.in_features)} bytes, not {self.data.shape[1]}"
+            )
+
+    @property
+    def out_features(self) -> int:
+        return int(self.data.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def dequantize(self) -> torch.Tensor:  # [out_features, in_features] float32
+        """The float32 weight (the portable reference; costs the full float matrix)."""
+        return self.format.dequantize(self.data, self.in_features)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:  # [len(index), in_features] float32
+        """Some rows as floats (an embedding lookup from a packed table)."""
+        return self.format.dequantize(self.data[index], self.in_features)
+
+    def to(self, device: torch.device) -> PackedWeight:
+        return PackedWeight(self.format, self.data.to(device), self.in_features)
+
+
+Weight = torch.Tensor | PackedWeight
+"""What a projection computes from: a float matrix (or a backend's layout of one), or packed blocks."""
+
+
 class LinearBackend(abc.ABC):
     """The base model's dense projections, ``y = x @ W^T + b``.
 
     A backend may keep weights in its own layout: the model passes each weight through
-    ``prepare`` once at load time and hands the result back to ``__call__``.
+    ``prepare`` once at load time and hands the result back to ``__call__``. Packed
+    weights (``PackedWeight``) pass through ``prepare`` unchanged; every backend computes
+    them (the portable one by dequantizing, slowly: the reference).
     """
 
     name: str
@@ -167,7 +258,7 @@ class LinearBackend(abc.ABC):
     def __call__(
         self,
         x: torch.Tensor,  # [num_tokens, in_features]
-        weight: torch.Tensor,  # what prepare returned
+        weight: Weight,  # what prepare returned, or a PackedWeight
         bias: torch.Tensor | None,  # [out_features]
         out_features: int,
     ) -> torch.Tensor:  # [num_tokens, out_features]

@@ -3,7 +3,7 @@
 ``select_*_backend("auto", device)`` picks::
 
     device   attention / LoRA                           linear
-    cuda     triton                                     torch (F.linear, cuBLAS)
+    cuda     triton                                     triton (packed weights; F.linear for floats)
     cpu      cpu when its C kernels build, else torch   cpu when its C kernels build, else torch
     other    torch                                      torch
 
@@ -24,6 +24,7 @@ from loraplex.kernels.contracts import (
     ATTENTION_BACKEND_NAMES,
     LINEAR_BACKEND_NAMES,
     LORA_BACKEND_NAMES,
+    WEIGHT_FORMAT_NAMES,
     AttentionBackend,
     AttentionBackendName,
     LinearBackend,
@@ -31,6 +32,7 @@ from loraplex.kernels.contracts import (
     LoRABackend,
     LoRABackendName,
     PointwiseBackend,
+    WeightFormat,
 )
 
 
@@ -104,8 +106,13 @@ def _linear_register_tile() -> bool:
 
 
 def select_linear_backend(name: LinearBackendName, device: torch.device) -> LinearBackend:
-    """Return the linear backend for ``name`` on ``device`` (C panels on CPU by default)."""
+    """Return the linear backend for ``name`` on ``device`` (C panels on CPU, Triton for packed
+    weights on CUDA, by default)."""
     _check_name("linear", name, LINEAR_BACKEND_NAMES)
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        from loraplex.kernels.triton.quant_linear import TritonLinearBackend
+
+        return TritonLinearBackend()
     # "auto" takes the panel kernel where the library has a register tile for this CPU
     # (AVX-512: 6 x 64, AVX2 + FMA: 6 x 16); built for other vector units its tile spills
     # and F.linear is faster ("cpu" forces it anywhere it builds).
@@ -117,7 +124,7 @@ def select_linear_backend(name: LinearBackendName, device: torch.device) -> Line
         return CpuLinearBackend()
     from loraplex.kernels.portable.linear import PortableLinearBackend
 
-    return PortableLinearBackend()  # torch, and 'auto' off the CPU (cuBLAS on CUDA)
+    return PortableLinearBackend()  # torch, and 'auto' on other devices
 
 
 def select_pointwise_backend(device: torch.device, *, portable: bool = False) -> PointwiseBackend:
@@ -130,3 +137,13 @@ def select_pointwise_backend(device: torch.device, *, portable: bool = False) ->
     from loraplex.kernels.portable.pointwise import PortablePointwiseBackend
 
     return PortablePointwiseBackend()
+
+
+def weight_format(name: str) -> WeightFormat:
+    """The ``WeightFormat`` called ``name`` (``formats/``): q8_0, q4_0, q4_1, q4_k, q6_k, f16, bf16,
+    f32 or int8."""
+    if name not in WEIGHT_FORMAT_NAMES:
+        raise ValueError(f"unknown weight format {name!r}; choose one of {', '.join(WEIGHT_FORMAT_NAMES)}")
+    from loraplex.kernels.formats import FORMATS
+
+    return FORMATS[name]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -61,14 +62,21 @@ def test_serve_default_model_answers_chat() -> None:
         bad = httpx.post(f"{base}/v1/chat/completions", json={**body, "max_tokens": -1}, timeout=30)
         assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
         # SIGTERM stops the server even with a long stream open: after the grace period
-        # (--graceful-shutdown-s, 10 s by default) open requests are cancelled, and the
-        # process ends as SIGTERM ends it (uvicorn raises it again once it has shut down).
+        # (--graceful-shutdown-s, 10 s by default) what still runs ends with an error event, and
+        # the process ends as SIGTERM ends it (uvicorn raises it again once it has shut down).
         long = {**body, "max_tokens": 4000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=long, timeout=120) as r:
             assert r.status_code == 200
             next(r.iter_lines())
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        # One bare JSON access-log line per request, without the prompt's text.
+        output = proc.stdout.read() if proc.stdout else ""
+        access = [json.loads(line) for line in output.splitlines() if line.startswith('{"ts"')]
+        chats = [e for e in access if e["path"] == "/v1/chat/completions"]
+        assert [e["status"] for e in chats][:2] == [200, 400], output
+        assert chats[0]["tenant"] == "local" and chats[0]["generated_tokens"] > 0
+        assert "capital of France" not in output
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -33,6 +33,7 @@ _KERNEL_MODULES = (
     "lora_expand",
     "attention_backend",
     "lora_backend",
+    "quant_linear",
 )
 
 

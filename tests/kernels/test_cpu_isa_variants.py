@@ -113,3 +113,21 @@ def test_paged_extend(
             max_row_vectors=row_vectors,
         )
         assert_close(out, expected, dtype, f"{variant[0]} extend, {row_vectors} row vectors")
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "f16", "bf16", "int8"])
+def test_quant_linear(variant: tuple[str, int, bool, int, bool], name: str) -> None:
+    from quant_testlib import random_packed
+
+    from loraplex.kernels.cpu.quant_linear import qlinear
+
+    gen = torch.Generator().manual_seed(len(name))
+    k = 512 if name in ("q4_k", "q6_k") else 96
+    for m, n, plan in [(1, 7, "direct"), (3, 66, "direct"), (13, 67, "panels"), (5, 130, "auto")]:
+        packed = random_packed(name, n, k, gen)
+        x = torch.randn(m, k, generator=gen)
+        b = torch.randn(n, generator=gen)
+        expected = x.double() @ packed.dequantize().double().t() + b.double()
+        y = qlinear(x, packed, b, plan)
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(y.double(), expected, atol=1e-5 * scale * k**0.5, rtol=1e-5)

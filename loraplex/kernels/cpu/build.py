@@ -44,6 +44,7 @@ SOURCES = (
     "linear_panels.c",
     "pointwise.c",
     "kv_write.c",
+    "quant_linear.c",
 )  # compiled; every *.c and *.h here goes into the cache key
 CFLAGS = (
     "-O3",

@@ -12,7 +12,8 @@ a decode step costs more than the product. On an AVX2-only AMD EPYC (where MKL a
 takes a generic path) the AVX2 tile ran 32-row steps ~1.8x and 1-row steps ~2.3x faster
 than ``F.linear`` over a model-sized working set, and 1,056-row prefills about as fast.
 The packed weight replaces the original (same bytes, padded to whole panels), so the
-model holds one copy. float32 only; other dtypes keep ``F.linear``.
+model holds one copy. float32 only; other dtypes keep ``F.linear``. Packed (quantized)
+weights go to ``quant_linear.c`` (other activation dtypes through float32).
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from loraplex.kernels.contracts import LinearBackend
+from loraplex.kernels.contracts import LinearBackend, PackedWeight, Weight
+from loraplex.kernels.cpu import quant_linear
 from loraplex.kernels.cpu.build import bind, limit
+from loraplex.kernels.portable.linear import reference_linear
 
 _ARGTYPES = (
     ctypes.c_void_p,
@@ -116,10 +119,15 @@ class CpuLinearBackend(LinearBackend):
     def __call__(
         self,
         x: torch.Tensor,
-        weight: torch.Tensor,
+        weight: Weight,
         bias: torch.Tensor | None,
         out_features: int,
     ) -> torch.Tensor:
+        if isinstance(weight, PackedWeight):
+            if quant_linear.supports(weight, x.float()):
+                y = quant_linear.qlinear(x.float(), weight, None if bias is None else bias.float())
+                return y.to(x.dtype)
+            return reference_linear(x, weight, bias)
         if weight.dim() == 3:  # packed by prepare
             return linear_packed(x, weight, bias, out_features)
         return F.linear(x, weight, bias)

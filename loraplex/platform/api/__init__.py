@@ -10,13 +10,17 @@ engine's internals, the model and the KV storage here).
 | ``deps`` | every dependency the routes declare (``StateDep``, ``CallDep``, ``SessionDep``, ...) |
 | ``errors`` | ``APIError`` and OpenAI's error body for every error, all handlers in one place |
 | ``middleware`` | the request body size limit (per path: uploads have their own) |
+| ``open_mode`` | open mode's guard: ``Host`` and ``Origin`` of the local machine only |
 | ``gateway`` | ``Gateway``: database, quotas, adapter store and catalog; tenant deletion, cache reset |
 | ``schemas`` | request and response bodies of the gateway's own APIs (admin, adapters) |
 | ``background`` | work that must finish after a response (settling quotas, usage records) |
-| ``server`` | ``Server`` / ``serve``: uvicorn until a signal or the engine dies (exit code 1) |
+| ``usage_buffer`` | ``UsageBuffer``: usage records held through a database outage, written in batches |
+| ``server`` | ``Server`` / ``serve``: uvicorn until a signal (drained first) or the engine dies (exit 1) |
+| ``lifecycle`` | ``Lifecycle``: draining for a shutdown, the requests in flight |
+| ``observability/`` | ``/metrics``, ``/ready``, access logs: a ``RequestRecord`` per request |
 | ``openai/`` | the OpenAI surface: request bodies, params, the request pipeline, responses, SSE |
 | ``tenancy/`` | the request gate, API keys and the admin token, quotas, usage accounting |
 | ``catalog/`` | tenants' adapters: uploads, deletions, versions registered in the engine |
 | ``services/`` | what the routes, the admin UI and the CLI do to the metadata database |
-| ``routes/`` | one router per resource: completions, chat, models, health, adapters, admin |
+| ``routes/`` | one router per resource: completions, chat, models, health, metrics, adapters, admin |
 """

@@ -2,12 +2,14 @@
 
 ``/v1/completions``, ``/v1/chat/completions`` (both streamed with SSE, with
 ``stream_options.include_usage``), ``/v1/models`` and ``/health`` always; with tenants (the
-default) also ``/v1/adapters`` (tenant uploads) and ``/admin/api`` (operators). Every error is
+default) also ``/v1/adapters`` (tenant uploads), ``/admin/api`` (operators) and the admin web UI under
+``/admin`` (``loraplex.admin_ui``). Every error is
 OpenAI's error body (``errors``); per-request limits are ``ServerLimits``. Who may call and what
 is the ``gate``: a single-tenant server has a ``StaticGate`` (no auth, the ``lora_modules``
 names, no quotas, no database); with tenants the ``Gateway``'s ``TenantGate`` (API keys,
 per-tenant adapters, quotas, usage) and the gateway's start-up and shutdown run in the
-app's lifespan.
+app's lifespan. Around every request but the probes, the ``RequestObserver`` (``observability``)
+feeds ``/metrics`` and the access log and refuses new work while the server drains (``lifecycle``).
 """
 
 from __future__ import annotations
@@ -19,12 +21,19 @@ from importlib.metadata import version
 
 from fastapi import FastAPI
 
+from loraplex import admin_ui
 from loraplex.adapters import LoRARequest
 from loraplex.platform.api.errors import install_error_handlers
 from loraplex.platform.api.gateway import Gateway
+from loraplex.platform.api.lifecycle import Lifecycle
 from loraplex.platform.api.middleware import BodyLimits
+from loraplex.platform.api.observability.access_log import log_access
+from loraplex.platform.api.observability.metrics import ServerMetrics
+from loraplex.platform.api.observability.observer import RequestObserver
+from loraplex.platform.api.observability.record import RequestRecord
+from loraplex.platform.api.open_mode import OpenModeGuard
 from loraplex.platform.api.openai.logprobs import TokenText
-from loraplex.platform.api.routes import adapters, admin, chat, completions, health, models
+from loraplex.platform.api.routes import adapters, admin, chat, completions, health, metrics, models
 from loraplex.platform.api.state import AppState
 from loraplex.platform.api.tenancy.gate import StaticGate
 from loraplex.platform.engine.async_engine import AsyncEngine
@@ -66,7 +75,19 @@ def build_app(
         finally:
             await gateway.stop()
 
-    app = FastAPI(title="loraplex", version=version("loraplex"), lifespan=lifespan)
+    # The API's description lists the admin routes too: public only where nobody needs a key.
+    docs = gateway is None or settings.gateway.api_docs_on
+    app = FastAPI(
+        title="loraplex",
+        version=version("loraplex"),
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
+    serving = settings.serving
+    server_metrics = ServerMetrics(engine, gateway, engine.limits.block_size, serving.metrics_tenant_label)
+    lifecycle = Lifecycle()
     app.state.loraplex = AppState(
         engine=engine,
         settings=settings,
@@ -76,15 +97,37 @@ def build_app(
         text_of=TokenText(engine.tokenizer),
         gate=StaticGate(name, named) if gateway is None else gateway.gate,
         gateway=gateway,
+        metrics=server_metrics,
+        lifecycle=lifecycle,
     )
     install_error_handlers(app)
-    by_path = {}
+    by_path, shown_by_path = {}, {}
     if gateway is not None:
-        by_path[adapters.UPLOAD_PATH] = settings.gateway.max_upload_bytes + _MULTIPART_SLACK_BYTES
-    app.add_middleware(BodyLimits, default_bytes=settings.limits.max_request_body_bytes, by_path=by_path)
-    for module in (completions, chat, models, health):
+        by_path[adapters.UPLOAD_PATH] = gateway.max_upload_bytes + _MULTIPART_SLACK_BYTES
+        by_path[admin_ui.UPLOAD_PATH] = gateway.max_upload_bytes + _MULTIPART_SLACK_BYTES
+        # Both 413s of an upload quote max_upload_bytes, as the upload form's does.
+        shown_by_path[adapters.UPLOAD_PATH] = gateway.max_upload_bytes
+        shown_by_path[admin_ui.UPLOAD_PATH] = gateway.max_upload_bytes
+    app.add_middleware(
+        BodyLimits,
+        default_bytes=settings.limits.max_request_body_bytes,
+        by_path=by_path,
+        shown_by_path=shown_by_path,
+    )
+    if gateway is not None and settings.gateway.auth == "open":
+        app.add_middleware(OpenModeGuard, bound_host=settings.serving.host)
+
+    def on_close(record: RequestRecord) -> None:
+        server_metrics.observe(record)
+        if serving.access_log:
+            log_access(record, serving.access_log_prompts)
+
+    # Added last, so it runs first: it sees the 413 of BodyLimits and the draining refusal.
+    app.add_middleware(RequestObserver, lifecycle=lifecycle, on_close=on_close)
+    for module in (completions, chat, models, health, metrics):
         app.include_router(module.router)
     if gateway is not None:
         app.include_router(adapters.router)
         app.include_router(admin.router)
+        admin_ui.mount_admin_ui(app, settings.gateway)
     return app

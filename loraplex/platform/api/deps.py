@@ -6,8 +6,10 @@
 | ``CallDep`` | the caller, authenticated by the gate (a tenant, or anyone single-tenant) | 401 |
 | ``GatewayDep`` | the ``Gateway`` (database, quotas, adapter catalog) | |
 | ``SessionDep`` | a session in a transaction, committed before the response is sent | |
-| ``CurrentTenant`` | the tenant of the request's API key (``local`` with auth="open") | 401 |
+| ``CurrentTenant`` | the tenant of the request's API key (``local`` with auth="open"), cached | 401, 503 |
 | ``require_admin`` | nothing: the request carries the admin token (once, on the admin router) | 401, 403 |
+| ``forget_cached_auth`` | nothing; after a non-GET admin call, the cached key checks dropped | |
+| ``PageDep`` | the page a list asks for: ``?limit=`` (1-100, default 20) and ``?after=`` | 400 |
 
 ``SessionDep`` opens a write transaction (``BEGIN IMMEDIATE`` on SQLite) for methods other than
 GET, since those read and then write. Long work (an upload) opens its own short transaction
@@ -20,12 +22,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Query, Request
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from loraplex.platform.api.gateway import Gateway
+from loraplex.platform.api.observability.record import record_of
+from loraplex.platform.api.services.pages import DEFAULT_LIMIT, MAX_LIMIT, PageRequest
 from loraplex.platform.api.state import AppState, app_state
-from loraplex.platform.api.tenancy.auth import authenticate_tenant, check_admin
+from loraplex.platform.api.tenancy.auth import check_admin
 from loraplex.platform.api.tenancy.gate import GatedCall
 from loraplex.storage.db import Tenant
 
@@ -39,7 +43,11 @@ StateDep = Annotated[AppState, Depends(get_state)]
 
 async def open_call(request: Request) -> GatedCall:
     """The caller of ``request``, authenticated by the server's gate (401 from the gateway)."""
-    return await get_state(request).gate.open(request)
+    call = await get_state(request).gate.open(request)
+    record = record_of(request.scope)
+    if record is not None:
+        record.tenant = call.tenant_name
+    return call
 
 
 CallDep = Annotated[GatedCall, Depends(open_call)]
@@ -65,8 +73,7 @@ SessionDep = Annotated[AsyncSession, Depends(get_session, scope="function")]
 
 
 async def current_tenant(request: Request) -> Tenant:
-    gateway = get_gateway(request)
-    return await authenticate_tenant(gateway.db, gateway.settings.auth, request)
+    return await get_gateway(request).gate.authenticator.tenant(request)
 
 
 CurrentTenant = Annotated[Tenant, Depends(current_tenant)]
@@ -75,3 +82,22 @@ CurrentTenant = Annotated[Tenant, Depends(current_tenant)]
 def require_admin(request: Request) -> None:
     """Pass when the request carries the admin token (401 otherwise; 403 when none is set)."""
     check_admin(get_gateway(request).settings.admin_token, request)
+
+
+async def forget_cached_auth(request: Request) -> AsyncIterator[None]:
+    """After an admin call that may change keys or tenants, this replica's cached key checks go:
+    a revocation, a disabled tenant or new quotas apply here at once (elsewhere within the TTL)."""
+    yield
+    if request.method != "GET":
+        get_gateway(request).gate.authenticator.forget()
+
+
+def page_request(
+    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = DEFAULT_LIMIT,
+    after: Annotated[str | None, Query(min_length=1, max_length=512)] = None,
+) -> PageRequest:
+    """The page a list request asks for (OpenAI's ``limit`` and ``after``)."""
+    return PageRequest(limit=limit, after=after)
+
+
+PageDep = Annotated[PageRequest, Depends(page_request)]

@@ -12,6 +12,7 @@ Invalid input is always 400 (FastAPI's own 422 included), never 422.
 | ``EngineDeadError`` | 503 | engine_dead |
 | ``EngineOverloadedError`` (past ``max_queued_requests``) | 503, ``Retry-After`` | overloaded |
 | ``request_error``: a ``RequestError`` the engine ended a request with | by its kind (below) | by its kind |
+| ``DatabaseUnavailable``: database unreachable or too slow | 503, ``Retry-After`` | database_unavailable |
 | ``unauthorized``: no, wrong, revoked, expired key | 401, ``WWW-Authenticate: Bearer`` | invalid_api_key |
 | ``quota_refusal``: rpm, tpm, concurrency | 429, ``Retry-After`` | rate_limit_exceeded |
 | ``quota_refusal``: request_over_tpm (never fits) | 429 | rate_limit_exceeded |
@@ -32,6 +33,11 @@ error's ``ErrorKind``, never its text: deadline 408 ``request_timeout``, aborted
 ``request_aborted``, adapter_unavailable 503 ``adapter_unavailable``, overload 503 ``overloaded``,
 invalid 400 ``invalid_value``, engine_failure 500 ``internal_error``. In a stream, the same body is
 the error event.
+
+A refusal also has a ``reason`` (``rejection_reason``): the label under which
+``loraplex_rejected_requests_total`` counts it (rate_limit, token_limit, concurrency,
+quota_unavailable, overload, deadline, shutting_down, unauthorized, invalid). An ``APIError`` may
+name it (``reason=``); otherwise it follows from the status and ``code``.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplex.adapters import AdapterValidationError
+from loraplex.platform.api.observability.record import note_error
 from loraplex.platform.api.services.errors import (
     Conflict,
     EngineBusy,
@@ -61,6 +68,7 @@ from loraplex.platform.engine.errors import (
     RequestError,
     UnknownAdapterError,
 )
+from loraplex.storage.db import DatabaseUnavailable
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
@@ -84,6 +92,7 @@ class APIError(Exception):
         code: str | None = None,
         err_type: str = INVALID_REQUEST,
         headers: dict[str, str] | None = None,
+        reason: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -92,6 +101,8 @@ class APIError(Exception):
         self.code = code
         self.err_type = err_type
         self.headers = dict(headers or {})
+        self.reason = reason
+        """Why the request was refused, for metrics (see ``rejection_reason``); None: derived."""
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.err_type, self.param, self.code)
@@ -134,10 +145,70 @@ def quota_refusal(decision: QuotaDecision) -> APIError:
     headers = {} if decision.retry_after_header is None else {"Retry-After": decision.retry_after_header}
     if decision.reason == "unavailable":
         return APIError(
-            503, decision.detail, code="quota_unavailable", err_type=SERVER_ERROR, headers=headers
+            503,
+            decision.detail,
+            code="quota_unavailable",
+            err_type=SERVER_ERROR,
+            headers=headers,
+            reason="quota_unavailable",
         )
     kind = "tokens" if decision.reason in ("tpm", "request_over_tpm") else "requests"
-    return APIError(429, decision.detail, code="rate_limit_exceeded", err_type=kind, headers=headers)
+    reason = _QUOTA_REASONS.get(decision.reason or "", "rate_limit")
+    return APIError(
+        429, decision.detail, code="rate_limit_exceeded", err_type=kind, headers=headers, reason=reason
+    )
+
+
+_QUOTA_REASONS = {
+    "rpm": "rate_limit",
+    "tpm": "token_limit",
+    "request_over_tpm": "token_limit",
+    "concurrency": "concurrency",
+}
+"""Quota refusal reason -> the ``rejected_requests_total`` reason."""
+
+_REASONS_BY_CODE = {
+    "rate_limit_exceeded": "rate_limit",
+    "quota_unavailable": "quota_unavailable",
+    "shutting_down": "shutting_down",
+    "server_overloaded": "overload",
+    "overloaded": "overload",
+    "deadline_exceeded": "deadline",
+    "request_timeout": "deadline",
+    "invalid_api_key": "unauthorized",
+}
+"""``code`` -> reason, for errors that do not name their reason."""
+
+
+def rejection_reason(err: APIError) -> str | None:
+    """Why ``err`` refused (or cut short) a request, as counted in ``loraplex_rejected_requests_total``;
+    None for an error that is not a refusal (a 500, the engine gone, a conflict)."""
+    if err.reason is not None:
+        return err.reason
+    by_code = _REASONS_BY_CODE.get(err.code or "")
+    if by_code is not None:
+        return by_code
+    if err.status in (401, 403):
+        return "unauthorized"
+    if err.status in (400, 404, 405, 413, 422):
+        return "invalid"
+    if err.status == 429:
+        return "rate_limit"
+    if err.status == 504:
+        return "deadline"
+    return None
+
+
+def database_unavailable(exc: DatabaseUnavailable) -> APIError:
+    """503 while the metadata database cannot be reached: the caller should retry, nothing is wrong
+    with its request (and a key not seen recently is not refused: the gateway cannot know)."""
+    return APIError(
+        503,
+        exc.reason,
+        code="database_unavailable",
+        err_type=SERVER_ERROR,
+        headers={"Retry-After": str(exc.retry_after_s)},
+    )
 
 
 _REQUEST_ERRORS: dict[ErrorKind, tuple[int, str, str]] = {
@@ -210,6 +281,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(503, str(exc) or "the engine has stopped", code="engine_dead", err_type=SERVER_ERROR)
     if isinstance(exc, ServiceError):
         return _service_error(exc)
+    if isinstance(exc, DatabaseUnavailable):
+        return database_unavailable(exc)
     if isinstance(exc, AdapterValidationError):
         return rejected_adapter(exc)
     return APIError(500, "internal server error", code="internal_error", err_type=SERVER_ERROR)
@@ -242,33 +315,45 @@ _MAPPED: tuple[type[Exception], ...] = (
     EngineOverloadedError,
     ServiceError,
     AdapterValidationError,
+    DatabaseUnavailable,
 )
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Route every exception the app can raise to OpenAI's error body."""
+def error_response(request: Request, err: APIError) -> JSONResponse:
+    """``err`` as OpenAI's error body, noted on the request's record first (where the metrics and
+    the access log read it): every handler that answers an error goes through here."""
+    note_error(request.scope, err)
+    return err.response()
 
-    async def _mapped(_: Request, exc: Exception) -> JSONResponse:
-        return to_api_error(exc).response()
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every exception the app can raise to OpenAI's error body (and note it on the
+    request's record, where the metrics count refusals by reason)."""
+
+    answer = error_response
+
+    async def _mapped(request: Request, exc: Exception) -> JSONResponse:
+        return answer(request, to_api_error(exc))
 
     for error_class in _MAPPED:
         app.add_exception_handler(error_class, _mapped)
 
     @app.exception_handler(RequestValidationError)
-    async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(list(exc.errors())).response()
+    async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return answer(request, validation_error(list(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         codes = {404: "not_found", 405: "method_not_allowed"}
         detail = exc.detail if isinstance(exc.detail, str) else "error"
         message = f"{detail}: {request.method} {request.url.path}"
-        return APIError(
+        err = APIError(
             exc.status_code, message, code=codes.get(exc.status_code), headers=dict(exc.headers or {})
-        ).response()
+        )
+        return answer(request, err)
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
         # Starlette re-raises the exception after this response is sent, so the
         # server (uvicorn) logs its trace once; logging it here too would double it.
-        return to_api_error(exc).response()
+        return answer(request, to_api_error(exc))

@@ -4,21 +4,31 @@
     limiter      quotas: through Redis when ``redis_url`` is set (every replica), else in process
     store        the content-addressed adapter store, shared with the engine (served in place)
     catalog      uploads and deletions, keeping files, rows and the engine in step
-    gate         ``TenantGate``: API keys, per-tenant models, quotas, usage records
+    gate         ``TenantGate``: API keys (``Authenticator``, cached), per-tenant models, quotas
+    usage        ``UsageBuffer``: usage records on their way to the database (an outage delays them)
 
 Operations the routes (and the admin UI) call, so none of them lives in a route:
 
     delete_tenant(name)       rows, the adapter files nobody else uses, its engine adapters, its KV
+                              (here, and on the other replicas through ``replica_events``)
     reset_prefix_cache()      every cached KV block on every tier (``EngineBusy`` while requests run)
 
-At start-up (``start``): migrations under a lock (replicas may start together), the store opened,
-the ``local`` tenant when auth="open". At shutdown (``stop``): pending usage written, the limiter
-and the database closed. The engine belongs to the caller.
+At start-up (``start``): migrations under a lock (replicas may start together; on a connection
+without the serving timeouts, as waiting for that lock is expected), the store opened, the
+``local`` tenant when auth="open", the usage writer started. At shutdown (``stop``): pending
+usage written, the limiter and the database closed. The engine belongs to the caller.
+
+While the database is unreachable, what needs it answers 503 + ``Retry-After``
+(``DatabaseUnavailable``); known keys and their adapters keep serving from the caches, usage
+waits in the buffer (docs/operations.md, "Database outages").
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from loraplex.adapters.store import AdapterStore
@@ -26,18 +36,35 @@ from loraplex.adapters.uploads import AdapterValidator
 from loraplex.platform.api.background import BackgroundWork
 from loraplex.platform.api.catalog.catalog import AdapterCatalog
 from loraplex.platform.api.catalog.engine_adapters import EngineAdapters
+from loraplex.platform.api.catalog.upload_admission import UploadAdmission
+from loraplex.platform.api.catalog.upload_form import UploadDeadlines
 from loraplex.platform.api.services import tenants
 from loraplex.platform.api.services.errors import EngineBusy
 from loraplex.platform.api.tenancy.auth import local_tenant
+from loraplex.platform.api.tenancy.auth_cache import Authenticator
 from loraplex.platform.api.tenancy.quotas import QuotaSettings, RedisQuotaLimiter, make_quota_limiter
+from loraplex.platform.api.tenancy.replica_events import ReplicaEvents
 from loraplex.platform.api.tenancy.tenant_gate import TenantGate
+from loraplex.platform.api.usage_buffer import UsageBuffer
 from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.settings import GatewaySettings
-from loraplex.storage.db import Database, upgrade_to_head
+from loraplex.storage.db import Database, DatabaseUnavailable, PoolSettings, head_revision, upgrade_database
+from loraplex.storage.db.session import sqlite_file
 
 logger = logging.getLogger(__name__)
 
 _DRAIN_S = 10.0
+
+
+def pool_settings(settings: GatewaySettings) -> PoolSettings:
+    """The serving connections' pool and timeouts (PostgreSQL; SQLite ignores them)."""
+    return PoolSettings(
+        connect_timeout_s=settings.database_connect_timeout_s,
+        statement_timeout_s=settings.database_statement_timeout_s,
+        pool_size=settings.database_pool_size,
+        max_overflow=settings.database_max_overflow,
+        pre_ping=settings.database_pool_pre_ping,
+    )
 
 
 def quota_settings(settings: GatewaySettings) -> QuotaSettings:
@@ -47,6 +74,16 @@ def quota_settings(settings: GatewaySettings) -> QuotaSettings:
         failure_policy=settings.quota_failure_policy,
         key_prefix=settings.quota_key_prefix,
     )
+
+
+def _restrict_sqlite_files(db: Database) -> None:
+    """A SQLite database holds key hashes and usage: only this user may read it (0600)."""
+    path = sqlite_file(db.url) if db.backend == "sqlite" else None
+    if path is None:
+        return
+    for suffix in ("", "-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(f"{path}{suffix}", 0o600)
 
 
 @dataclass(frozen=True)
@@ -64,6 +101,22 @@ class GatewayStats:
     """Redis for quotas is unreachable now (always False for the in-process limiter)."""
     num_quota_backend_failures: int
     num_quota_backend_outages: int
+    database_down: bool
+    """The metadata database is unreachable now (the last call that tried failed)."""
+    num_database_errors: int
+    """Calls that failed, or were answered 503 at once, because the database was unreachable."""
+    num_database_outages: int
+    num_auth_cache_hits: int
+    """Authentications served from the cache within its TTL (no database round trip)."""
+    num_auth_cache_outage_hits: int
+    """Authentications (and adapter resolutions) served from the caches because the database was
+    unreachable."""
+    num_usage_pending: int
+    """Usage records waiting in the buffer for the database."""
+    num_usage_dropped: int
+    """Usage records lost: the buffer was full, or shutdown could not write them (logged)."""
+    num_quota_refusals: int = 0
+    """Requests and uploads refused by a quota (429 / 503); no usage row is written for them."""
 
 
 @dataclass(frozen=True)
@@ -81,19 +134,36 @@ class Gateway:
     def __init__(self, engine: AsyncEngine, settings: GatewaySettings, served_model_name: str) -> None:
         self.engine = engine
         self.settings = settings
-        self.db = Database(settings.database_url_or_default)
+        self.db = Database(settings.database_url_or_default, pool=pool_settings(settings))
         self.limiter = make_quota_limiter(settings.redis_url, quota_settings(settings))
         self.store = AdapterStore(settings.adapter_store_dir)
         self.engine_adapters = EngineAdapters(engine, self.store)
         limits = engine.limits
+        validator = AdapterValidator(engine.adapter_spec, limits.max_lora_rank, limits.dtype)
+        self.max_upload_bytes = settings.max_upload_bytes or validator.max_upload_bytes
+        """Largest upload (files together): the setting, else sized from the largest valid adapter."""
+        self.upload_deadlines = UploadDeadlines(settings.upload_idle_timeout_s, settings.upload_timeout_s)
+        self.upload_executor = ThreadPoolExecutor(settings.upload_workers, thread_name_prefix="lpx-upload")
         self.catalog = AdapterCatalog(
-            self.db,
-            self.store,
-            AdapterValidator(engine.adapter_spec, limits.max_lora_rank, limits.dtype),
-            served_model_name,
-            self.engine_adapters,
+            self.db, self.store, validator, served_model_name, self.engine_adapters, self.upload_executor
         )
         self.background = BackgroundWork()
+        # Replicas share Redis when there is more than one: the channel that reaches the others.
+        self.replica_events = (
+            ReplicaEvents.from_url(settings.redis_url, settings.quota_key_prefix)
+            if settings.redis_url
+            else None
+        )
+        self.usage = UsageBuffer(self.db, settings.usage_buffer_size)
+        authenticator = Authenticator(
+            self.db,
+            settings.auth,
+            ttl_s=settings.auth_cache_ttl_s,
+            stale_s=settings.auth_cache_stale_s,
+            size=settings.auth_cache_size,
+        )
+        self.head_revision = head_revision()
+        """The code's newest migration: ``/ready`` wants the database there."""
         self.gate = TenantGate(
             self.db,
             settings.auth,
@@ -102,14 +172,22 @@ class Gateway:
             self.engine_adapters,
             served_model_name,
             self.background,
+            authenticator,
+            self.usage,
         )
+        self.uploads = UploadAdmission(self.gate, settings.max_uploads_per_tenant)
 
     async def start(self) -> None:
         """Migrate the database, open the store, create ``local`` in open mode."""
-        revision = await upgrade_to_head(self.db.engine)
+        revision = await upgrade_database(self.db)
+        _restrict_sqlite_files(self.db)
         self.store.open()
+        await self.catalog.sweep()
         if self.settings.auth == "open":
             await local_tenant(self.db)
+        self.usage.start()
+        if self.replica_events is not None:
+            await self.replica_events.start(self._purge_deleted_elsewhere)
         logger.info(
             "gateway ready: database at revision %s, adapter store %s, quotas %s, auth %s",
             revision,
@@ -121,6 +199,10 @@ class Gateway:
     async def stop(self) -> None:
         """Write pending usage, close the limiter and the database."""
         await self.background.drain(_DRAIN_S)
+        await self.usage.flush(_DRAIN_S)
+        self.upload_executor.shutdown(wait=False, cancel_futures=True)
+        if self.replica_events is not None:
+            await self.replica_events.aclose()
         await self.limiter.aclose()
         await self.db.dispose()
 
@@ -135,7 +217,30 @@ class Gateway:
             quota_backend_down=bool(health is not None and health.down),
             num_quota_backend_failures=0 if health is None else health.num_failures,
             num_quota_backend_outages=0 if health is None else health.num_outages,
+            database_down=self.db.health.down,
+            num_database_errors=self.db.health.num_errors,
+            num_database_outages=self.db.health.num_outages,
+            num_auth_cache_hits=self.gate.authenticator.num_cache_hits,
+            num_auth_cache_outage_hits=(
+                self.gate.authenticator.num_outage_hits + self.gate.num_resolution_outage_hits
+            ),
+            num_usage_pending=self.usage.num_pending,
+            num_usage_dropped=self.usage.num_dropped,
+            num_quota_refusals=self.gate.num_quota_refusals,
         )
+
+    async def database_ready(self) -> tuple[bool, str]:
+        """(True, "") when the metadata database answers a round trip now; else (False, why).
+
+        For ``/ready``: within the connect / statement timeouts, and at once during an outage
+        between probes. Known keys keep serving meanwhile, so a replica that is not ready for
+        the database can still be worth keeping in a load balancer: that is /ready's call.
+        """
+        try:
+            await self.db.ping()
+        except DatabaseUnavailable as exc:
+            return False, exc.reason
+        return True, ""
 
     # -- operations ----------------------------------------------------------------------
     async def delete_tenant(self, name: str) -> TenantDeleted:
@@ -145,11 +250,27 @@ class Gateway:
         disk tier's records are data derived from its prompts: they are erased now.
         """
         async with self.db.transaction(write=True) as session:
-            engine_id = tenants.engine_tenant_id(await tenants.get_tenant(session, name))
+            tenant = await tenants.get_tenant(session, name)
+            tenant_id, engine_id = tenant.id, tenants.engine_tenant_id(tenant)
             refs = await tenants.delete_tenant(session, name)
+        self.gate.revoke(tenant_id, deleted=True)
         await self.catalog.forget(refs)
         device, host, disk = await self.engine.purge_tenant(engine_id)
+        if self.replica_events is not None:
+            await self.replica_events.tenant_deleted(engine_id)
         return TenantDeleted(name, len(refs), device + host + disk)
+
+    async def _purge_deleted_elsewhere(self, engine_tenant_id: str) -> None:
+        device, host, disk = await self.engine.purge_tenant(engine_tenant_id)
+        logger.info(
+            "tenant %s was deleted on another replica: purged %d cached KV blocks here "
+            "(device %d, host %d, disk %d)",
+            engine_tenant_id,
+            device + host + disk,
+            device,
+            host,
+            disk,
+        )
 
     async def reset_prefix_cache(self) -> None:
         """Drop every cached KV block (device, host, disk records erased). The engine does it only

@@ -28,9 +28,12 @@ class BodySizeLimit:
     receive channel that stops a body (chunked or lying about its length) as soon as
     it passes the limit, so an oversized body is never buffered whole."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, shown_bytes: int | None = None) -> None:
+        """``shown_bytes``: the limit the message quotes, when ``max_bytes`` adds room for framing
+        (an upload's multipart headers) to a limit the client knows by another number."""
         self.app = app
         self.max_bytes = max_bytes
+        self.shown_bytes = shown_bytes or max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -43,7 +46,7 @@ class BodySizeLimit:
                 except ValueError:
                     declared = -1
                 if declared > self.max_bytes:
-                    await _send_error(send, body_too_large(self.max_bytes))
+                    await send_error(send, body_too_large(self.shown_bytes))
                     return
         received = 0
 
@@ -54,13 +57,14 @@ class BodySizeLimit:
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
                     # Raised inside the route's body read, so the app's handler answers 413.
-                    raise body_too_large(self.max_bytes)
+                    raise body_too_large(self.shown_bytes)
             return message
 
         await self.app(scope, limited_receive, send)
 
 
-async def _send_error(send: Send, err: APIError) -> None:
+async def send_error(send: Send, err: APIError) -> None:
+    """Answer ``err`` from middleware (before any route), closing the connection."""
     payload = json.dumps(err.body()).encode()
     await send(
         {
@@ -79,9 +83,16 @@ async def _send_error(send: Send, err: APIError) -> None:
 class BodyLimits:
     """ASGI middleware: ``BodySizeLimit``, with a limit of their own for some paths (uploads)."""
 
-    def __init__(self, app: ASGIApp, default_bytes: int, by_path: Mapping[str, int]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        default_bytes: int,
+        by_path: Mapping[str, int],
+        shown_by_path: Mapping[str, int] | None = None,
+    ) -> None:
+        shown = shown_by_path or {}
         self.default = BodySizeLimit(app, default_bytes)
-        self.by_path = {path: BodySizeLimit(app, limit) for path, limit in by_path.items()}
+        self.by_path = {path: BodySizeLimit(app, limit, shown.get(path)) for path, limit in by_path.items()}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         limiter = self.by_path.get(scope.get("path", ""), self.default) if scope["type"] == "http" else None

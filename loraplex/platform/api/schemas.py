@@ -8,11 +8,12 @@ null mean unlimited; in a PATCH, an absent field is left as it is and null makes
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Generic, TypeVar
+from typing import Generic, Self, TypeVar
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
 
 from loraplex.platform.api.services.keys import CreatedKey
+from loraplex.platform.api.services.pages import Page
 from loraplex.platform.api.services.tenants import QuotaField
 from loraplex.platform.api.services.usage import UsageTotals
 from loraplex.storage.db import Adapter, ApiKey, Tenant, UsageRecord, UsageStatus, Visibility
@@ -21,8 +22,17 @@ T = TypeVar("T")
 
 
 class ListOf(BaseModel, Generic[T]):
+    """OpenAI's list shape: one page of ``data``; ``after=<last_id>`` asks for the next one."""
+
     object: str = "list"
     data: list[T]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+    @classmethod
+    def of_page(cls, page: Page[T]) -> Self:
+        return cls(data=page.items, first_id=page.first_id, last_id=page.last_id, has_more=page.has_more)
 
 
 class Quotas(BaseModel):
@@ -208,20 +218,23 @@ class UsagePublic(BaseModel):
         )
 
 
-class UsageReport(BaseModel):
-    object: str = "usage"
+class UsageReport(ListOf[UsagePublic]):
+    """Totals over every record the filter matches, and one page of those records, newest first."""
+
     num_requests: int
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
-    data: list[UsagePublic]
 
     @classmethod
-    def of(cls, totals: UsageTotals, records: list[UsageRecord]) -> UsageReport:
+    def of(cls, totals: UsageTotals, records: Page[UsageRecord]) -> UsageReport:
         return cls(
             num_requests=totals.num_requests,
             prompt_tokens=totals.prompt_tokens,
             cached_tokens=totals.cached_tokens,
             completion_tokens=totals.completion_tokens,
-            data=[UsagePublic.of(r) for r in records],
+            data=[UsagePublic.of(r) for r in records.items],
+            first_id=records.first_id,
+            last_id=records.last_id,
+            has_more=records.has_more,
         )

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
 from loraplex.adapters import LoRARequest
+from loraplex.platform.api.lifecycle import Lifecycle
 from loraplex.platform.api.openai.logprobs import TokenText
 from loraplex.platform.api.tenancy.gate import RequestGate
 from loraplex.platform.engine.async_engine import AsyncEngine
@@ -16,6 +17,7 @@ from loraplex.platform.settings import ServerLimits, ServerSettings
 
 if TYPE_CHECKING:
     from loraplex.platform.api.gateway import Gateway
+    from loraplex.platform.api.observability.metrics import ServerMetrics
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,10 @@ class AppState:
     """Authenticates callers, resolves ``model`` per caller, admits requests (``tenancy.gate``)."""
     gateway: Gateway | None
     """The multi-tenant services (database, quotas, adapter catalog); None on a single-tenant server."""
+    metrics: ServerMetrics
+    """The Prometheus registry of ``/metrics``."""
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
+    """Draining for a shutdown, and the requests in flight."""
 
     @property
     def limits(self) -> ServerLimits:

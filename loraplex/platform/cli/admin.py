@@ -8,6 +8,7 @@
     loraplex keys list [TENANT] | revoke ID
     loraplex adapters upload TENANT NAME PATH [--visibility private|public] [--model M] [--max-lora-rank R]
     loraplex adapters list [TENANT] | delete TENANT NAME [--version SHA256]
+    loraplex db upgrade                 (migrate to the newest schema and exit: a deployment's hook)
 
 Every group reads the server's settings (``LORAPLEX_*``, the config file) and takes the ones it
 needs as options before the subcommand (``loraplex tenants --database-url ... list``), with the
@@ -35,14 +36,17 @@ from loraplex.adapters.layout import CONFIG_NAME, WEIGHTS_NAME
 from loraplex.adapters.store import AdapterStore
 from loraplex.adapters.uploads import AdapterValidator, UploadedFile
 from loraplex.platform.api.catalog.catalog import AdapterCatalog, parse_visibility
+from loraplex.platform.api.gateway import pool_settings
 from loraplex.platform.api.services import adapters, keys, tenants
 from loraplex.platform.api.services.errors import ServiceError
+from loraplex.platform.api.services.pages import DEFAULT_LIMIT, MAX_LIMIT, Page, PageRequest
 from loraplex.platform.api.services.tenants import QUOTA_FIELDS, QuotaField, TenantQuotas
 from loraplex.platform.cli.flags import given, settings_options
 from loraplex.platform.cli.serve import fail, settings_error
 from loraplex.platform.engine.config import parse_dtype
 from loraplex.platform.settings import ServerSettings, load_settings
-from loraplex.storage.db import Database, upgrade_to_head
+from loraplex.platform.settings.units import parse_bytes
+from loraplex.storage.db import Database, DatabaseUnavailable, current_revision, upgrade_database
 from loraplex.storage.db.models import utcnow
 
 T = TypeVar("T")
@@ -50,12 +54,28 @@ T = TypeVar("T")
 tenants_app = typer.Typer(help="Tenants and their quotas.", no_args_is_help=True)
 keys_app = typer.Typer(help="Tenants' API keys.", no_args_is_help=True)
 adapters_app = typer.Typer(help="Tenants' LoRA adapters.", no_args_is_help=True)
+db_app = typer.Typer(help="The gateway's database.", no_args_is_help=True)
 
-Quota = Annotated[int | None, typer.Option(min=0, help="unset: unlimited")]
+Quota = Annotated[int | None, typer.Option(min=1, help="unset: unlimited")]
+
+
+def _byte_size(value: str) -> int:
+    try:
+        return parse_bytes(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+ByteQuota = Annotated[
+    int | None, typer.Option(parser=_byte_size, metavar="BYTES", help="unset: unlimited; 10MiB, 1e9, ...")
+]
 Weight = Annotated[
     float, typer.Option(help="fair-share weight, in (0, 1000]: the tenant's share under load, relative")
 ]
-NewQuota = Annotated[int | None, typer.Option(min=0, help="unset: unchanged")]
+NewQuota = Annotated[int | None, typer.Option(min=1, help="unset: unchanged")]
+NewByteQuota = Annotated[
+    int | None, typer.Option(parser=_byte_size, metavar="BYTES", help="unset: unchanged; 10MiB, 1e9, ...")
+]
 
 _GROUP_OPTIONS = ("database_url", "data_dir", "adapter_store")
 """The settings every group takes as options before its subcommand."""
@@ -105,7 +125,7 @@ _settings_options.__signature__ = inspect.Signature(  # type: ignore[attr-define
         ),
     ]
 )
-for _group in (tenants_app, keys_app, adapters_app):
+for _group in (tenants_app, keys_app, adapters_app, db_app):
     _group.callback()(_settings_options)
 
 
@@ -114,9 +134,10 @@ def _run(ctx: typer.Context, work: Callable[[Database], Awaitable[T]]) -> T:
     settings = _settings(ctx)
 
     async def main() -> T:
-        db = Database(settings.gateway.database_url_or_default)
+        # The server's timeouts: an unreachable database is a message, not a command that hangs.
+        db = Database(settings.gateway.database_url_or_default, pool=pool_settings(settings.gateway))
         try:
-            await upgrade_to_head(db.engine)
+            await upgrade_database(db)
             return await work(db)
         finally:
             await db.dispose()
@@ -125,6 +146,9 @@ def _run(ctx: typer.Context, work: Callable[[Database], Awaitable[T]]) -> T:
         return asyncio.run(main())
     except (ServiceError, AdapterValidationError) as exc:
         typer.echo(f"loraplex: {exc}", err=True)
+        raise typer.Exit(1) from None
+    except DatabaseUnavailable as exc:
+        typer.echo(f"loraplex: {exc.reason}", err=True)
         raise typer.Exit(1) from None
 
 
@@ -140,11 +164,14 @@ def tenants_create(
     tpm: Quota = None,
     max_concurrency: Quota = None,
     max_adapters: Quota = None,
-    max_adapter_bytes: Quota = None,
+    max_adapter_bytes: ByteQuota = None,
     weight: Weight = 1.0,
 ) -> None:
     """Create a tenant with its quotas and fair-share weight."""
-    quotas = TenantQuotas(rpm, tpm, max_concurrency, max_adapters, max_adapter_bytes)
+    try:
+        quotas = TenantQuotas(rpm, tpm, max_concurrency, max_adapters, max_adapter_bytes)
+    except ServiceError as exc:
+        raise fail(str(exc)) from None
 
     async def work(db: Database) -> None:
         async with db.transaction(write=True) as session:
@@ -163,7 +190,7 @@ def tenants_update(
     tpm: NewQuota = None,
     max_concurrency: NewQuota = None,
     max_adapters: NewQuota = None,
-    max_adapter_bytes: NewQuota = None,
+    max_adapter_bytes: NewByteQuota = None,
 ) -> None:
     """Change a tenant's weight or quotas (only the options given; the admin API's PATCH can also
     make a quota unlimited)."""
@@ -190,16 +217,34 @@ def tenants_update(
     typer.echo(f"updated tenant {name}")
 
 
+LimitOption = Annotated[int, typer.Option(min=1, max=MAX_LIMIT, help="rows per page")]
+AfterOption = Annotated[str | None, typer.Option(help="go on after this cursor (a page's last id)")]
+
+
+def _more(found: Page[Any]) -> None:
+    """Tell (on stderr) how to get the next page, when there is one."""
+    if found.has_more:
+        typer.echo(f"more: --after {found.last_id}", err=True)
+
+
 @tenants_app.command("list")
-def tenants_list(ctx: typer.Context) -> None:
-    """Every tenant: name, state, rpm, tpm, concurrency, adapters, adapter bytes, weight."""
+def tenants_list(
+    ctx: typer.Context,
+    limit: LimitOption = DEFAULT_LIMIT,
+    after: AfterOption = None,
+    name_prefix: Annotated[str | None, typer.Option(help="only names starting so")] = None,
+) -> None:
+    """One page of tenants by name: name, state, rpm, tpm, concurrency, adapters, adapter bytes,
+    weight."""
 
     async def work(db: Database) -> None:
         async with db.transaction() as session:
-            for t in await tenants.list_tenants(session):
-                quotas = (t.rpm, t.tpm, t.max_concurrency, t.max_adapters, t.max_adapter_bytes)
-                state = "disabled" if t.disabled else "enabled"
-                typer.echo("\t".join([t.name, state, *map(_quota_text, quotas), f"{t.weight:g}"]))
+            found = await tenants.page_tenants(session, PageRequest(limit, after), name_prefix=name_prefix)
+        for t in found.items:
+            quotas = (t.rpm, t.tpm, t.max_concurrency, t.max_adapters, t.max_adapter_bytes)
+            state = "disabled" if t.disabled else "enabled"
+            typer.echo("\t".join([t.name, state, *map(_quota_text, quotas), f"{t.weight:g}"]))
+        _more(found)
 
     _run(ctx, work)
 
@@ -239,16 +284,24 @@ def keys_create(
 
 
 @keys_app.command("list")
-def keys_list(ctx: typer.Context, tenant: Annotated[str | None, typer.Argument()] = None) -> None:
-    """Keys (of one tenant, or all): id, tenant, prefix, name, expiry, revoked, last use."""
+def keys_list(
+    ctx: typer.Context,
+    tenant: Annotated[str | None, typer.Argument()] = None,
+    limit: LimitOption = DEFAULT_LIMIT,
+    after: AfterOption = None,
+    prefix: Annotated[str | None, typer.Option(help="only keys starting so")] = None,
+) -> None:
+    """One page of keys (of one tenant, or all): id, tenant, prefix, name, expiry, revoked, last use."""
 
     async def work(db: Database) -> None:
         async with db.transaction() as session:
             owner = None if tenant is None else await tenants.get_tenant(session, tenant)
-            for k in await keys.list_keys(session, owner):
-                when = (k.expires_at, k.revoked_at, k.last_used_at)
-                cells = [str(k.id), k.tenant.name, k.prefix, k.name or "-"]
-                typer.echo("\t".join(cells + ["-" if t is None else t.isoformat() for t in when]))
+            found = await keys.page_keys(session, PageRequest(limit, after), owner, prefix=prefix)
+        for k in found.items:
+            when = (k.expires_at, k.revoked_at, k.last_used_at)
+            cells = [str(k.id), k.tenant.name, k.prefix, k.name or "-"]
+            typer.echo("\t".join(cells + ["-" if t is None else t.isoformat() for t in when]))
+        _more(found)
 
     _run(ctx, work)
 
@@ -348,15 +401,26 @@ adapters_app.command("upload")(adapters_upload)
 
 
 @adapters_app.command("list")
-def adapters_list(ctx: typer.Context, tenant: Annotated[str | None, typer.Argument()] = None) -> None:
-    """Adapter versions (of one tenant, or all): owner, name, version, visibility, rank, bytes."""
+def adapters_list(
+    ctx: typer.Context,
+    tenant: Annotated[str | None, typer.Argument()] = None,
+    limit: LimitOption = DEFAULT_LIMIT,
+    after: AfterOption = None,
+    name_prefix: Annotated[str | None, typer.Option(help="only names starting so")] = None,
+) -> None:
+    """One page of adapter versions (of one tenant, or all): owner, name, version, visibility,
+    rank, bytes."""
 
     async def work(db: Database) -> None:
         async with db.transaction() as session:
             owner = None if tenant is None else await tenants.get_tenant(session, tenant)
-            for a in await adapters.list_adapters(session, owner):
-                cells = [a.owner.name, a.name, a.version, a.visibility, str(a.rank), str(a.nbytes)]
-                typer.echo("\t".join(cells))
+            found = await adapters.page_adapters(
+                session, PageRequest(limit, after), owner, name_prefix=name_prefix
+            )
+        for a in found.items:
+            cells = [a.owner.name, a.name, a.version, a.visibility, str(a.rank), str(a.nbytes)]
+            typer.echo("\t".join(cells))
+        _more(found)
 
     _run(ctx, work)
 
@@ -379,3 +443,18 @@ def adapters_delete(
         return len(await catalog.delete(owner, name, version))
 
     typer.echo(f"deleted {_run(ctx, work)} version(s) of {tenant}/{name}")
+
+
+@db_app.command("upgrade")
+def db_upgrade(ctx: typer.Context) -> None:
+    """Migrate the database to the newest schema and exit.
+
+    Deployments run it once before the replicas start (the Helm chart's pre-install and
+    pre-upgrade Job). It takes the same lock as the server's start-up migration, so replicas
+    that start meanwhile wait for it and then find nothing left to do.
+    """
+
+    async def work(db: Database) -> str | None:
+        return await current_revision(db.engine)
+
+    typer.echo(f"database at revision {_run(ctx, work)}")

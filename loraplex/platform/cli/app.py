@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from loraplex.platform.cli.admin import adapters_app, keys_app, tenants_app
+from loraplex.platform.cli.admin import adapters_app, db_app, keys_app, tenants_app
 from loraplex.platform.cli.serve import serve_command
 
 app = typer.Typer(
@@ -18,3 +18,4 @@ app.command("serve", help=serve_command.__doc__)(serve_command)
 app.add_typer(tenants_app, name="tenants")
 app.add_typer(keys_app, name="keys")
 app.add_typer(adapters_app, name="adapters")
+app.add_typer(db_app, name="db")

@@ -24,6 +24,13 @@ def _help(field: SettingField) -> str:
     default = "unset" if field.default is None and field.default_text == "None" else field.default_text
     if field.is_secret:
         default = "unset"
+    doc = (field.doc or "").lower()
+    says_default = any(m in doc for m in ("default:", "(default ", "; default ", "none =", "none leaves"))
+    if default in ("unset", "(computed)") and says_default:
+        # The docstring says what an unset value means ("default: data_dir/adapters"): saying
+        # "default unset" after it would contradict it.
+        parts.append(f"(env {field.env})")
+        return " ".join(parts)
     # Parentheses, not brackets: the help is rich markup, where [...] is a style tag.
     parts.append(f"(env {field.env}; default {default})")
     return " ".join(parts)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -57,9 +58,17 @@ def settings_error(exc: ValidationError | ValueError) -> str:
 def load(values: dict[str, Any]) -> LoadedSettings:
     """The settings from the given flags, the environment and the config file; exits on an error."""
     try:
-        return load_settings(given(values))
+        loaded = load_settings(given(values))
     except (ValidationError, ValueError) as exc:
         raise fail(settings_error(exc)) from None
+    if loaded.sources.get("admin_token") == "flag":
+        # Any user of the machine reads a process's command line (ps, /proc/<pid>/cmdline).
+        print(
+            "loraplex: warning: --admin-token on the command line is visible to every user of this "
+            "machine (ps); set LORAPLEX_ADMIN_TOKEN or admin_token in the config file instead",
+            file=sys.stderr,
+        )
+    return loaded
 
 
 def settings_table(loaded: LoadedSettings) -> str:
@@ -152,7 +161,19 @@ def serve_command(**values: Any) -> int:
         level=_log_level(settings.serving.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    _bare_access_log()
     raise typer.Exit(run_server(settings))
+
+
+def _bare_access_log() -> None:
+    """Access-log lines go to stderr as they are (one JSON object per line, no prefix)."""
+    from loraplex.platform.api.observability.access_log import ACCESS_LOGGER
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access = logging.getLogger(ACCESS_LOGGER)
+    access.addHandler(handler)
+    access.propagate = False
 
 
 _PRINT = inspect.Parameter(

@@ -119,6 +119,8 @@ class RequestStream:
         self.loop = loop
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
+        self.failure: BaseException | None = None
+        """Set by ``fail``: raised by the next read, before any output still queued."""
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -126,7 +128,9 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self.queue.get()
+        item = self.failure or await self.queue.get()
+        if self.failure is not None:
+            item = self.failure
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -138,6 +142,14 @@ class RequestStream:
         """Stop the request and free what it holds (a no-op once it finished)."""
         if not self.finished:
             self.finished = True
+            self._engine.abort(self.request_id)
+
+    def fail(self, error: BaseException) -> None:
+        """End the request with ``error``: the reader gets it next (call on the stream's loop), the
+        engine stops the request. A no-op once it finished."""
+        if not self.finished and self.failure is None:
+            self.failure = error
+            self.queue.put_nowait(error)  # wakes a reader waiting for the next output
             self._engine.abort(self.request_id)
 
 
@@ -331,6 +343,10 @@ class AsyncEngine:
     async def list_loras(self) -> list[int]:
         """Ids of the registered adapters."""
         return await self._call(lambda engine: engine.list_loras())
+
+    async def lora_tiers(self) -> dict[int, str]:
+        """Where each registered adapter is now, by id: ``device`` (a slot), ``host`` or ``disk``."""
+        return await self._call(lambda engine: engine.lora_tiers())
 
     async def _call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps; its result or its error."""

@@ -7,7 +7,7 @@ lives in ``RuntimeInfo``, never written back into the config.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -16,6 +16,8 @@ from loraplex.platform.engine.policy import POLICY_NAMES, PolicyName
 from loraplex.platform.engine.preemption import PREEMPTION_MODES, PreemptionMode
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+Quantization = Literal["auto", "none", "gguf", "int8"]
+QUANTIZATIONS: tuple[Quantization, ...] = get_args(Quantization)
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -46,6 +48,11 @@ class EngineConfig:
     """float32 / bfloat16 / float16; auto = float32 on CPU, bfloat16 on CUDA."""
     device: str = "auto"
     """cpu, cuda, cuda:N or auto (cuda when available)."""
+    quantization: Quantization = "auto"
+    """How the base model's projections are stored: gguf keeps a GGUF file's own blocks (Q8_0,
+    Q4_0, Q4_1, Q4_K, Q6_K, F16, BF16) and computes from them; int8 quantizes any float
+    checkpoint per channel at load; none de-quantises to dtype (the HF-exact path); auto = gguf
+    for a GGUF model, else none."""
     block_size: int = 16
     """Tokens per KV block."""
     max_num_seqs: int = 128
@@ -110,6 +117,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -56,7 +56,8 @@ from loraplex.platform.engine.validation import (
     prompt_token_ids,
 )
 from loraplex.platform.model.loader import load_hf_config, load_model
-from loraplex.platform.model.source import resolve_model_dir
+from loraplex.platform.model.packed_weights import resolve_quantization
+from loraplex.platform.model.source import gguf_source, resolve_model_dir
 from loraplex.storage.kv.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_budget
 from loraplex.storage.kv.sliced import SlicedJob
 from loraplex.storage.kv.tiered_kv import TieredKV
@@ -69,13 +70,18 @@ logger = logging.getLogger(__name__)
 _SEED_MODULUS = 1 << 64  # torch.Generator.manual_seed takes any 64-bit pattern
 
 
-def _kv_fingerprint(model_config_json: str, dtype: torch.dtype, block_size: int) -> bytes:
-    """What a cached KV block is only valid for: the model, the KV dtype and layout.
+def _kv_fingerprint(
+    model_config_json: str, dtype: torch.dtype, block_size: int, quantization: str = "none"
+) -> bytes:
+    """What a cached KV block is only valid for: the model, its weights' storage, the KV dtype
+    and layout.
 
     The root of every prefix-cache key chain binds it, so blocks computed by another
     model or layout can never be found (the disk tier persists it with each block).
     """
     layout = f"kv-layout-v1|{dtype}|block_size={block_size}|[num_blocks, block_size, kv_heads, head_dim]"
+    if quantization != "none":  # other weights' KV (unchanged for "none", so old disk tiers still match)
+        layout += f"|weights={quantization}"
     return hashlib.sha256(model_config_json.encode() + b"\0" + layout.encode()).digest()
 
 
@@ -105,6 +111,8 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_dir = resolve_model_dir(config.model)
+        gguf_path = gguf_source(config.model)
+        self.quantization = resolve_quantization(config.quantization, gguf_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
         hf_config = load_hf_config(self.model_dir)
         from loraplex.platform.model.arch import ModelArch
@@ -120,7 +128,7 @@ class LLMEngine:
         linear = select_linear_backend(config.linear_backend, device)
         pointwise = select_pointwise_backend(device)
         self.model, self.arch, self.hf_config = load_model(
-            self.model_dir, dtype, device, max_model_len, linear, pointwise
+            self.model_dir, dtype, device, max_model_len, linear, pointwise, self.quantization, gguf_path
         )
         per_block = kv_bytes_per_block(
             arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype
@@ -139,7 +147,7 @@ class LLMEngine:
         kv_cache = KVCache(
             arch.num_layers, num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim, dtype, device
         )
-        fingerprint = _kv_fingerprint(hf_config.to_json_string(), dtype, config.block_size)
+        fingerprint = _kv_fingerprint(hf_config.to_json_string(), dtype, config.block_size, self.quantization)
         self.runner = ModelRunner(
             self.model,
             kv_cache,
@@ -199,7 +207,7 @@ class LLMEngine:
         """The state after the last step, published by one reference swap (any thread may read it)."""
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, "
-            "%s attention, %s linear, %s pointwise",
+            "%s attention, %s linear, %s pointwise, quantization %s",
             self.model_dir.name,
             device,
             dtype,
@@ -209,6 +217,7 @@ class LLMEngine:
             self.runner.attn.name,
             linear.name,
             pointwise.name,
+            self.quantization,
         )
 
     @property
@@ -434,6 +443,10 @@ class LLMEngine:
     def list_loras(self) -> list[int]:
         return list(self._lora().list_loras())
 
+    def lora_tiers(self) -> dict[int, str]:
+        """Where each registered adapter is now (``device``, ``host``, ``disk``); empty without LoRA."""
+        return {} if self.lora_manager is None else self.lora_manager.lora_tiers()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
@@ -561,6 +574,9 @@ class LLMEngine:
         # What the accelerator pool still caches would be lost with the process: copied
         # down (host, then disk) so a restarted engine on the same path finds it.
         self.kv.persist()
+        if self.lora_manager is not None:
+            # Its store holds copies of tenants' adapters ($TMPDIR/loraplex-adapters-*): removed.
+            self.lora_manager.manager.close()
 
     # -- invariants ----------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -36,6 +36,8 @@ class EngineLimits:
     """Largest adapter rank accepted."""
     dtype: torch.dtype
     """The serving dtype: adapter weights must fit it."""
+    block_size: int = 16
+    """Tokens per KV block (the tiers count blocks; metrics report tokens)."""
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineLimits:
@@ -49,4 +51,5 @@ class EngineLimits:
             enable_lora=config.enable_lora,
             max_lora_rank=config.max_lora_rank,
             dtype=engine.info.dtype,
+            block_size=config.block_size,
         )

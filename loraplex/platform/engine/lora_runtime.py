@@ -110,6 +110,10 @@ class LoRARuntime:
     def list_loras(self) -> list[int]:
         return [info.adapter_id for info in self.manager.list_adapters()]
 
+    def lora_tiers(self) -> dict[int, str]:
+        """Each registered adapter's fastest tier now: ``device`` (a slot), ``host`` or ``disk``."""
+        return {info.adapter_id: info.tier for info in self.manager.list_adapters()}
+
     def resolve(self, lora: LoRARequest, owner: str | None = None) -> AdapterIdentity:
         """Make sure ``lora`` is registered (first use loads it, as in vLLM); its identity.
 

@@ -16,8 +16,9 @@ serves on the CPU backends: decodes and prefill chunks in one step, biases, and 
 adapter hook gets the step's buffers as tensors, as it gets the layer outputs there).
 
 It applies only when every part is a C kernel: float32 weights packed for the C linear
-kernel, the C pointwise kernels, the C attention backend with its extend kernel in use and
-shapes both attention kernels take. ``CpuGraph.build`` says why not otherwise, and the
+kernel or packed (quantized) weights in a format ``quant_linear.c`` decodes, the C
+pointwise kernels, the C attention backend with its extend kernel in use and shapes both
+attention kernels take. ``CpuGraph.build`` says why not otherwise, and the
 model keeps its layer-by-layer path (also the path with ``enforce_eager``).
 """
 
@@ -26,11 +27,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from loraplex.kernels.contracts import AttentionBackend
+from loraplex.kernels.contracts import AttentionBackend, PackedWeight, Weight
 from loraplex.kernels.cpu import linear as c_linear
-from loraplex.kernels.cpu import paged_decode, paged_extend, pointwise
+from loraplex.kernels.cpu import paged_decode, paged_extend, pointwise, quant_linear
 from loraplex.kernels.cpu.attention import CpuAttentionBackend, kv_write_kernel
 from loraplex.kernels.metadata import PAD_BLOCK_ID
 from loraplex.platform.model.forward_batch import ForwardBatch
@@ -57,18 +57,27 @@ class CpuGraph:
         def ptr(t: torch.Tensor | None) -> int | None:
             return None if t is None else t.data_ptr()
 
+        float_linear, packed_linear = kernels["linear"], kernels["qlinear"]
+
+        def proj(weight: Weight) -> tuple[Any, int, tuple[int, ...]]:
+            """(C function, weight address, trailing arguments): the float panel kernel, or the
+            packed one with the weight's format, row bytes and plan 0 (by rows of x)."""
+            if isinstance(weight, PackedWeight):
+                return packed_linear, weight.data.data_ptr(), (weight.format.c_id, weight.data.shape[1], 0)
+            return float_linear, weight.data_ptr(), ()
+
         # Per layer: the addresses the kernels read (weights are never moved after loading).
         self._layers = [
             (
                 ptr(layer.input_norm),
-                ptr(layer.qkv_weight),
+                proj(layer.qkv_weight),
                 ptr(layer.qkv_bias),
-                ptr(layer.o_weight),
+                proj(layer.o_weight),
                 ptr(layer.o_bias),
                 ptr(layer.post_norm),
-                ptr(layer.gate_up_weight),
+                proj(layer.gate_up_weight),
                 ptr(layer.gate_up_bias),
-                ptr(layer.down_weight),
+                proj(layer.down_weight),
                 ptr(layer.down_bias),
                 layer.scale,
             )
@@ -80,14 +89,20 @@ class CpuGraph:
     @classmethod
     def build(cls, model: Any, attn: AttentionBackend) -> tuple[CpuGraph | None, str]:
         """A graph for ``model`` served by ``attn``, or None and why it cannot be one."""
-        if model.dtype != torch.float32 or model.embed.device.type != "cpu":
+        if model.dtype != torch.float32 or model.norm.device.type != "cpu":
             return None, "the graph runs float32 models on the CPU"
-        if not isinstance(model.linear, c_linear.CpuLinearBackend) or any(
-            getattr(layer, f"{name}_weight").dim() != 3
+
+        def on_c_kernel(weight: Weight) -> bool:
+            if isinstance(weight, PackedWeight):  # packed: a format the C kernel decodes
+                return weight.format.c_id > 0
+            return weight.dim() == 3  # float: packed in panels by the C linear backend
+
+        if not isinstance(model.linear, c_linear.CpuLinearBackend) or not all(
+            on_c_kernel(getattr(layer, f"{name}_weight"))
             for layer in model.layers
             for name in ("qkv", "o", "gate_up", "down")
         ):
-            return None, "the projections are not on the C linear kernel (linear_backend)"
+            return None, "the projections are not on the C linear kernels (linear_backend)"
         if not isinstance(model.pointwise, pointwise.CpuPointwiseBackend):
             return None, "the norms and activations are not on the C pointwise kernels"
         if not isinstance(attn, CpuAttentionBackend) or not attn.extend_in_c:
@@ -100,6 +115,7 @@ class CpuGraph:
         fns = pointwise.c_kernels()
         kernels = {
             "linear": c_linear.c_kernel(),
+            "qlinear": quant_linear.c_kernel(),
             "kv_write": kv_write_kernel(),
             "decode": paged_decode.c_kernel(torch.float32),
             "extend": paged_extend.c_kernel(torch.float32),
@@ -143,7 +159,7 @@ class CpuGraph:
         num_slots = num_blocks * block_size
         row_bytes = kv * 4
 
-        residual = F.embedding(batch.input_ids, model.embed)  # the residual stream, updated in place
+        residual = model.embed_tokens(batch.input_ids)  # the residual stream, updated in place
         cos = model.rope_cos[batch.positions]
         sin = model.rope_sin[batch.positions]
         x = torch.empty(n, h)
@@ -182,18 +198,21 @@ class CpuGraph:
         attn_shape = (heads, kv_heads, head_dim, block_size, table_stride, num_blocks)
         lora = batch.lora
 
-        norm, linear, rope, kv_write = k["add_rms_norm"], k["linear"], k["rope_neox"], k["kv_write"]
+        norm, rope, kv_write = k["add_rms_norm"], k["rope_neox"], k["kv_write"]
         decode, extend, silu = k["decode"], k["extend"], k["silu_mul"]
         rot_heads = heads + kv_heads
-        for i, (w_in, w_qkv, b_qkv, w_o, b_o, w_post, w_gu, b_gu, w_down, b_down, scale) in enumerate(
+        for i, (w_in, p_qkv, b_qkv, p_o, b_o, w_post, p_gu, b_gu, p_down, b_down, scale) in enumerate(
             self._layers
         ):
+            (f_qkv, w_qkv, t_qkv), (f_o, w_o, t_o) = p_qkv, p_o
+            (f_gu, w_gu, t_gu), (f_down, w_down, t_down) = p_gu, p_down
             kc, vc = caches[i]
             if i == 0:
                 norm(None, 0, res_p, h, w_in, x_p, h, n, h, eps, nt)
             else:
                 norm(down_p, h, res_p, h, w_in, x_p, h, n, h, eps, nt)
-            linear(x_p, h, w_qkv, b_qkv, qkv_p, qkv_w, n, qkv_w, h, nt)
+            if f_qkv(x_p, h, w_qkv, b_qkv, qkv_p, qkv_w, n, qkv_w, h, nt, *t_qkv):
+                raise RuntimeError("quantized linear failed")
             if lora is not None:
                 lora(i, "qkv", x, qkv)
             rope(qkv_p, qkv_w, rot_heads, head_dim, cos_p, sin_p, cs_stride, n, nt)
@@ -235,15 +254,18 @@ class CpuGraph:
                     f"attention: {bad} sequences or work items had bad query rows or lengths, or a block id "
                     f"outside [0, {num_blocks}) such as PAD_BLOCK_ID ({PAD_BLOCK_ID})"
                 )
-            linear(ao_p, q, w_o, b_o, o_p, h, n, h, q, nt)
+            if f_o(ao_p, q, w_o, b_o, o_p, h, n, h, q, nt, *t_o):
+                raise RuntimeError("quantized linear failed")
             if lora is not None:
                 lora(i, "o", attn_out, o)
             norm(o_p, h, res_p, h, w_post, x_p, h, n, h, eps, nt)
-            linear(x_p, h, w_gu, b_gu, gu_p, 2 * inter, n, 2 * inter, h, nt)
+            if f_gu(x_p, h, w_gu, b_gu, gu_p, 2 * inter, n, 2 * inter, h, nt, *t_gu):
+                raise RuntimeError("quantized linear failed")
             if lora is not None:
                 lora(i, "gate_up", x, gate_up)
             silu(gu_p, 2 * inter, act_p, inter, n, inter, nt)
-            linear(act_p, inter, w_down, b_down, down_p, h, n, h, inter, nt)
+            if f_down(act_p, inter, w_down, b_down, down_p, h, n, h, inter, nt, *t_down):
+                raise RuntimeError("quantized linear failed")
             if lora is not None:
                 lora(i, "down", act, down)
         out = torch.empty(n, h)

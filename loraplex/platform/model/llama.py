@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplex.kernels.contracts import AttentionBackend, LinearBackend, PointwiseBackend
+from loraplex.kernels.contracts import AttentionBackend, LinearBackend, PackedWeight, PointwiseBackend, Weight
 from loraplex.kernels.metadata import AttentionMetadata
 from loraplex.kernels.portable.linear import PortableLinearBackend
 from loraplex.kernels.portable.pointwise import PortablePointwiseBackend
@@ -58,11 +58,19 @@ class DecoderLayer(nn.Module):
         self.pointwise: PointwiseBackend = PortablePointwiseBackend()
 
     def use_linear(self, linear: LinearBackend) -> None:
-        """Compute the projections with ``linear``, its own weight layout replacing ours."""
+        """Compute the projections with ``linear``, its own weight layout replacing ours
+        (packed weights stay as they are: every backend reads them)."""
         for name in PROJECTIONS:
             weight = getattr(self, f"{name}_weight")
+            if isinstance(weight, PackedWeight):
+                continue
             setattr(self, f"{name}_weight", nn.Parameter(linear.prepare(weight.data), requires_grad=False))
         self.linear = linear
+
+    def set_packed(self, name: str, weight: PackedWeight) -> None:
+        """Keep projection ``name`` (``qkv_weight``, ...) packed instead of as a float parameter."""
+        delattr(self, name)  # the float parameter goes (it was never filled)
+        setattr(self, name, weight)
 
     def _project(self, name: str, x: torch.Tensor) -> torch.Tensor:
         weight, bias = getattr(self, f"{name}_weight"), getattr(self, f"{name}_bias")
@@ -120,12 +128,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.dtype = dtype
-        self.embed = nn.Parameter(
+        self.embed: nn.Parameter | PackedWeight = nn.Parameter(
             torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype), requires_grad=False
         )
         self.layers = nn.ModuleList([DecoderLayer(arch, i, dtype) for i in range(arch.num_layers)])
         self.norm = nn.Parameter(torch.empty(arch.hidden_size, dtype=dtype), requires_grad=False)
-        self.lm_head: nn.Parameter | None = (
+        self.lm_head: nn.Parameter | PackedWeight | None = (
             None
             if arch.tie_word_embeddings
             else nn.Parameter(
@@ -141,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_sin", emb.sin(), persistent=False)
         self.linear: LinearBackend = PortableLinearBackend()
         self.pointwise: PointwiseBackend = PortablePointwiseBackend()
-        self._logits_weight: torch.Tensor | None = None  # the LM head in the linear backend's layout
+        self._logits_weight: Weight | None = None  # the LM head in the linear backend's layout
         self._graph: CpuGraph | None = None  # the layers as prebound C calls (use_cpu_graph)
         self._graph_attn: AttentionBackend | None = None
 
@@ -152,14 +160,39 @@ class LlamaForCausalLM(nn.Module):
             assert isinstance(layer, DecoderLayer)
             layer.pointwise = pointwise
 
+    def set_packed(self, key: str, weight: PackedWeight) -> None:
+        """Keep weight ``key`` packed: ``layers.{i}.{projection}_weight``, ``embed`` (looked up by
+        decoding rows; also the LM head when tied), ``lm_head``, or ``logits`` (the LM head of a
+        tied model whose lookup keeps the float table). Call before ``use_linear``."""
+        if key == "logits":
+            self._logits_weight = weight
+        elif key in ("embed", "lm_head"):
+            delattr(self, key)
+            setattr(self, key, weight)
+        else:
+            _, index, name = key.split(".")
+            layer = self.layers[int(index)]
+            assert isinstance(layer, DecoderLayer)
+            layer.set_packed(name, weight)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+        """The embedding rows of ``input_ids`` (decoded from blocks when the table is packed)."""
+        if isinstance(self.embed, PackedWeight):
+            return self.embed.rows(input_ids).to(self.dtype)
+        return F.embedding(input_ids, self.embed)
+
     def use_linear(self, linear: LinearBackend) -> None:
         """Compute every projection and the LM head with ``linear`` (call once, after loading)."""
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             layer.use_linear(linear)
-        if self.lm_head is not None:
+        if isinstance(self.lm_head, nn.Parameter):
             self.lm_head = nn.Parameter(linear.prepare(self.lm_head.data), requires_grad=False)
             self._logits_weight = None
+        elif self.lm_head is not None or isinstance(self._logits_weight, PackedWeight):
+            pass  # packed: read as it is
+        elif isinstance(self.embed, PackedWeight):
+            self._logits_weight = None  # tied to a packed table: the LM head reads it
         else:
             # Tied: the embedding lookup needs the plain matrix, so a re-laid-out LM head
             # is a second copy (none for the torch backend, whose prepare returns it).
@@ -183,7 +216,7 @@ class LlamaForCausalLM(nn.Module):
         """Run every layer over ``batch``, reading and writing ``kv_cache`` through ``attn``."""
         if self._graph is not None and attn is self._graph_attn:
             return self._graph.forward(batch, kv_cache)
-        hidden = F.embedding(batch.input_ids, self.embed)
+        hidden = self.embed_tokens(batch.input_ids)
         cos = self.rope_cos[batch.positions].to(self.dtype)
         sin = self.rope_sin[batch.positions].to(self.dtype)
         residual: torch.Tensor | None = None

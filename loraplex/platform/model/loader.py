@@ -2,7 +2,8 @@
 
 Separate q/k/v and gate/up matrices are concatenated into the fused layout the
 forward uses. Pickle checkpoints (``.bin``/``.pt``) are refused: loading them can
-run arbitrary code.
+run arbitrary code. With a quantization (``packed_weights.py``) the projections come
+packed (from the GGUF file, or int8 from the floats) and their floats are never kept.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from loraplex.kernels.contracts import LinearBackend, PointwiseBackend
+from loraplex.kernels.contracts import LinearBackend, PackedWeight, PointwiseBackend
 from loraplex.platform.model.arch import ModelArch
-from loraplex.platform.model.llama import LlamaForCausalLM
+from loraplex.platform.model.llama import PROJECTIONS, LlamaForCausalLM
+from loraplex.platform.model.packed_weights import HF_NAMES, describe, quantize_int8, read_gguf_weights
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +47,27 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+def _read_state_dict(model_dir: Path, skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """Every tensor but those named in ``skip`` (with or without the ``model.`` prefix): a
+    packed weight's floats are never read, so they never take memory."""
     state: dict[str, torch.Tensor] = {}
     for path in _safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as fh:
             for name in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if name in skip or name.removeprefix("model.") in skip:
+                    continue
                 state[name] = fh.get_tensor(name)
     return state
+
+
+def _hf_names(key: str) -> tuple[str, ...]:
+    """The HF checkpoint tensors our weight ``key`` is made from."""
+    if key == "embed":
+        return ("embed_tokens.weight",)
+    if key == "lm_head":
+        return ("lm_head.weight",)
+    layer, name = key.rsplit(".", 1)
+    return tuple(f"{layer}.{hf}" for hf in HF_NAMES[name])
 
 
 def load_model(
@@ -61,13 +77,22 @@ def load_model(
     max_positions: int,
     linear: LinearBackend | None = None,
     pointwise: PointwiseBackend | None = None,
+    quantization: str = "none",
+    gguf_path: Path | None = None,
 ) -> tuple[LlamaForCausalLM, ModelArch, Any]:
     """Build our model for ``model_dir`` and fill it with its weights (cast to ``dtype``);
     ``linear`` computes its projections (torch's ``F.linear`` when None), ``pointwise``
-    its norms, rotary embedding and activation (torch ops when None)."""
+    its norms, rotary embedding and activation (torch ops when None). ``quantization``
+    ("none", "gguf" with ``gguf_path``, "int8") keeps the projections packed."""
     hf_config = load_hf_config(model_dir)
     arch = ModelArch.from_hf_config(hf_config)
-    state = _read_state_dict(model_dir)
+    packed: dict[str, PackedWeight] = {}
+    if quantization == "gguf":
+        if gguf_path is None:
+            raise ValueError("quantization='gguf' needs the model's .gguf file")
+        packed = read_gguf_weights(gguf_path, arch)
+    skip = frozenset(name for key in packed for name in _hf_names(key))
+    state = _read_state_dict(model_dir, skip)
     prefix = "model." if any(k.startswith("model.") for k in state) else ""
 
     def take(name: str) -> torch.Tensor:
@@ -76,39 +101,56 @@ def load_model(
             raise KeyError(f"weight {key!r} missing from {model_dir}")
         return state.pop(key).to(dtype)
 
-    weights: dict[str, torch.Tensor] = {"embed": take("embed_tokens.weight"), "norm": take("norm.weight")}
+    weights: dict[str, torch.Tensor] = {"norm": take("norm.weight")}
+    if "embed" not in packed:
+        weights["embed"] = take("embed_tokens.weight")
     for i in range(arch.num_layers):
         p = f"layers.{i}."
         weights[p + "input_norm"] = take(p + "input_layernorm.weight")
         weights[p + "post_norm"] = take(p + "post_attention_layernorm.weight")
-        weights[p + "qkv_weight"] = torch.cat(
-            [take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")], dim=0
-        )
+        if p + "qkv_weight" not in packed:
+            weights[p + "qkv_weight"] = torch.cat(
+                [take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")], dim=0
+            )
         if arch.qkv_bias:
             weights[p + "qkv_bias"] = torch.cat(
                 [take(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")]
             )
-        weights[p + "o_weight"] = take(p + "self_attn.o_proj.weight")
+        if p + "o_weight" not in packed:
+            weights[p + "o_weight"] = take(p + "self_attn.o_proj.weight")
         if arch.o_bias:
             weights[p + "o_bias"] = take(p + "self_attn.o_proj.bias")
-        weights[p + "gate_up_weight"] = torch.cat(
-            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0
-        )
-        weights[p + "down_weight"] = take(p + "mlp.down_proj.weight")
+        if p + "gate_up_weight" not in packed:
+            weights[p + "gate_up_weight"] = torch.cat(
+                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0
+            )
+        if p + "down_weight" not in packed:
+            weights[p + "down_weight"] = take(p + "mlp.down_proj.weight")
         if arch.mlp_bias:
             weights[p + "gate_up_bias"] = torch.cat(
                 [take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")]
             )
             weights[p + "down_bias"] = take(p + "mlp.down_proj.bias")
-    if not arch.tie_word_embeddings:
+    if not arch.tie_word_embeddings and "lm_head" not in packed:
         weights["lm_head"] = state.pop("lm_head.weight").to(dtype)
     state.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
+    if quantization == "int8":
+        for key in [k for k in weights if k.rsplit(".", 1)[-1] in {f"{n}_weight" for n in PROJECTIONS}]:
+            packed[key] = quantize_int8(weights.pop(key))
+        if "lm_head" in weights:
+            packed["lm_head"] = quantize_int8(weights.pop("lm_head"))
+        else:  # tied: the lookup keeps the float table, the LM head reads an int8 copy
+            packed["logits"] = quantize_int8(weights["embed"])
     leftover = [k for k in state if "rotary_emb" not in k]
     if leftover:
         logger.warning("ignoring %d unused weights, e.g. %s", len(leftover), leftover[:3])
 
     with torch.device(device):
         model = LlamaForCausalLM(arch, dtype, max_positions=max_positions)
+    for key, weight in packed.items():
+        model.set_packed(key, weight.to(device))
+    if packed:
+        logger.info("%s weights kept packed: %s", quantization, describe(packed))
     # assign=True adopts the loaded tensors instead of copying into fresh ones.
     missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
     if missing or unexpected:

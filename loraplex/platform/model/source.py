@@ -88,6 +88,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         raise
 
 
+def gguf_source(model: str | os.PathLike[str] | None) -> Path | None:
+    """The GGUF file ``model`` names (None: the bundled one), or None for a Hugging Face directory."""
+    if model is None:
+        return default_gguf_path()
+    path = Path(model).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
 def resolve_model_dir(model: str | os.PathLike[str] | None) -> Path:
     """Return a local Hugging Face directory for ``model``.
 

@@ -98,7 +98,7 @@ def load_settings(
     ]
 
     class _Loader(ServerSettings, BaseSettings):
-        model_config = SettingsConfigDict(frozen=True, extra="forbid")
+        model_config = SettingsConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
 
         @classmethod
         def settings_customise_sources(

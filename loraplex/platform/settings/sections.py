@@ -53,6 +53,16 @@ class ServingSettings(BaseModel):
     """Adapters to serve in single-tenant mode, as NAME=PATH: clients select one with model=NAME."""
     log_level: LogLevel = "info"
     """Log level of the server."""
+    access_log: bool = True
+    """One JSON line per request on stderr (logger loraplex.access): tenant, adapter, status,
+    tokens, time to first token, latency."""
+    access_log_prompts: bool = False
+    """Also log each request's prompts in its access-log line (they may hold personal data)."""
+    metrics_require_admin: bool = False
+    """GET /metrics needs the admin token (with tenants); off: anyone who reaches the port may scrape."""
+    metrics_tenant_label: bool = True
+    """Label the per-tenant metrics with the tenant's name; turn off with many tenants (one series
+    per tenant and status otherwise)."""
 
     @field_validator("lora_modules", mode="before")
     @classmethod
@@ -66,7 +76,9 @@ class ServingSettings(BaseModel):
 class GatewaySettings(BaseModel):
     """The multi-tenant gateway: its database, quotas, adapter store and who may call."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", use_attribute_docstrings=True, hide_input_in_errors=True
+    )
 
     data_dir: Path = Field(default_factory=default_data_dir)
     """Where the default database and adapter store live."""
@@ -88,8 +100,53 @@ class GatewaySettings(BaseModel):
     """Length of the rpm / tpm sliding window in seconds."""
     quota_key_prefix: str = "lpx"
     """Prefix of the quota keys in Redis (several deployments can share one Redis)."""
-    max_upload_bytes: int = Field(default=1 << 30, ge=1024)
-    """Largest adapter upload (all files of one request together)."""
+    max_upload_bytes: int | None = Field(default=None, ge=1024)
+    """Largest adapter upload (all files of one request together); default: the largest adapter
+    the engine accepts (base model and max_lora_rank) plus its config."""
+    max_uploads_per_tenant: int = Field(default=2, ge=1)
+    """Uploads of one tenant in flight at once in this process (more: 429); uploads also count
+    against the tenant's rpm and max_concurrency."""
+    upload_workers: int = Field(default=2, ge=1)
+    """Threads that validate uploads (extraction, parsing); uploads beyond them wait, so they never
+    take the threads that tokenize and render requests."""
+    upload_idle_timeout_s: float = Field(default=30.0, gt=0)
+    """An upload whose body sends nothing for this long is refused (408) and its files removed."""
+    upload_timeout_s: float = Field(default=600.0, gt=0)
+    """Longest time an upload's body may take to arrive, however steadily (408 past it)."""
+    database_connect_timeout_s: float = Field(default=5.0, gt=0)
+    """PostgreSQL: longest wait to open a connection, or for a pooled one to come free."""
+    database_statement_timeout_s: float = Field(default=10.0, gt=0)
+    """PostgreSQL: longest wait for one statement (client side, and the server's statement_timeout)."""
+    database_pool_size: int = Field(default=10, ge=1)
+    """PostgreSQL: connections kept open per replica."""
+    database_max_overflow: int = Field(default=10, ge=0)
+    """PostgreSQL: connections opened beyond database_pool_size under load, closed when returned."""
+    database_pool_pre_ping: bool = True
+    """PostgreSQL: check a pooled connection before use (one that died with a restart is replaced)."""
+    auth_cache_ttl_s: float = Field(default=60.0, ge=0)
+    """How long an API key's check (tenant, quotas, status) is reused without the database: the
+    bound on how late a revocation, expiry, deletion or disabling reaches each replica."""
+    auth_cache_stale_s: float = Field(default=300.0, ge=0)
+    """While the database is unreachable, how long past auth_cache_ttl_s a cached key check (or
+    adapter resolution) still serves; then such requests get 503 too."""
+    auth_cache_size: int = Field(default=100_000, ge=1)
+    """Most API keys (and adapter resolutions) cached per replica; the least recently used go."""
+    usage_buffer_size: int = Field(default=100_000, ge=1)
+    """Most usage records held in memory while the database is unreachable; beyond it they are
+    counted as dropped and logged."""
+    admin_session_ttl_s: float = Field(default=8 * 3600.0, gt=0)
+    """How long an admin web UI sign-in lasts (seconds); signing out ends it at once."""
+    admin_signin_max_failures: int = Field(default=5, ge=1)
+    """Failed admin web UI sign-ins one client address may make per minute before it must wait."""
+
+    api_docs: bool | None = None
+    """Serve /docs and /openapi.json (they list every route, the admin API's too); default: on
+    in open mode, off with auth=keys."""
+
+    @property
+    def api_docs_on(self) -> bool:
+        """``api_docs``, or its default for the auth mode."""
+        return self.api_docs if self.api_docs is not None else self.auth == "open"
 
     @field_validator("admin_token")
     @classmethod

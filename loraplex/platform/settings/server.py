@@ -107,7 +107,8 @@ def _normalise(field: SettingField, value: Any) -> Any:
 class ServerSettings(BaseModel):
     """The validated settings of one server (see the module docstring)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # hide_input_in_errors: a rejected admin_token must not be echoed into a log or a terminal.
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
 
     config_file: Path | None = None
     """The TOML file these settings were read from, if any."""

@@ -4,6 +4,7 @@
   ``UsageRecord``), with timezone-aware UTC timestamps on every backend;
 - ``session``: ``Database`` (engine + sessions for a ``sqlite+aiosqlite`` or
   ``postgresql+asyncpg`` URL) and what SQLite needs to behave as a server's database;
+- ``availability``: ``DatabaseUnavailable`` (what an outage raises) and ``DatabaseHealth``;
 - ``migrate``: ``upgrade_to_head`` under a lock at start-up (several replicas at once),
   ``schema_diff`` for drift checks;
 - ``migrations/``: Alembic's environment and the revisions (``versions/NNNN_*.py``).
@@ -12,7 +13,14 @@ What the tables mean to tenants (who may see what) is the gateway's business:
 ``loraplex.platform.api.services``. Nothing here imports the platform or the adapters.
 """
 
-from loraplex.storage.db.migrate import current_revision, head_revision, schema_diff, upgrade_to_head
+from loraplex.storage.db.availability import DatabaseHealth, DatabaseUnavailable, is_unavailable
+from loraplex.storage.db.migrate import (
+    current_revision,
+    head_revision,
+    schema_diff,
+    upgrade_database,
+    upgrade_to_head,
+)
 from loraplex.storage.db.models import (
     USAGE_STATUSES,
     VISIBILITIES,
@@ -24,7 +32,14 @@ from loraplex.storage.db.models import (
     UsageStatus,
     Visibility,
 )
-from loraplex.storage.db.session import Backend, Database, DatabaseURLError, create_engine, database_url
+from loraplex.storage.db.session import (
+    Backend,
+    Database,
+    DatabaseURLError,
+    PoolSettings,
+    create_engine,
+    database_url,
+)
 
 __all__ = [
     "USAGE_STATUSES",
@@ -34,7 +49,10 @@ __all__ = [
     "Backend",
     "Base",
     "Database",
+    "DatabaseHealth",
     "DatabaseURLError",
+    "DatabaseUnavailable",
+    "PoolSettings",
     "Tenant",
     "UsageRecord",
     "UsageStatus",
@@ -43,6 +61,8 @@ __all__ = [
     "current_revision",
     "database_url",
     "head_revision",
+    "is_unavailable",
     "schema_diff",
+    "upgrade_database",
     "upgrade_to_head",
 ]

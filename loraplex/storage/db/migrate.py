@@ -1,6 +1,7 @@
 """Bring a database to the newest schema at start-up, safely when several replicas start at once.
 
     upgrade_to_head(engine)   take the migration lock, run Alembic ``upgrade head``, commit, release
+    upgrade_database(db)      the same for a ``Database``, on an engine without its serving timeouts
     migration_lock(engine)    the lock alone: a connection in a transaction, committed on exit
     schema_diff(engine)       how the database differs from the models (empty list = no drift)
 
@@ -38,8 +39,9 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from loraplex.storage.db.availability import DatabaseUnavailable, describe, is_unavailable
 from loraplex.storage.db.models import Base
-from loraplex.storage.db.session import backend_of, sqlite_file
+from loraplex.storage.db.session import Database, PoolSettings, backend_of, create_engine, sqlite_file
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +108,27 @@ async def _sqlite_foreign_keys_deferred(connection: AsyncConnection) -> AsyncIte
                 raise RuntimeError(f"the migration left {len(violations)} rows breaking foreign keys")
     finally:
         await connection.invalidate()
+
+
+async def upgrade_database(db: Database) -> str:
+    """``upgrade_to_head`` for ``db``; ``DatabaseUnavailable`` if it cannot be reached.
+
+    On PostgreSQL through an engine of its own with ``db``'s connect timeout but no statement
+    timeout, since waiting for the migration lock (another replica migrating) is expected;
+    SQLite has no timeouts to avoid (and an in-memory database exists in one engine only).
+    """
+    try:
+        if db.backend == "sqlite":
+            return await upgrade_to_head(db.engine)
+        migrating = create_engine(db.url, pool=PoolSettings(connect_timeout_s=db.pool.connect_timeout_s))
+        try:
+            return await upgrade_to_head(migrating)
+        finally:
+            await migrating.dispose()
+    except Exception as exc:
+        if db.backend == "postgresql" and is_unavailable(exc):
+            raise DatabaseUnavailable(f"The metadata database is unreachable ({describe(exc)}).") from exc
+        raise
 
 
 async def upgrade_to_head(engine: AsyncEngine) -> str:

@@ -113,9 +113,12 @@ class ApiKey(Base):
     """A tenant's API key; the database only ever holds its sha256, never the key."""
 
     __tablename__ = "api_keys"
+    # (tenant_id, id): a tenant's keys in id order, read a page at a time from any cursor
+    # (keyset pagination); it also serves every lookup by tenant_id alone.
+    __table_args__ = (Index(None, "tenant_id", "id"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     """sha256 hex of the whole key: what ``authenticate`` looks up."""
     prefix: Mapped[str] = mapped_column(String(KEY_PREFIX_MAX))
@@ -138,6 +141,8 @@ class Adapter(Base):
     __tablename__ = "adapters"
     __table_args__ = (
         UniqueConstraint("owner_id", "name", "version"),
+        # A tenant's versions in id order: the admin list filtered by tenant, a page at a time.
+        Index(None, "owner_id", "id"),
         CheckConstraint("visibility IN ('private', 'public')", name="visibility"),
     )
 
@@ -168,6 +173,10 @@ class UsageRecord(Base):
     __tablename__ = "usage_records"
     __table_args__ = (
         Index(None, "tenant_id", "created_at"),
+        # Every tenant's records newest first, a page at a time (the admin's usage list).
+        Index(None, "created_at", "id"),
+        # What one adapter version served lately (the admin UI's adapter list).
+        Index(None, "adapter_version", "created_at"),
         CheckConstraint("status IN ('ok', 'aborted', 'error', 'rejected')", name="status"),
     )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,14 @@ def test_serve_flags_are_the_settings_names(
     assert run(capsys, "serve", "--print-settings", "--auth", "everyone")[0] == 2
     code, _, err = run(capsys, "serve", "--print-settings", "--host", "0.0.0.0")
     assert code == 2 and "admin_token" in err
+
+
+def test_an_unreachable_database_is_a_message(capsys: pytest.CaptureFixture[str]) -> None:
+    """No traceback and no hang: the database's name, why, exit code 1."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"postgresql+asyncpg://postgres@127.0.0.1:{port}/nothing"
+    code, out, err = run(capsys, "tenants", "--database-url", url, "list")
+    assert code == 1 and out == ""
+    assert "metadata database is unreachable" in err and "Traceback" not in err, err

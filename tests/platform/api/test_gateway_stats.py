@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -44,3 +45,28 @@ async def test_gateway_stats_follow_the_quota_backend(
         stats = gateway.stats()
         assert stats.quota_backend_down and stats.num_quota_backend_outages == 1
         assert stats.num_quota_backend_failures >= 1
+
+
+def test_recent_latencies_percentiles_and_window() -> None:
+    from loraplex.platform.api.tenancy.latencies import RecentLatencies, time_to_first_token
+    from loraplex.platform.engine.outputs import RequestOutput
+
+    recent = RecentLatencies(max_items=100, window_s=60)
+    assert recent.percentiles((0.5, 0.99)) is None
+    for ms in range(1, 101):
+        recent.add(ms / 1000)
+    assert recent.percentiles((0.5, 0.99)) == [0.05, 0.099]
+    recent.add(5.0)  # the oldest (1 ms) falls out by count
+    assert recent.percentiles((0.0, 1.0)) == [0.002, 5.0]
+    aged = RecentLatencies(window_s=0.001)
+    aged.add(1.0)
+    time.sleep(0.01)
+    assert aged.percentiles((0.5,)) is None  # older than the window
+
+    def out(**metrics: float) -> RequestOutput:
+        return RequestOutput(
+            request_id="r", prompt=None, prompt_token_ids=[1], outputs=[], finished=True, metrics=metrics
+        )
+
+    assert time_to_first_token([out(arrival_time=10.0, first_token_time=10.25), None]) == 0.25
+    assert time_to_first_token([out(arrival_time=10.0), None]) is None

@@ -64,7 +64,7 @@ async def test_an_empty_database_upgrades_to_head_without_drift(database_url: st
 async def test_the_drift_check_sees_a_schema_that_differs(database_url: str) -> None:
     async with _migrated(database_url) as db:
         async with db.engine.begin() as connection:
-            await connection.execute(text("DROP INDEX ix_api_keys_tenant_id"))
+            await connection.execute(text("DROP INDEX ix_api_keys_tenant_id_id"))
         diff = await schema_diff(db.engine)
     assert [entry[0] for entry in diff if isinstance(entry, tuple)] == ["add_index"], diff
 
@@ -177,7 +177,7 @@ async def test_tenants_of_the_first_schema_get_weight_one_and_keep_their_rows(da
             ]
         assert await schema_diff(db.engine) == []
         async with migration_lock(db.engine) as connection:
-            await connection.run_sync(_downgrade_to("0001"))
+            await connection.run_sync(_downgrade_to("0002"))
             columns = {
                 c["name"] for c in await connection.run_sync(lambda c: inspect(c).get_columns("tenants"))
             }

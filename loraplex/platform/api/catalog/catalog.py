@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import Executor
 from pathlib import Path
 
 from loraplex.adapters.store import AdapterStore
@@ -49,8 +50,12 @@ class AdapterCatalog:
         validator: AdapterValidator | None = None,
         base_model: str = "",
         engine_adapters: EngineAdapters | None = None,
+        executor: Executor | None = None,
     ) -> None:
-        """``validator`` and ``base_model`` are needed to upload; deleting works without them."""
+        """``validator`` and ``base_model`` are needed to upload; deleting works without them.
+        ``executor`` runs validation (default: asyncio's shared pool; the gateway gives its own,
+        bounded one, so uploads never wait on or starve the tokenizer's threads)."""
+        self.executor = executor
         self.db = db
         self.store = store
         self.validator = validator
@@ -66,7 +71,7 @@ class AdapterCatalog:
         uploaded: dict[str, UploadedFile],
         staging: Path,
         name: str,
-        visibility: Visibility,
+        visibility: Visibility | None,
     ) -> Adapter:
         """Validate the uploaded files and register them as the newest version of ``name``.
 
@@ -76,7 +81,12 @@ class AdapterCatalog:
         if self.validator is None:
             raise RuntimeError("this AdapterCatalog has no validator; it can only delete")
         check_adapter_name(name)
-        facts = await asyncio.to_thread(self.validator.validate, uploaded, staging)
+        if name == self.base_model:
+            raise InvalidInput(
+                "name", f"'{name}' is the served model's name, so the adapter could never be selected"
+            )
+        loop = asyncio.get_running_loop()
+        facts = await loop.run_in_executor(self.executor, self.validator.validate, uploaded, staging)
         new = NewAdapter(
             name=name,
             version=facts.version,
@@ -123,6 +133,21 @@ class AdapterCatalog:
                 await self.engine_adapters.unload_version(ref.owner, ref.name, ref.version)
         for path in sorted({ref.path for ref in refs}):
             await self._remove_unreferenced(path)
+
+    async def sweep(self, min_age_s: float = 3600.0) -> list[str]:
+        """Remove stored versions no row references (a deletion interrupted half-way, an old bug),
+        older than ``min_age_s`` (a younger one may be another replica's upload about to commit)."""
+        removed = []
+        async with self.publishing:
+            for version in self.store.versions_older_than(min_age_s):
+                async with self.db.transaction() as session:
+                    referenced = await adapters.is_path_referenced(session, version)
+                if not referenced:
+                    self.store.remove(version)
+                    removed.append(version)
+        if removed:
+            logger.warning("removed %d stored adapter version(s) that no row references", len(removed))
+        return removed
 
     async def _remove_unreferenced(self, path: str) -> None:
         async with self.db.transaction() as session:

@@ -9,13 +9,17 @@ event loop's thread), text fields are kept up to 1 KiB. It refuses, with a 4xx n
 | not ``multipart/form-data``, a broken body, unknown or repeated parts | 400 bad_upload |
 | files over ``max_bytes`` together (counted as they arrive) | 413 upload_too_large |
 | a body that stops before its closing boundary, or a client that leaves | 400 incomplete_upload |
+| a body that sends nothing for ``idle_s``, or takes over ``total_s`` in all | 408 upload_timeout |
 
 Whatever it refuses, the caller removes the staging folder (its files are only ever there).
 """
 
 from __future__ import annotations
 
+import asyncio
 import codecs
+import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +39,40 @@ MAX_TEXT_FIELD_BYTES = 1024
 
 def bad_upload(message: str, code: str = "bad_upload") -> APIError:
     return APIError(400, message, code=code)
+
+
+@dataclass(frozen=True)
+class UploadDeadlines:
+    """How long an upload's body may take: between two chunks, and in all."""
+
+    idle_s: float = 30.0
+    total_s: float = 600.0
+
+
+def _timed_out(message: str) -> APIError:
+    return APIError(408, message, code="upload_timeout", headers={"Connection": "close"})
+
+
+async def _chunks(request: Request, deadlines: UploadDeadlines) -> AsyncIterator[bytes]:
+    """The body's chunks, refused (408) when one takes over ``idle_s`` or all over ``total_s``:
+    a client that sends headers and then nothing holds no staging folder past the deadline."""
+    stream = request.stream().__aiter__()
+    end_s = time.monotonic() + deadlines.total_s
+    while True:
+        left_s = end_s - time.monotonic()
+        try:
+            chunk = await asyncio.wait_for(anext(stream), min(deadlines.idle_s, max(0.0, left_s)))
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            if left_s <= deadlines.idle_s:
+                raise _timed_out(
+                    f"The upload took longer than this server's limit of {deadlines.total_s:g} s."
+                ) from None
+            raise _timed_out(
+                f"The upload sent nothing for {deadlines.idle_s:g} s; it was abandoned."
+            ) from None
+        yield chunk
 
 
 @dataclass
@@ -121,7 +159,7 @@ class _Collector:
         if self.num_file_bytes > self.max_bytes:
             raise APIError(
                 413,
-                f"The upload is larger than this server's limit of {self.max_bytes} bytes.",
+                f"Request body is larger than the server's limit of {self.max_bytes} bytes.",
                 code="upload_too_large",
             )
         self.file_chunks.append((self.part.name, chunk))
@@ -155,7 +193,9 @@ def _boundary(request: Request) -> bytes:
     return params[b"boundary"]
 
 
-async def read_upload_form(request: Request, staging: Path, max_bytes: int) -> UploadForm:
+async def read_upload_form(
+    request: Request, staging: Path, max_bytes: int, deadlines: UploadDeadlines | None = None
+) -> UploadForm:
     """The upload's fields, with each file part written to ``staging/<field>`` as it arrives."""
     collector = _Collector(max_bytes)
     try:
@@ -165,7 +205,7 @@ async def read_upload_form(request: Request, staging: Path, max_bytes: int) -> U
     handles: dict[str, Any] = {}
     sizes: dict[str, int] = {}
     try:
-        async for chunk in request.stream():
+        async for chunk in _chunks(request, deadlines or UploadDeadlines()):
             if collector.complete:
                 continue  # bytes after the closing boundary (an epilogue) are ignored
             try:

@@ -3,20 +3,43 @@
 FastAPI's own body parsing accepts ``NaN``, lone surrogates (``"\\ud800"``, which later
 break the tokenizer) and reports decode errors as ``32: JSON decode error``. The OpenAI
 routes read their body through ``read_json`` instead, so every failure is a 400 that names
-what is wrong (the size limit is the middleware's, before this).
+what is wrong (the size limit is the middleware's, before this): integers over Python's
+4,300-digit limit and numbers that overflow to infinity included.
+
+The cost of a body is bounded by its size, never by its shape: the check for lone surrogates
+looks at the raw text first (a lone surrogate can only arrive as a ``\\uD8xx``-``\\uDFxx``
+escape), and walks the parsed value only when one is there, within ``_MAX_WALK`` values. A
+body over ``OFF_LOOP_BYTES`` is parsed and validated in a worker thread, so the event loop
+stays responsive while a large, deeply structured body is decoded.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
+import re
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from loraplex.platform.api.errors import bad_request, validation_error
+from loraplex.platform.api.errors import APIError, bad_request, validation_error
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
+
+OFF_LOOP_BYTES = 64 * 1024
+"""Bodies larger than this are parsed and validated in a worker thread."""
+_MAX_WALK = 100_000
+"""Values walked to name the field that holds a lone surrogate (past it: the body is named)."""
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise bad_request(f"Invalid JSON: the number {text[:32]} is too large.")
+    return value
 
 
 def _refuse_constant(name: str) -> Any:
@@ -37,7 +60,11 @@ def _surrogate_path(root: Any) -> str | None:
     Iterative, so a deeply nested body cannot exhaust the interpreter's stack here.
     """
     stack: list[tuple[str, Any]] = [("", root)]
+    walked = 0
     while stack:
+        walked += 1
+        if walked > _MAX_WALK:
+            return "body"
         path, value = stack.pop()
         if isinstance(value, str):
             if not _is_text(value):
@@ -50,7 +77,8 @@ def _surrogate_path(root: Any) -> str | None:
                 stack.append((child, item))
         elif isinstance(value, list):
             stack.extend(
-                (f"{path}.{i}" if path else str(i), item) for i, item in reversed(list(enumerate(value)))
+                (f"{path}.{i}" if path else str(i), item)
+                for i, item in reversed(list(enumerate(value[:_MAX_WALK])))
             )
     return None
 
@@ -66,15 +94,19 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     if not text.strip():
         raise bad_request("Request body is empty; send a JSON object.")
     try:
-        value = json.loads(text, parse_constant=_refuse_constant)
+        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except json.JSONDecodeError as exc:
         raise bad_request(
             f"Invalid JSON in request body: {exc.msg} (line {exc.lineno}, column {exc.colno})."
         ) from None
     except RecursionError:
         raise bad_request("Invalid JSON in request body: nested too deeply.") from None
+    except ValueError:  # int("9" * 5000): over Python's limit on integer digits
+        raise bad_request("Invalid JSON in request body: an integer has too many digits.") from None
     if not isinstance(value, dict):
         raise bad_request("Request body must be a JSON object.")
+    if _SURROGATE_ESCAPE.search(text) is None:
+        return value  # valid UTF-8 holds no surrogate; only an escape can make one
     where = _surrogate_path(value)
     if where is not None:
         param = where if where != "body" else None
@@ -87,9 +119,48 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 
 
 async def read_json(request: Request, model: type[ModelT]) -> ModelT:
-    """The request's body as ``model``; every failure is an ``APIError`` (400 or 413)."""
-    value = parse_json(await request.body())
+    """The request's body as ``model``; every failure is an ``APIError`` (400, 413 or 415)."""
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        # A web page can post text/plain or a form cross-site without a preflight; never JSON.
+        raise APIError(
+            415,
+            "Send the request body as JSON with 'Content-Type: application/json'.",
+            code="unsupported_media_type",
+        )
+    raw = await request.body()
+    if len(raw) > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(parse_body, raw, model)
+    return parse_body(raw, model)
+
+
+def parse_body(raw: bytes, model: type[ModelT]) -> ModelT:
+    """``parse_json`` then ``model``; every failure is an ``APIError`` (400)."""
+    value = parse_json(raw)
     try:
         return model.model_validate(value)
     except ValidationError as exc:
         raise validation_error(list(exc.errors())) from None
+    except ValueError as exc:  # a validator's own arithmetic on an absurd number
+        raise bad_request(f"Invalid request body: {exc}") from None
+
+
+def documented_body(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` that documents ``model`` as the route's JSON body (``read_json`` reads it,
+    so FastAPI would otherwise list none): clients, and the schema-driven tests, see the fields."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+    inlined = _inline_refs(schema, defs)
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inlined}}}}
+
+
+def _inline_refs(node: Any, defs: dict[str, Any]) -> Any:
+    """``node`` with every ``{"$ref": "#/$defs/X"}`` replaced by ``X`` (the models have no cycles)."""
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/"):
+            return _inline_refs(defs[ref.removeprefix("#/$defs/")], defs)
+        return {k: _inline_refs(v, defs) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_inline_refs(v, defs) for v in node]
+    return node

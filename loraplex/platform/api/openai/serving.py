@@ -14,12 +14,12 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from loraplex.platform.api.openai.protocol import Prompt
+from loraplex.platform.api.observability.record import record_of
 from loraplex.platform.api.openai.responses import ResponseShape
 from loraplex.platform.api.openai.streaming import SSEResponse, sse_events
 from loraplex.platform.api.openai.submission import MeteredStream, abort_all, collect, submit
 from loraplex.platform.api.state import AppState
-from loraplex.platform.api.tenancy.gate import GatedCall, ModelTarget, RequestEnd
+from loraplex.platform.api.tenancy.gate import GatedCall, ModelTarget, PromptSource, RequestEnd
 from loraplex.platform.engine.async_engine import RequestStream
 from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.engine.sampling_params import SamplingParams
@@ -72,7 +72,7 @@ async def respond(
     state: AppState,
     call: GatedCall,
     shape: ResponseShape,
-    prompts: list[Prompt],
+    prompts: PromptSource,
     params: SamplingParams,
     target: ModelTarget,
     stream: bool,
@@ -81,8 +81,15 @@ async def respond(
 
     From admission on, every way out closes the admission once, with what the streams read.
     """
-    admission = await call.admit(shape.request_id, target, prompts, params)
     streams: list[MeteredStream] = []
+    record = record_of(request.scope)
+    if record is not None:
+        record.model, record.stream, record.streams = target.model, stream, streams
+        record.adapter = None if target.lora is None else target.model
+    admission = await call.admit(shape.request_id, target, prompts, params)
+    if record is not None and state.settings.serving.access_log_prompts:
+        # A deferred source (a chat template) exists as prompts only once admitted.
+        record.prompts = prompts if isinstance(prompts, list) else admission.prompts
 
     async def run_submit() -> list[MeteredStream]:
         streams.extend(
@@ -96,6 +103,7 @@ async def respond(
                 admission.tenant_weight,
             )
         )
+        admission.bind(streams)
         return streams
 
     if stream:
@@ -113,7 +121,8 @@ async def respond(
             admission.close([s.last for s in submitted], _end_of(submitted))
 
         readers: list[RequestStream] = [*submitted]
-        return SSEResponse(sse_events(shape, readers, params.stop_strings), on_close=on_close)
+        on_error = None if record is None else record.failed
+        return SSEResponse(sse_events(shape, readers, params.stop_strings, on_error), on_close=on_close)
 
     async def run() -> list[RequestOutput]:
         try:

@@ -67,19 +67,28 @@ class SSEResponse(StreamingResponse):
 
 
 async def sse_events(
-    shape: ResponseShape, streams: list[RequestStream], stop_strings: list[str]
+    shape: ResponseShape,
+    streams: list[RequestStream],
+    stop_strings: list[str],
+    on_error: Callable[[APIError], None] | None = None,
 ) -> AsyncIterator[str]:
-    """The events of a streamed request: deltas, the usage chunk if asked, then ``[DONE]``."""
+    """The events of a streamed request: deltas, the usage chunk if asked, then ``[DONE]``;
+    ``on_error`` hears the error of a failed stream (the metrics count it)."""
+    err: APIError | None = None
     try:
         async for chunk in _chunks(shape, streams, stop_strings):
             yield chunk
     except (APIError, EngineError) as exc:
-        yield event(to_api_error(exc).body())
+        err = to_api_error(exc)
     except Exception:
         logger.exception("stream %s failed", shape.request_id)
-        yield event(to_api_error(RuntimeError()).body())
+        err = to_api_error(RuntimeError())
     finally:
         abort_all(streams)
+    if err is not None:
+        if on_error is not None:
+            on_error(err)
+        yield event(err.body())
     yield DONE
 
 

@@ -4,12 +4,13 @@ Every path out of a request (finished, refused, failed, client gone, server
 stopping) aborts what it submitted: ``RequestStream.abort`` is synchronous, so it
 also runs in the ``finally`` of a cancelled task. ``submit`` hands back ``MeteredStream``s,
 which remember the last output read, so the gate can account for what a request used
-however it ended.
+however it ended, and when its tokens arrived (time to first token, inter-token gaps).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -30,7 +31,9 @@ def step_failure(out: RequestOutput) -> APIError:
 
 
 class MeteredStream(RequestStream):
-    """A ``RequestStream`` that remembers the last output read from it (what its request used).
+    """A ``RequestStream`` that remembers the last output read from it (what its request used)
+    and when its tokens were read: ``first_token_s`` (``time.monotonic``) and ``token_gaps_s``,
+    one ``(seconds per token, tokens)`` entry per output that brought new tokens after the first.
 
     It reads through ``inner``, the stream the engine feeds and aborts; everything else
     delegates to it, so this is a ``RequestStream`` wherever one is expected.
@@ -42,6 +45,10 @@ class MeteredStream(RequestStream):
         self.request_id = inner.request_id
         self.loop = inner.loop
         self.last: RequestOutput | None = None
+        self.first_token_s: float | None = None
+        self.token_gaps_s: list[tuple[float, int]] = []
+        self._num_tokens = 0
+        self._last_token_s = 0.0
 
     @property
     def finished(self) -> bool:
@@ -54,10 +61,22 @@ class MeteredStream(RequestStream):
     async def __anext__(self) -> RequestOutput:
         out = await self.inner.__anext__()
         self.last = out
+        num_tokens = sum(len(c.token_ids) for c in out.outputs)
+        if num_tokens > self._num_tokens:
+            now = time.monotonic()
+            if self.first_token_s is None:
+                self.first_token_s = now
+            else:
+                added = num_tokens - self._num_tokens
+                self.token_gaps_s.append(((now - self._last_token_s) / added, added))
+            self._num_tokens, self._last_token_s = num_tokens, now
         return out
 
     def abort(self) -> None:
         self.inner.abort()
+
+    def fail(self, error: BaseException) -> None:
+        self.inner.fail(error)
 
 
 async def submit(

@@ -5,7 +5,8 @@
 | ``completions`` | ``POST /v1/completions`` |
 | ``chat`` | ``POST /v1/chat/completions`` |
 | ``models`` | ``GET /v1/models``, ``GET /v1/models/{id}`` |
-| ``health`` | ``GET /health`` |
+| ``health`` | ``GET /health`` (liveness), ``GET /ready`` (readiness) |
+| ``metrics`` | ``GET /metrics`` (Prometheus) |
 | ``adapters`` | ``/v1/adapters``: a tenant's own adapters (with tenants only) |
 | ``admin`` | ``/admin/api``: tenants, keys, adapters, usage, the prefix cache (admin token, once) |
 """

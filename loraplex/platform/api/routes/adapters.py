@@ -5,20 +5,24 @@
 body streams to a staging folder inside the adapter store (``catalog.upload_form``), is
 validated against the base model, and becomes the newest version of ``name``
 (``catalog.catalog``). Only the caller's own adapters are visible here: another tenant's is a
-404 like a missing one.
+404 like a missing one. Lists are pages in OpenAI's list shape (``?limit=``, ``?after=``).
 """
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
 
 from loraplex.adapters import AdapterValidationError
 from loraplex.platform.api.catalog.catalog import parse_visibility
 from loraplex.platform.api.catalog.upload_form import read_upload_form
-from loraplex.platform.api.deps import CurrentTenant, GatewayDep, SessionDep
+from loraplex.platform.api.deps import CurrentTenant, GatewayDep, PageDep, SessionDep
 from loraplex.platform.api.errors import bad_field, rejected_adapter
+from loraplex.platform.api.gateway import Gateway
 from loraplex.platform.api.schemas import AdapterDeleted, AdapterPublic, ListOf
 from loraplex.platform.api.services import adapters
+from loraplex.storage.db import Adapter, Tenant
 
 UPLOAD_PATH = "/v1/adapters"
 router = APIRouter(prefix=UPLOAD_PATH, tags=["adapters"])
@@ -27,28 +31,41 @@ router = APIRouter(prefix=UPLOAD_PATH, tags=["adapters"])
 @router.post("", status_code=201)
 async def upload_adapter(request: Request, tenant: CurrentTenant, gateway: GatewayDep) -> AdapterPublic:
     """Store a new version of one of the caller's adapters."""
-    staging = gateway.store.new_staging()
-    try:
-        form = await read_upload_form(request, staging, gateway.settings.max_upload_bytes)
-        name = form.fields.get("name")
-        if not name:
-            raise bad_field("name", "Missing required field 'name' (the adapter's name).")
-        visibility = parse_visibility(form.fields.get("visibility") or "private")
+    return AdapterPublic.of(await receive_upload(request, tenant, gateway))
+
+
+async def receive_upload(request: Request, tenant: Tenant, gateway: Gateway) -> Adapter:
+    """Read a multipart upload (``name``, ``visibility``, the files) and store it for ``tenant``:
+    the one code path of uploads, for this API and the admin UI's upload form."""
+    async with gateway.uploads.admit(tenant):  # rpm, concurrency, uploads in flight: before the body
+        staging = gateway.store.new_staging()
         try:
-            adapter = await gateway.catalog.upload(tenant, form.files, staging, name, visibility)
-        except AdapterValidationError as exc:
-            raise rejected_adapter(exc, hide=(str(staging),)) from None
-    finally:
-        gateway.store.discard(staging)
-    return AdapterPublic.of(adapter)
+            form = await read_upload_form(
+                request, staging, gateway.max_upload_bytes, gateway.upload_deadlines
+            )
+            name = form.fields.get("name")
+            if not name:
+                raise bad_field("name", "Missing required field 'name' (the adapter's name).")
+            given = form.fields.get("visibility")
+            visibility = parse_visibility(given) if given else None  # None: keep the name's
+            try:
+                return await gateway.catalog.upload(tenant, form.files, staging, name, visibility)
+            except AdapterValidationError as exc:
+                raise rejected_adapter(exc, hide=(str(staging),)) from None
+        finally:
+            gateway.store.discard(staging)
 
 
 @router.get("")
-async def list_adapters(tenant: CurrentTenant, session: SessionDep) -> ListOf[AdapterPublic]:
-    """The newest version of each of the caller's adapters, by name."""
-    return ListOf[AdapterPublic](
-        data=[AdapterPublic.of(a) for a in await adapters.list_newest(session, tenant)]
-    )
+async def list_adapters(
+    tenant: CurrentTenant,
+    session: SessionDep,
+    page: PageDep,
+    name_prefix: Annotated[str | None, Query(max_length=128)] = None,
+) -> ListOf[AdapterPublic]:
+    """The newest version of each of the caller's adapters, by name, a page at a time."""
+    found = await adapters.page_newest(session, tenant, page, name_prefix=name_prefix)
+    return ListOf[AdapterPublic].of_page(found.map(AdapterPublic.of))
 
 
 @router.get("/{name}")
@@ -58,11 +75,12 @@ async def get_adapter(name: str, tenant: CurrentTenant, session: SessionDep) -> 
 
 
 @router.get("/{name}/versions")
-async def list_versions(name: str, tenant: CurrentTenant, session: SessionDep) -> ListOf[AdapterPublic]:
-    """Every stored version of the caller's adapter ``name``, newest first."""
-    return ListOf[AdapterPublic](
-        data=[AdapterPublic.of(a) for a in await adapters.list_versions(session, tenant, name)]
-    )
+async def list_versions(
+    name: str, tenant: CurrentTenant, session: SessionDep, page: PageDep
+) -> ListOf[AdapterPublic]:
+    """The stored versions of the caller's adapter ``name``, newest first, a page at a time."""
+    found = await adapters.page_versions(session, tenant, name, page)
+    return ListOf[AdapterPublic].of_page(found.map(AdapterPublic.of))
 
 
 @router.delete("/{name}")

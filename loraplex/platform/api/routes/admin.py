@@ -2,25 +2,30 @@
 
 | route | does |
 |---|---|
-| ``POST /tenants``, ``GET /tenants``, ``GET /tenants/{name}`` | create (quotas, ``weight``), list, read |
+| ``POST /tenants``, ``GET /tenants/{name}`` | create (quotas, ``weight`` in the body), read |
+| ``GET /tenants[?name_prefix=]`` | list, by name |
 | ``PATCH /tenants/{name}`` | change quotas (absent: unchanged, null: unlimited), ``disabled``, ``weight`` |
 | ``DELETE /tenants/{name}`` | the tenant, its keys, adapters (files too), usage and cached KV |
 | ``POST /tenants/{name}/keys`` | a new key: the answer holds ``key``, shown this once |
-| ``GET /tenants/{name}/keys`` | its keys, by prefix |
+| ``GET /tenants/{name}/keys[?prefix=]`` | its keys (prefixes, never the keys), oldest first |
 | ``DELETE /keys/{id}`` | revoke a key |
-| ``GET /adapters[?tenant=]``, ``DELETE /adapters/{tenant}/{name}[?version=]`` | every adapter version |
-| ``GET /usage[?tenant=&adapter=&status=&since=&until=&limit=]`` | totals and the newest records |
+| ``GET /adapters[?tenant=&name_prefix=]`` | every adapter version, oldest first |
+| ``DELETE /adapters/{tenant}/{name}[?version=]`` | an adapter (every version, or one) |
+| ``GET /usage[?tenant=&adapter=&status=&since=&until=]`` | totals, and a page of the records, newest first |
 | ``POST /prefix-cache/reset`` | forget every cached KV block, every tier (409 while requests run) |
+
+Every list is one page in OpenAI's list shape (``?limit=`` 1-100, default 20; ``?after=`` the
+``last_id`` of the page before; ``has_more``), read with keyset pagination (``services.pages``).
 """
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Path, Query
 from pydantic import AwareDatetime
 
-from loraplex.platform.api.deps import GatewayDep, SessionDep, require_admin
+from loraplex.platform.api.deps import GatewayDep, PageDep, SessionDep, forget_cached_auth, require_admin
 from loraplex.platform.api.schemas import (
     AdapterDeleted,
     AdapterPublic,
@@ -38,8 +43,12 @@ from loraplex.platform.api.services.errors import InvalidInput
 from loraplex.platform.api.services.tenants import TenantQuotas
 from loraplex.storage.db import UsageStatus
 
-# The admin token is checked once, for every route of this router.
-router = APIRouter(prefix="/admin/api", tags=["admin"], dependencies=[Depends(require_admin)])
+# The admin token is checked once, for every route of this router; a change forgets cached keys.
+router = APIRouter(
+    prefix="/admin/api",
+    tags=["admin"],
+    dependencies=[Depends(require_admin), Depends(forget_cached_auth, scope="function")],
+)
 
 
 @router.post("/tenants", status_code=201)
@@ -58,8 +67,11 @@ async def create_tenant(body: TenantCreate, session: SessionDep) -> TenantPublic
 
 
 @router.get("/tenants")
-async def list_tenants(session: SessionDep) -> ListOf[TenantPublic]:
-    return ListOf[TenantPublic](data=[TenantPublic.of(t) for t in await tenants.list_tenants(session)])
+async def list_tenants(
+    session: SessionDep, page: PageDep, name_prefix: Annotated[str | None, Query(max_length=64)] = None
+) -> ListOf[TenantPublic]:
+    found = await tenants.page_tenants(session, page, name_prefix=name_prefix)
+    return ListOf[TenantPublic].of_page(found.map(TenantPublic.of))
 
 
 @router.get("/tenants/{name}")
@@ -68,10 +80,15 @@ async def get_tenant(name: str, session: SessionDep) -> TenantPublic:
 
 
 @router.patch("/tenants/{name}")
-async def update_tenant(name: str, body: TenantUpdate, session: SessionDep) -> TenantPublic:
+async def update_tenant(
+    name: str, body: TenantUpdate, session: SessionDep, gateway: GatewayDep
+) -> TenantPublic:
     tenant = await tenants.update_quotas(session, name, body.quota_changes())
     if body.disabled is not None:
         tenant = await tenants.set_disabled(session, name, body.disabled)
+        if body.disabled:
+            await session.commit()  # disabled for good before its running requests are stopped
+            gateway.gate.revoke(tenant.id, deleted=False)
     if "weight" in body.model_fields_set:
         if body.weight is None:
             raise InvalidInput("weight", "must be a number greater than 0 (it cannot be null)")
@@ -100,22 +117,33 @@ async def create_key(name: str, body: KeyCreate, session: SessionDep) -> KeyCrea
 
 
 @router.get("/tenants/{name}/keys")
-async def list_keys(name: str, session: SessionDep) -> ListOf[KeyPublic]:
+async def list_keys(
+    name: str, session: SessionDep, page: PageDep, prefix: Annotated[str | None, Query(max_length=16)] = None
+) -> ListOf[KeyPublic]:
     tenant = await tenants.get_tenant(session, name)
-    return ListOf[KeyPublic](data=[KeyPublic.of(k) for k in await keys.list_keys(session, tenant)])
+    found = await keys.page_keys(session, page, tenant, prefix=prefix)
+    return ListOf[KeyPublic].of_page(found.map(KeyPublic.of))
+
+
+_MAX_ROW_ID = (1 << 63) - 1
+"""Largest id a database integer holds: a larger one is a 400, never a driver overflow (500)."""
 
 
 @router.delete("/keys/{key_id}")
-async def revoke_key(key_id: int, session: SessionDep) -> KeyPublic:
+async def revoke_key(key_id: Annotated[int, Path(ge=1, le=_MAX_ROW_ID)], session: SessionDep) -> KeyPublic:
     return KeyPublic.of(await keys.revoke_key(session, key_id))
 
 
 @router.get("/adapters")
-async def list_adapters(session: SessionDep, tenant: str | None = None) -> ListOf[AdapterPublic]:
+async def list_adapters(
+    session: SessionDep,
+    page: PageDep,
+    tenant: str | None = None,
+    name_prefix: Annotated[str | None, Query(max_length=128)] = None,
+) -> ListOf[AdapterPublic]:
     owner = None if tenant is None else await tenants.get_tenant(session, tenant)
-    return ListOf[AdapterPublic](
-        data=[AdapterPublic.of(a) for a in await adapters.list_adapters(session, owner)]
-    )
+    found = await adapters.page_adapters(session, page, owner, name_prefix=name_prefix)
+    return ListOf[AdapterPublic].of_page(found.map(AdapterPublic.of))
 
 
 @router.delete("/adapters/{tenant}/{name}")
@@ -131,17 +159,17 @@ async def delete_adapter(
 @router.get("/usage")
 async def usage_report(
     session: SessionDep,
+    page: PageDep,
     tenant: str | None = None,
     adapter: str | None = None,
     status: UsageStatus | None = None,
     since: AwareDatetime | None = None,
     until: AwareDatetime | None = None,
-    limit: Annotated[int, Query(ge=1, le=usage.MAX_QUERY_ROWS)] = 100,
 ) -> UsageReport:
     owner = None if tenant is None else await tenants.get_tenant(session, tenant)
     where = usage.UsageFilter(tenant=owner, since=since, until=until, adapter_name=adapter, status=status)
     totals = await usage.usage_totals(session, where)
-    return UsageReport.of(totals, await usage.query_usage(session, where, limit=limit))
+    return UsageReport.of(totals, await usage.page_usage(session, where, page))
 
 
 @router.post("/prefix-cache/reset")

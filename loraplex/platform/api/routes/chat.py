@@ -12,9 +12,9 @@ from starlette.responses import Response
 
 from loraplex.platform.api.deps import CallDep, StateDep
 from loraplex.platform.api.errors import bad_request
-from loraplex.platform.api.openai.json_body import read_json
+from loraplex.platform.api.openai.json_body import documented_body, read_json
 from loraplex.platform.api.openai.params import chat_params, check_prompt_chars
-from loraplex.platform.api.openai.protocol import ChatCompletionRequest
+from loraplex.platform.api.openai.protocol import ChatCompletionRequest, Prompt
 from loraplex.platform.api.openai.responses import ResponseShape
 from loraplex.platform.api.openai.serving import respond
 from loraplex.platform.api.state import AppState
@@ -32,7 +32,9 @@ def _render(state: AppState, messages: list[dict[str, str]]) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-@router.post("/v1/chat/completions", response_model=None)
+@router.post(
+    "/v1/chat/completions", response_model=None, openapi_extra=documented_body(ChatCompletionRequest)
+)
 async def create_chat_completion(request: Request, state: StateDep, call: CallDep) -> Response:
     """OpenAI chat completions over the model's own chat template."""
     body = await read_json(request, ChatCompletionRequest)
@@ -42,7 +44,10 @@ async def create_chat_completion(request: Request, state: StateDep, call: CallDe
     messages = body.text_messages()
     check_prompt_chars(sum(len(m["content"]) for m in messages), state.limits, "messages")
     params = chat_params(body, state.limits)
-    prompt = await asyncio.to_thread(_render, state, messages)
+
+    async def render() -> list[Prompt]:  # run by the gate once the request is admitted
+        return [await asyncio.to_thread(_render, state, messages)]
+
     shape = ResponseShape(
         chat=True,
         request_id=f"chatcmpl-{uuid.uuid4().hex}",
@@ -53,4 +58,4 @@ async def create_chat_completion(request: Request, state: StateDep, call: CallDe
         text_of=state.text_of,
         include_usage=body.include_usage(),
     )
-    return await respond(request, state, call, shape, [prompt], params, target, body.stream)
+    return await respond(request, state, call, shape, render, params, target, body.stream)

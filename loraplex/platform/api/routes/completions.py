@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from loraplex.platform.api.deps import CallDep, StateDep
-from loraplex.platform.api.openai.json_body import read_json
+from loraplex.platform.api.openai.json_body import documented_body, read_json
 from loraplex.platform.api.openai.params import check_prompt_chars, completion_params
 from loraplex.platform.api.openai.protocol import CompletionRequest
 from loraplex.platform.api.openai.responses import ResponseShape
@@ -18,7 +18,7 @@ from loraplex.platform.api.openai.serving import respond
 router = APIRouter(tags=["completions"])
 
 
-@router.post("/v1/completions", response_model=None)
+@router.post("/v1/completions", response_model=None, openapi_extra=documented_body(CompletionRequest))
 async def create_completion(request: Request, state: StateDep, call: CallDep) -> Response:
     """OpenAI completions; a list of ``k`` prompts gives ``k * n`` choices (``index = i * n + j``)."""
     body = await read_json(request, CompletionRequest)

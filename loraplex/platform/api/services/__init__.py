@@ -9,10 +9,14 @@ of ``errors`` and know nothing of HTTP. No key and no prompt text is ever logged
 | module | owns |
 |---|---|
 | ``tenants`` | tenants and their quotas (``TenantQuotas``): create, get, list, update, disable, delete |
+
+Every ``list_*`` has a ``page_*`` twin that reads one page from a cursor (``pages``): the APIs,
+the admin UI and the CLI list with those; the ``list_*`` read everything (small data, tests).
 | ``keys`` | ``create_key`` (the key, once), ``authenticate``, ``list_keys``, ``revoke_key`` |
 | ``adapters`` | the registry's rows: register, resolve, list, delete; per-tenant ACL and quotas |
 | ``usage`` | ``record_usage``, ``query_usage``, ``usage_totals`` |
 | ``names`` | what tenant and adapter names may look like |
+| ``pages`` | keyset pagination: ``PageRequest`` (limit, after), ``Page`` (rows, cursors, has_more) |
 | ``errors`` | ``NotFound``, ``Conflict``, ``QuotaExceeded``, ``InvalidInput`` |
 
 Reads, then writes (open with ``write=True`` on SQLite): ``create_tenant``, ``ensure_tenant``,

@@ -12,7 +12,8 @@ Rules:
   the content of the newest version again changes nothing; the content of an *older* version
   is a ``Conflict`` (delete the newer versions to go back to it).
 - Visibility belongs to the name: registering a version, or ``set_visibility``, sets it on
-  every version, so "public" never depends on which version happens to be newest.
+  every version, so "public" never depends on which version happens to be newest. A version
+  registered without one keeps the name's (private for a new name).
 - A request names its own adapter ``name`` (or ``own-tenant/name``) and another tenant's
   public one ``owner/name``. Another tenant's private adapter, a disabled tenant's adapter and
   a name that does not exist all give the same ``NotFound("model", model)``, after the same
@@ -21,6 +22,7 @@ Rules:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -30,6 +32,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from loraplex.platform.api.services.errors import Conflict, InvalidInput, NotFound, QuotaExceeded
 from loraplex.platform.api.services.names import check_adapter_name
+from loraplex.platform.api.services.pages import Page, PageRequest, decode_cursor, encode_cursor, make_page
 from loraplex.storage.db.models import VISIBILITIES, Adapter, Tenant, Visibility
 
 _VERSION = re.compile(r"[0-9a-f]{64}")
@@ -48,7 +51,8 @@ class NewAdapter:
     nbytes: int
     path: str
     """The files' place in the adapter store, relative to its root."""
-    visibility: Visibility = "private"
+    visibility: Visibility | None = "private"
+    """None: the name's current visibility (private for a new name)."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,6 @@ async def register_adapter(session: AsyncSession, owner: Tenant, new: NewAdapter
     ``max_adapter_bytes`` (every stored version counts); ``Conflict`` for the content of an
     older version; ``InvalidInput`` for a bad name, version, rank or size.
     """
-    _check_new(new)
     # The row lock serialises registrations of one tenant on PostgreSQL, so two uploads at once
     # cannot both pass the quota check (SQLite has one writer at a time: see session.py), and
     # populate_existing reads the quotas as they are now, not as the caller loaded them.
@@ -100,6 +103,10 @@ async def register_adapter(session: AsyncSession, owner: Tenant, new: NewAdapter
     if locked is None:
         raise NotFound("tenant", owner.name)
     versions = await _versions(session, owner.id, new.name)
+    if new.visibility is None:  # a new version keeps the name's visibility unless it is given
+        new = dataclasses.replace(new, visibility=versions[0].visibility if versions else "private")
+    _check_new(new)
+    assert new.visibility is not None
     if versions and versions[0].version == new.version:
         await _set_visibility(session, owner.id, new.name, new.visibility)
         return versions[0]
@@ -198,6 +205,67 @@ async def list_adapters(session: AsyncSession, owner: Tenant | None = None) -> l
     return list(await session.scalars(query))
 
 
+async def page_adapters(
+    session: AsyncSession,
+    page: PageRequest,
+    owner: Tenant | None = None,
+    *,
+    name_prefix: str | None = None,
+) -> Page[Adapter]:
+    """One page of ``list_adapters`` (``name_prefix``: names starting so); an opaque cursor over
+    the row id, walked on the primary key or the (owner_id, id) index."""
+    query = select(Adapter).order_by(Adapter.id).limit(page.limit + 1)
+    if owner is not None:
+        query = query.where(Adapter.owner_id == owner.id)
+    if name_prefix:
+        query = query.where(Adapter.name.startswith(name_prefix, autoescape=True))
+    if page.after is not None:
+        (after_id,) = decode_cursor(page.after, (int,))
+        query = query.where(Adapter.id > after_id)
+    return make_page(list(await session.scalars(query)), page, lambda a: encode_cursor(a.id))
+
+
+async def page_newest(
+    session: AsyncSession, owner: Tenant, page: PageRequest, *, name_prefix: str | None = None
+) -> Page[Adapter]:
+    """One page of ``list_newest``: the newest version of each of ``owner``'s names, by name; the
+    cursor is the last name shown. The names come from the (owner_id, name, version) index."""
+    names = (
+        select(func.max(Adapter.id))
+        .where(Adapter.owner_id == owner.id)
+        .group_by(Adapter.name)
+        .order_by(Adapter.name)
+        .limit(page.limit + 1)
+    )
+    if name_prefix:
+        names = names.where(
+            Adapter.name >= name_prefix, Adapter.name.startswith(name_prefix, autoescape=True)
+        )
+    if page.after is not None:
+        names = names.where(Adapter.name > page.after)
+    ids = list(await session.scalars(names))
+    rows = list(await session.scalars(select(Adapter).where(Adapter.id.in_(ids)).order_by(Adapter.name)))
+    return make_page(rows, page, lambda a: a.name)
+
+
+async def page_versions(session: AsyncSession, owner: Tenant, name: str, page: PageRequest) -> Page[Adapter]:
+    """One page of ``list_versions`` (newest first; an opaque cursor); ``NotFound`` if the adapter
+    has no version at all."""
+    query = (
+        select(Adapter)
+        .where(Adapter.owner_id == owner.id, Adapter.name == name)
+        .order_by(Adapter.id.desc())
+        .limit(page.limit + 1)
+    )
+    if page.after is not None:
+        (after_id,) = decode_cursor(page.after, (int,))
+        query = query.where(Adapter.id < after_id)
+    rows = list(await session.scalars(query))
+    if not rows and (page.after is None or not await _versions(session, owner.id, name)):
+        raise NotFound("adapter", name)
+    return make_page(rows, page, lambda a: encode_cursor(a.id))
+
+
 async def list_newest(session: AsyncSession, owner: Tenant) -> list[Adapter]:
     """The newest version of each of ``owner``'s adapters, ordered by name."""
     newest: dict[str, Adapter] = {}
@@ -288,7 +356,7 @@ def _check_visibility(visibility: str) -> None:
 
 def _check_new(new: NewAdapter) -> None:
     check_adapter_name(new.name)
-    _check_visibility(new.visibility)
+    _check_visibility(new.visibility or "")
     if not _VERSION.fullmatch(new.version):
         raise InvalidInput("version", "must be a sha256 hex digest (64 lower-case hex digits)")
     if isinstance(new.rank, bool) or new.rank < 1:

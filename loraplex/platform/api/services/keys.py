@@ -16,11 +16,12 @@ import secrets
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import Select, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from loraplex.platform.api.services.errors import InvalidInput, NotFound
+from loraplex.platform.api.services.pages import Page, PageRequest, int_cursor, make_page
 from loraplex.storage.db.models import ApiKey, Tenant, utcnow
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,20 @@ async def create_key(
     )
 
 
+@dataclass(frozen=True)
+class KeyCheck:
+    """A key that authenticates: its tenant, when the key stops working by itself, and its id."""
+
+    tenant: Tenant
+    expires_at: datetime | None
+    key_id: int
+
+
+def well_formed(presented_key: str) -> bool:
+    """Whether ``presented_key`` has the format of a key we issue (checked before any lookup)."""
+    return presented_key.startswith(KEY_PREFIX) and len(presented_key) <= _MAX_KEY_LEN
+
+
 async def authenticate(
     session: AsyncSession, presented_key: str, *, now: datetime | None = None
 ) -> Tenant | None:
@@ -100,7 +115,16 @@ async def authenticate(
     Every refusal is the same None, so a caller cannot tell a revoked key from a wrong one.
     Updates the key's ``last_used_at`` (at most once per ``LAST_USED_RESOLUTION``).
     """
-    if not presented_key.startswith(KEY_PREFIX) or len(presented_key) > _MAX_KEY_LEN:
+    checked = await check_key(session, presented_key, now=now)
+    return None if checked is None else checked.tenant
+
+
+async def check_key(
+    session: AsyncSession, presented_key: str, *, now: datetime | None = None
+) -> KeyCheck | None:
+    """``authenticate``, with the key's id and expiry (a cache of the answer must not outlive it;
+    an admin UI session lasts while that key authenticates)."""
+    if not well_formed(presented_key):
         return None  # the format is public: refusing it early tells an attacker nothing secret
     presented_hash = hash_key(presented_key)
     # Constant time with respect to the secret: the database compares *hashes*, and what the
@@ -113,14 +137,26 @@ async def authenticate(
     if row is None or not hmac.compare_digest(row.key_hash, presented_hash):
         return None
     now = now or utcnow()
-    if row.revoked_at is not None or (row.expires_at is not None and row.expires_at <= now):
+    if not _usable(row, now):
         return None
-    tenant = row.tenant  # taken first: a failed _touch expires the row, and async cannot reload it
-    if tenant.disabled:
-        return None
+    # Taken first: a failed _touch expires the row, and async cannot reload it.
+    checked = KeyCheck(row.tenant, row.expires_at, row.id)
     if row.last_used_at is None or now - row.last_used_at >= LAST_USED_RESOLUTION:
         await _touch(session, row, now)
-    return tenant
+    return checked
+
+
+async def usable_key(session: AsyncSession, key_id: int, *, now: datetime | None = None) -> ApiKey | None:
+    """Key ``key_id`` if it still authenticates (not revoked, not expired, tenant enabled), else None:
+    what a session opened with that key checks on every request."""
+    row = await session.get(ApiKey, key_id, populate_existing=True)
+    return row if row is not None and _usable(row, now or utcnow()) else None
+
+
+def _usable(row: ApiKey, now: datetime) -> bool:
+    if row.revoked_at is not None or (row.expires_at is not None and row.expires_at <= now):
+        return False
+    return not row.tenant.disabled
 
 
 async def _touch(session: AsyncSession, row: ApiKey, now: datetime) -> None:
@@ -142,15 +178,37 @@ async def list_keys(
     prefix: str | None = None,
     include_revoked: bool = True,
 ) -> list[ApiKey]:
-    """Keys of ``tenant`` (every tenant's if None), oldest first; ``prefix``: those starting so."""
+    """Keys of ``tenant`` (every tenant's if None), oldest first; ``prefix``: those starting so.
+
+    All at once: for small databases and tests; listings use ``page_keys``."""
+    return list(await session.scalars(_keys_query(tenant, prefix, include_revoked)))
+
+
+async def page_keys(
+    session: AsyncSession,
+    page: PageRequest,
+    tenant: Tenant | None = None,
+    *,
+    prefix: str | None = None,
+    include_revoked: bool = True,
+) -> Page[ApiKey]:
+    """One page of ``list_keys`` (the cursor is the last key's id): the (tenant_id, id) index
+    is walked from the cursor, so any page costs the same."""
+    query = _keys_query(tenant, prefix, include_revoked).limit(page.limit + 1)
+    if page.after is not None:
+        query = query.where(ApiKey.id > int_cursor(page.after))
+    return make_page(list(await session.scalars(query)), page, lambda k: str(k.id))
+
+
+def _keys_query(tenant: Tenant | None, prefix: str | None, include_revoked: bool) -> Select[ApiKey]:
     query = select(ApiKey).order_by(ApiKey.id)
     if tenant is not None:
         query = query.where(ApiKey.tenant_id == tenant.id)
-    if prefix is not None:
+    if prefix:
         query = query.where(ApiKey.prefix.startswith(prefix, autoescape=True))  # '%', '_' literal
     if not include_revoked:
         query = query.where(ApiKey.revoked_at.is_(None))
-    return list(await session.scalars(query))
+    return query
 
 
 async def revoke_key(

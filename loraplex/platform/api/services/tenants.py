@@ -21,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from loraplex.platform.api.services.adapters import AdapterRef
 from loraplex.platform.api.services.errors import Conflict, InvalidInput, NotFound
 from loraplex.platform.api.services.names import check_tenant_name
+from loraplex.platform.api.services.pages import Page, PageRequest, make_page
 from loraplex.storage.db.models import Adapter, Tenant
 
 QuotaField = Literal["rpm", "tpm", "max_concurrency", "max_adapters", "max_adapter_bytes"]
@@ -149,8 +150,24 @@ async def get_tenant(session: AsyncSession, name: str) -> Tenant:
 
 
 async def list_tenants(session: AsyncSession) -> list[Tenant]:
-    """Every tenant, by name."""
+    """Every tenant, by name (all at once: for small databases and tests; lists page)."""
     return list(await session.scalars(select(Tenant).order_by(Tenant.name)))
+
+
+async def page_tenants(
+    session: AsyncSession, page: PageRequest, *, name_prefix: str | None = None
+) -> Page[Tenant]:
+    """One page of tenants by name; the cursor is the last name shown.
+
+    Walks the unique index on ``name`` from the cursor (or from ``name_prefix``: every name
+    that starts with it sorts at or after it), so any page costs the same.
+    """
+    query = select(Tenant).order_by(Tenant.name).limit(page.limit + 1)
+    if name_prefix:
+        query = query.where(Tenant.name >= name_prefix, Tenant.name.startswith(name_prefix, autoescape=True))
+    if page.after is not None:
+        query = query.where(Tenant.name > page.after)
+    return make_page(list(await session.scalars(query)), page, lambda t: t.name)
 
 
 async def update_quotas(session: AsyncSession, name: str, changes: Mapping[QuotaField, int | None]) -> Tenant:

@@ -11,12 +11,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import ColumnElement, func, select
+from sqlalchemy import BigInteger, ColumnElement, func, literal, select, tuple_
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from loraplex.platform.api.services.errors import InvalidInput, NotFound
-from loraplex.storage.db.models import USAGE_STATUSES, Tenant, UsageRecord, UsageStatus
+from loraplex.platform.api.services.pages import Page, PageRequest, decode_cursor, encode_cursor, make_page
+from loraplex.storage.db.models import USAGE_STATUSES, Tenant, UsageRecord, UsageStatus, UTCDateTime
 
 MAX_QUERY_ROWS = 10_000
 
@@ -101,6 +102,31 @@ async def query_usage(
     return list(await session.scalars(query))
 
 
+async def page_usage(session: AsyncSession, where: UsageFilter, page: PageRequest) -> Page[UsageRecord]:
+    """One page of ``query_usage`` (newest first). The opaque cursor holds the last record's
+    (created_at, id): the query goes on below it in the (tenant_id, created_at) or
+    (created_at) index."""
+    query = (
+        select(UsageRecord)
+        .where(*_conditions(where))
+        .order_by(UsageRecord.created_at.desc(), UsageRecord.id.desc())
+        .limit(page.limit + 1)
+    )
+    if page.after is not None:
+        at, after_id = decode_cursor(page.after, (str, int))
+        try:
+            when = datetime.fromisoformat(str(at))
+        except ValueError:
+            raise InvalidInput("after", "not a cursor this list gave") from None
+        if when.tzinfo is None:
+            raise InvalidInput("after", "not a cursor this list gave")
+        # Typed literals: the cursor's time goes through UTCDateTime like the column's values.
+        below = tuple_(literal(when, UTCDateTime()), literal(after_id, BigInteger()))
+        query = query.where(tuple_(UsageRecord.created_at, UsageRecord.id) < below)
+    rows = list(await session.scalars(query))
+    return make_page(rows, page, lambda r: encode_cursor(r.created_at.isoformat(), r.id))
+
+
 async def usage_totals(session: AsyncSession, where: UsageFilter | None = None) -> UsageTotals:
     """Request count and token sums over the records matching ``where``."""
     row = (
@@ -144,3 +170,53 @@ def _check(usage: Usage) -> None:
         raise InvalidInput("status", f"must be one of {', '.join(USAGE_STATUSES)}")
     if not 1 <= len(usage.request_id) <= 128:
         raise InvalidInput("request_id", "must be 1-128 characters")
+
+
+@dataclass(frozen=True)
+class ServedTotals:
+    """What requests on one adapter version used."""
+
+    num_requests: int
+    tokens: int
+    """Prompt + completion."""
+
+
+async def served_by_version(
+    session: AsyncSession, versions: Sequence[str], since: datetime
+) -> dict[str, ServedTotals]:
+    """Requests and tokens per adapter version (content sha256) since ``since``, for the versions
+    given (a page of them): the (adapter_version, created_at) index bounds the rows read."""
+    if not versions:
+        return {}
+    query = (
+        select(
+            UsageRecord.adapter_version,
+            func.count(UsageRecord.id),
+            func.sum(UsageRecord.prompt_tokens + UsageRecord.completion_tokens),
+        )
+        .where(UsageRecord.adapter_version.in_(list(set(versions))), UsageRecord.created_at >= since)
+        .group_by(UsageRecord.adapter_version)
+    )
+    return {
+        str(version): ServedTotals(int(count), int(tokens or 0))
+        for version, count, tokens in await session.execute(query)
+    }
+
+
+async def tokens_by_tenant(
+    session: AsyncSession, since: datetime, tenant: Tenant | None = None
+) -> dict[str, int]:
+    """Prompt + completion tokens per tenant name over the records since ``since`` (``tenant``:
+    that one only); the dashboard's per-tenant chart. Reads the (created_at, id) index range."""
+    query = (
+        select(UsageRecord.tenant_id, func.sum(UsageRecord.prompt_tokens + UsageRecord.completion_tokens))
+        .where(UsageRecord.created_at >= since)
+        .group_by(UsageRecord.tenant_id)
+    )
+    if tenant is not None:
+        query = query.where(UsageRecord.tenant_id == tenant.id)
+    totals = {tenant_id: int(total or 0) for tenant_id, total in await session.execute(query)}
+    if not totals:
+        return {}
+    names = await session.execute(select(Tenant.id, Tenant.name).where(Tenant.id.in_(list(totals))))
+    return {name: totals[tenant_id] for tenant_id, name in names}

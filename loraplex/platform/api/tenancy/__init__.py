@@ -5,5 +5,8 @@
 | ``gate`` | the ``RequestGate`` contract (open, resolve, admit, close); the single-tenant ``StaticGate`` |
 | ``tenant_gate`` | ``TenantGate``: API keys, per-tenant models, quota admission, usage records |
 | ``auth`` | bearer credentials: a tenant's API key, the admin token |
+| ``latencies`` | ``RecentLatencies``: time to first token of recent requests (dashboard p50 / p99) |
+| ``auth_cache`` | ``Authenticator``: API key checks cached for a TTL, served through a database outage |
 | ``quotas/`` | the limiter contract, Redis (Lua) and in-process implementations |
+| ``replica_events`` | Redis pub/sub between replicas: a tenant deleted on one has its KV purged on all |
 """

@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 LOCAL_TENANT = "local"
 """The tenant every call runs as with ``auth="open"``."""
+OPEN_MODE_TOKEN = "local"
+"""The one bearer token open mode accepts (clients that must send a key send this one)."""
 _MAX_HEADER_CHARS = 1024
 
 
@@ -41,10 +43,22 @@ def bearer_token(request: Request) -> str | None:
     return token.strip()
 
 
+def check_open_mode_credential(request: Request) -> None:
+    """Open mode runs a request as ``local`` only without ``Authorization`` or with
+    ``Bearer local``: a key sent to a server that ignores keys is a mistake to report (401)."""
+    token = bearer_token(request)
+    if token is not None and not hmac.compare_digest(token, OPEN_MODE_TOKEN):
+        raise unauthorized(
+            "This server runs in open mode (no API keys): send no Authorization header, or "
+            f"'Bearer {OPEN_MODE_TOKEN}'; start it with auth=keys to use keys."
+        )
+
+
 async def authenticate_tenant(db: Database, mode: AuthMode, request: Request) -> Tenant:
     """The tenant the request's API key belongs to; 401 for a missing, wrong, revoked or expired key,
     or a disabled tenant. With ``mode="open"`` every request is the ``local`` tenant."""
     if mode == "open":
+        check_open_mode_credential(request)
         return await local_tenant(db)
     token = bearer_token(request)
     if token is None:
@@ -82,8 +96,15 @@ def check_admin(expected: SecretStr | None, request: Request) -> None:
     token = bearer_token(request)
     if token is None:
         raise _admin_refused("Send the admin token as 'Authorization: Bearer <admin token>'.")
-    if not hmac.compare_digest(token.encode("utf-8", "surrogatepass"), expected.get_secret_value().encode()):
+    if not admin_token_matches(expected, token):
         raise _admin_refused("Incorrect admin token.")
+
+
+def admin_token_matches(expected: SecretStr, presented: str) -> bool:
+    """Whether ``presented`` is the admin token (constant time)."""
+    return hmac.compare_digest(
+        presented.encode("utf-8", "surrogatepass"), expected.get_secret_value().encode()
+    )
 
 
 def _admin_refused(message: str) -> APIError:

@@ -5,8 +5,13 @@ Every OpenAI route talks to a ``RequestGate`` in this order::
     call = await gate.open(request)           # who asks (the gateway answers 401 here)
     target = await call.resolve(body.model)   # base model or an adapter the caller may use, else 404
     admission = await call.admit(request_id, target, prompts, params)   # quotas: 429 / 503
+                                              # (prompts may be deferred: a ``PromptSource``)
     ... submit admission.prompts as admission.tenant_id, read the streams ...
     admission.close(last_outputs, end)        # exactly once, however the request ended
+
+``admit`` counts the request (rpm, concurrency) *before* it tokenizes or renders anything:
+a route passes prompts that cost CPU to produce (a chat template) as a coroutine function, so a
+caller over its quota costs a few dictionary operations, not a tokenizer run.
 
 ``close`` never blocks and never raises: settling a quota and writing a usage record are
 I/O, so the gate runs them in the background (an answer to the client is not delayed by
@@ -20,7 +25,7 @@ them, and a handler being cancelled cannot skip them).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -28,9 +33,20 @@ from starlette.requests import Request
 
 from loraplex.adapters import LoRARequest
 from loraplex.platform.api.openai.protocol import Prompt
+from loraplex.platform.engine.async_engine import RequestStream
 from loraplex.platform.engine.errors import UnknownAdapterError
 from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.engine.sampling_params import SamplingParams
+
+PromptSource = list[Prompt] | Callable[[], Awaitable[list[Prompt]]]
+"""The prompts of a request, or the coroutine function that makes them (CPU work the gate runs
+only once the request is admitted)."""
+
+
+async def prompts_of(source: PromptSource) -> list[Prompt]:
+    """The prompts a ``PromptSource`` stands for."""
+    return source if isinstance(source, list) else await source()
+
 
 RequestEnd = Literal["ok", "aborted", "error"]
 """How an admitted request ended: finished, the client left first, failed (refused or broken)."""
@@ -76,14 +92,28 @@ class Admission(Protocol):
         """The prompts to submit (the gateway hands back text prompts tokenized, as it counted them)."""
         ...
 
+    def bind(self, streams: Sequence[RequestStream]) -> None:
+        """The streams the request runs as: the gate may end them with an error (its caller was
+        deleted or disabled meanwhile)."""
+        ...
+
     def close(self, outputs: Sequence[RequestOutput | None], end: RequestEnd) -> None:
         """The request ended: ``outputs`` are the last output read from each submitted prompt
         (None where none arrived). Idempotent, never blocks, never raises."""
         ...
 
 
+LOCAL_TENANT = "local"
+"""The tenant name of a single-tenant server's callers (as the open-mode tenant is named)."""
+
+
 class GatedCall(Protocol):
     """One authenticated caller, for the length of one HTTP request."""
+
+    @property
+    def tenant_name(self) -> str:
+        """Who calls, for metrics and access logs (``local`` on a single-tenant server)."""
+        ...
 
     async def resolve(self, model: str | None) -> ModelTarget:
         """The model ``model`` names for this caller; ``UnknownAdapterError`` (404) otherwise."""
@@ -94,9 +124,10 @@ class GatedCall(Protocol):
         ...
 
     async def admit(
-        self, request_id: str, target: ModelTarget, prompts: list[Prompt], params: SamplingParams
+        self, request_id: str, target: ModelTarget, prompts: PromptSource, params: SamplingParams
     ) -> Admission:
-        """Count the request against the caller's quotas, or raise the refusal (429 / 503)."""
+        """Count the request against the caller's quotas, or raise the refusal (429 / 503); the
+        prompts are made (and tokenized) only after the request counts."""
         ...
 
 
@@ -116,6 +147,9 @@ class _OpenAdmission:
     tenant_id: str | None = None
     tenant_weight: float = 1.0
 
+    def bind(self, streams: Sequence[RequestStream]) -> None:
+        return None
+
     def close(self, outputs: Sequence[RequestOutput | None], end: RequestEnd) -> None:
         return None
 
@@ -126,6 +160,10 @@ class StaticGate:
     def __init__(self, served_model_name: str, loras: Mapping[str, LoRARequest]) -> None:
         self.served_model_name = served_model_name
         self.loras = dict(loras)
+
+    @property
+    def tenant_name(self) -> str:
+        return LOCAL_TENANT
 
     async def open(self, request: Request) -> StaticGate:
         return self
@@ -143,6 +181,6 @@ class StaticGate:
         return [base, *(ModelCard(name, "loraplex", self.served_model_name) for name in sorted(self.loras))]
 
     async def admit(
-        self, request_id: str, target: ModelTarget, prompts: list[Prompt], params: SamplingParams
+        self, request_id: str, target: ModelTarget, prompts: PromptSource, params: SamplingParams
     ) -> Admission:
-        return _OpenAdmission(prompts)
+        return _OpenAdmission(await prompts_of(prompts))

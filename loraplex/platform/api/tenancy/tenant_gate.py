@@ -1,11 +1,17 @@
 """``TenantGate``: the gateway's ``RequestGate`` (see ``gating``): keys, per-tenant models, quotas, usage.
 
-    open(request)    the API key's tenant (401 otherwise; ``local`` with auth="open")
+    open(request)    the API key's tenant (401 otherwise; ``local`` with auth="open"), through
+                     the ``Authenticator``'s cache (503 when the database cannot tell)
     resolve(model)   base model | own adapter ``name`` | another tenant's public ``owner/name``;
-                     a private adapter of another tenant and a missing name: the same 404
-    admit(...)       text prompts tokenized and counted; reserve prompt + max_tokens * n per
-                     prompt (max_tokens unset: up to the context); 429 / 503 when refused
-    close(...)       settle with the tokens really used, write the usage record (background)
+                     a private adapter of another tenant and a missing name: the same 404;
+                     while the database is unreachable, the last answer for it (``TTLCache``)
+    admit(...)       first the request and its concurrency slot (rpm, max_concurrency), before any
+                     CPU work; then the prompts made, tokenized and reserved (tpm: prompt +
+                     max_tokens * n per prompt, max_tokens unset: up to the context); 429 / 503
+                     when refused, counted in ``num_quota_refusals`` (no usage row: a refusal
+                     must cost nothing but the count)
+    close(...)       queue the usage record (``UsageBuffer``: an outage delays it), then settle
+                     the reservations with the tokens really used
 
 The engine's tenant (the prefix cache salts with it) is derived here, from the tenant's id,
 name and creation time, so a client can never choose it and a tenant re-created under an old
@@ -23,20 +29,29 @@ from starlette.requests import Request
 
 from loraplex.platform.api.background import BackgroundWork
 from loraplex.platform.api.catalog.engine_adapters import EngineAdapters
-from loraplex.platform.api.errors import quota_refusal
+from loraplex.platform.api.errors import APIError, quota_refusal
 from loraplex.platform.api.openai.protocol import Prompt
 from loraplex.platform.api.services import adapters, usage
 from loraplex.platform.api.services.errors import NotFound
 from loraplex.platform.api.services.tenants import engine_tenant_id
-from loraplex.platform.api.tenancy.auth import authenticate_tenant
-from loraplex.platform.api.tenancy.gate import Admission, ModelCard, ModelTarget, RequestEnd
+from loraplex.platform.api.tenancy.auth_cache import Authenticator, TTLCache
+from loraplex.platform.api.tenancy.gate import (
+    Admission,
+    ModelCard,
+    ModelTarget,
+    PromptSource,
+    RequestEnd,
+    prompts_of,
+)
+from loraplex.platform.api.tenancy.latencies import RecentLatencies, time_to_first_token
 from loraplex.platform.api.tenancy.quotas import Quota, QuotaLimiter, Reservation
-from loraplex.platform.engine.async_engine import AsyncEngine
+from loraplex.platform.api.usage_buffer import UsageBuffer
+from loraplex.platform.engine.async_engine import AsyncEngine, RequestStream
 from loraplex.platform.engine.errors import InvalidParameterError, UnknownAdapterError
 from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.engine.sampling_params import SamplingParams
 from loraplex.platform.settings import AuthMode
-from loraplex.storage.db import Database, Tenant, UsageStatus
+from loraplex.storage.db import Adapter, Database, DatabaseUnavailable, Tenant, UsageStatus
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +68,7 @@ def tokens_used(outputs: Sequence[RequestOutput | None]) -> tuple[int, int, int]
     return prompt, cached, completion
 
 
-@dataclass
+@dataclass(eq=False)  # identity: admissions live in sets (``TenantGate.running``)
 class TenantAdmission:
     """One admitted request of a tenant: its reservation until ``close``."""
 
@@ -63,8 +78,17 @@ class TenantAdmission:
     request_id: str
     prompts: list[Prompt]
     reservation: Reservation
+    """The token reservation (tpm)."""
+    slot: Reservation | None
+    """The request and its concurrency slot (rpm, max_concurrency), taken before tokenizing."""
     started_s: float = field(default_factory=time.monotonic)
     closed: bool = False
+    streams: list[RequestStream] = field(default_factory=list)
+    tenant_gone: bool = False
+    """Its tenant was deleted while it ran: nothing to write its usage to."""
+
+    def bind(self, streams: Sequence[RequestStream]) -> None:
+        self.streams = list(streams)
 
     @property
     def tenant_id(self) -> str:
@@ -78,15 +102,24 @@ class TenantAdmission:
         if self.closed:
             return
         self.closed = True
+        self.gate.forget(self)
         latency_ms = (time.monotonic() - self.started_s) * 1000.0
+        ttft_s = time_to_first_token(outputs)
+        if ttft_s is not None:
+            self.gate.ttft.add(ttft_s)
         self.gate.background.spawn(self._settle(list(outputs), end, latency_ms), f"settle {self.request_id}")
 
     async def _settle(self, outputs: list[RequestOutput | None], end: RequestEnd, latency_ms: float) -> None:
         prompt, cached, completion = tokens_used(outputs)
+        # Queued first: a failed settle (Redis down) must not lose the usage record. A tenant
+        # deleted while this ran has nothing to write it to.
+        if not self.tenant_gone:
+            self.gate.record(
+                self.tenant, self.target, self.request_id, (prompt, cached, completion), latency_ms, end
+            )
         await self.gate.limiter.settle(self.reservation, prompt + completion)
-        await self.gate.record(
-            self.tenant, self.target, self.request_id, (prompt, cached, completion), latency_ms, end
-        )
+        if self.slot is not None:
+            await self.gate.limiter.settle(self.slot, 0)
 
 
 class TenantCall:
@@ -96,15 +129,15 @@ class TenantCall:
         self.gate = gate
         self.tenant = tenant
 
+    @property
+    def tenant_name(self) -> str:
+        return self.tenant.name
+
     async def resolve(self, model: str | None) -> ModelTarget:
         gate = self.gate
         if model is None or model == gate.served_model_name:
             return ModelTarget(gate.served_model_name, None)
-        try:
-            async with gate.db.transaction() as session:
-                adapter = await adapters.resolve_adapter(session, self.tenant, model)
-        except NotFound:
-            raise UnknownAdapterError(model) from None
+        adapter = await gate.resolve_adapter(self.tenant, model)
         lora = await gate.engine_adapters.ensure(adapter)
         return ModelTarget(model, lora, adapter.version)
 
@@ -120,26 +153,35 @@ class TenantCall:
         return cards
 
     async def admit(
-        self, request_id: str, target: ModelTarget, prompts: list[Prompt], params: SamplingParams
+        self, request_id: str, target: ModelTarget, prompts: PromptSource, params: SamplingParams
     ) -> Admission:
         gate = self.gate
-        token_prompts = [await gate.tokenize(p) for p in prompts]
-        max_len = gate.engine.limits.max_model_len
-        reserve = sum(
-            len(p)
-            + params.n * (params.max_tokens if params.max_tokens is not None else max(0, max_len - len(p)))
-            for p in token_prompts
-        )
-        quota = Quota(rpm=self.tenant.rpm, tpm=self.tenant.tpm, max_concurrency=self.tenant.max_concurrency)
-        decision = await gate.limiter.admit(self.tenant.name, quota, reserve, request_id)
-        if not decision.allowed or decision.reservation is None:
-            gate.background.spawn(
-                gate.record(self.tenant, target, request_id, (0, 0, 0), 0.0, "rejected"),
-                f"usage {request_id}",
+        tenant = self.tenant
+        # Phase 1, before any CPU work: the request (rpm) and its concurrency slot.
+        slot: Reservation | None = None
+        if tenant.rpm is not None or tenant.max_concurrency is not None:
+            slot = await gate.take_slot(
+                tenant, Quota(rpm=tenant.rpm, max_concurrency=tenant.max_concurrency), request_id
             )
-            raise quota_refusal(decision)
+        try:
+            token_prompts = [await gate.tokenize(p) for p in await prompts_of(prompts)]
+            max_len = gate.engine.limits.max_model_len
+            reserve = sum(
+                len(p)
+                + params.n
+                * (params.max_tokens if params.max_tokens is not None else max(0, max_len - len(p)))
+                for p in token_prompts
+            )
+            # Phase 2: the tokens (tpm only: the request itself counted in phase 1).
+            reservation = await gate.take_slot(tenant, Quota(tpm=tenant.tpm), request_id, reserve)
+        except BaseException:
+            if slot is not None:
+                gate.background.spawn(gate.limiter.settle(slot, 0), f"release {request_id}")
+            raise
         prompts_out: list[Prompt] = list(token_prompts)
-        return TenantAdmission(gate, self.tenant, target, request_id, prompts_out, decision.reservation)
+        admission = TenantAdmission(gate, tenant, target, request_id, prompts_out, reservation, slot)
+        gate.running.setdefault(tenant.id, set()).add(admission)
+        return admission
 
 
 class TenantGate:
@@ -154,6 +196,8 @@ class TenantGate:
         engine_adapters: EngineAdapters,
         served_model_name: str,
         background: BackgroundWork,
+        authenticator: Authenticator,
+        usage_buffer: UsageBuffer,
     ) -> None:
         self.db = db
         self.auth = auth
@@ -162,10 +206,81 @@ class TenantGate:
         self.engine_adapters = engine_adapters
         self.served_model_name = served_model_name
         self.background = background
-        self.num_usage_write_failures = 0
+        self.authenticator = authenticator
+        self.usage_buffer = usage_buffer
+        self.resolutions: TTLCache[tuple[int, str], Adapter] = TTLCache(authenticator.cache.size)
+        """(tenant id, model) -> the adapter version it last resolved to: an outage's fallback."""
+        self.num_resolution_outage_hits = 0
+        self.num_quota_refusals = 0
+        """Requests (and uploads) refused by a quota: counted here, never written one row each."""
+        self.running: dict[int, set[TenantAdmission]] = {}
+        """Admitted requests not closed yet, by tenant id (what ``revoke`` ends)."""
+        self.ttft = RecentLatencies()
+        """Time to first token of the latest requests (the admin dashboard's p50 / p99)."""
+
+    @property
+    def num_usage_write_failures(self) -> int:
+        """Usage records the database refused (tenant deleted meanwhile); logged each."""
+        return self.usage_buffer.num_failed
 
     async def open(self, request: Request) -> TenantCall:
-        return TenantCall(self, await authenticate_tenant(self.db, self.auth, request))
+        return TenantCall(self, await self.authenticator.tenant(request))
+
+    async def resolve_adapter(self, tenant: Tenant, model: str) -> Adapter:
+        """The adapter version ``model`` names for ``tenant``; ``UnknownAdapterError`` (404) if none.
+
+        Always from the database while it answers (an upload or a deletion takes effect at
+        once); while it is unreachable, the last answer up to the auth cache's TTL + stale
+        window old, so a tenant's adapters keep serving; else ``DatabaseUnavailable`` (503).
+        """
+        key = (tenant.id, model)
+        try:
+            async with self.db.transaction() as session:
+                adapter = await adapters.resolve_adapter(session, tenant, model)
+        except NotFound:
+            self.resolutions.discard(key)
+            raise UnknownAdapterError(model) from None
+        except DatabaseUnavailable:
+            cached = self.resolutions.get(key, self.authenticator.ttl_s + self.authenticator.stale_s)
+            if cached is None:
+                raise
+            self.num_resolution_outage_hits += 1
+            return cached
+        self.resolutions.put(key, adapter)
+        return adapter
+
+    def forget(self, admission: TenantAdmission) -> None:
+        """``admission`` has closed."""
+        live = self.running.get(admission.tenant.id)
+        if live is not None:
+            live.discard(admission)
+            if not live:
+                del self.running[admission.tenant.id]
+
+    def revoke(self, tenant_id: int, deleted: bool) -> int:
+        """End every running request of the tenant ``tenant_id`` (deleted or disabled): streams get
+        an error event, whole answers an error; returns how many requests were ended."""
+        what = "deleted" if deleted else "disabled"
+        live = list(self.running.get(tenant_id, ()))
+        for admission in live:
+            admission.tenant_gone = admission.tenant_gone or deleted
+            error = APIError(
+                403, f"The tenant was {what} by an operator; this request was stopped.", code=f"tenant_{what}"
+            )
+            for stream in admission.streams:
+                stream.fail(error)
+        if live:
+            logger.info("stopped %d running request(s) of a %s tenant (id %d)", len(live), what, tenant_id)
+        return len(live)
+
+    async def take_slot(self, tenant: Tenant, quota: Quota, request_id: str, reserve: int = 0) -> Reservation:
+        """Admit ``request_id`` under ``quota`` (limits left None are not counted), or raise the
+        refusal (429 / 503) and count it."""
+        decision = await self.limiter.admit(tenant.name, quota, reserve, request_id)
+        if not decision.allowed or decision.reservation is None:
+            self.num_quota_refusals += 1
+            raise quota_refusal(decision)
+        return decision.reservation
 
     async def tokenize(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt, counted the way the engine will (text: off the event loop)."""
@@ -175,7 +290,7 @@ class TenantGate:
             raise InvalidParameterError("prompt must not be empty", param="prompt")
         return await self.engine.tokenize(prompt)
 
-    async def record(
+    def record(
         self,
         tenant: Tenant,
         target: ModelTarget,
@@ -184,7 +299,7 @@ class TenantGate:
         latency_ms: float,
         status: UsageStatus,
     ) -> None:
-        """Write one usage record; a failure is logged and counted, never raised to a client."""
+        """Queue one usage record for the database (``UsageBuffer``); never waits, never raises."""
         prompt, cached, completion = tokens
         record = usage.Usage(
             request_id=request_id[:128],
@@ -196,9 +311,4 @@ class TenantGate:
             adapter_name=None if target.lora is None else target.model,
             adapter_version=target.adapter_version,
         )
-        try:
-            async with self.db.transaction() as session:
-                await usage.record_usage(session, tenant, record)
-        except Exception:
-            self.num_usage_write_failures += 1
-            logger.exception("could not record the usage of request %s", request_id)
+        self.usage_buffer.add(tenant, record)

@@ -1,0 +1,99 @@
+"""Projections from packed weights (``PackedWeight``) with the C kernel of ``quant_linear.c``.
+
+    y = x @ dequantize(W)^T + b        x float32, W in its block format, fp32 accumulation
+
+Rows of x up to ``direct_max_m()`` decode the weight's blocks in registers as they stream
+(a decode step reads the packed bytes once: Q4_1 is 4.5 bits a weight against float32's 32);
+more rows decode one panel of weights at a time into a cache-resident float buffer and run
+the float panel kernel on it (``linear_panels.c``), each weight decoded once per step.
+Formats the library lacks (``c_id`` 0) and other dtypes fall back to the torch reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from loraplex.kernels.contracts import PackedWeight
+from loraplex.kernels.cpu.build import bind, limit
+
+ARGTYPES = (
+    ctypes.c_void_p,  # x
+    ctypes.c_int64,  # x row stride (elements)
+    ctypes.c_void_p,  # packed weight
+    ctypes.c_void_p,  # bias or NULL
+    ctypes.c_void_p,  # y
+    ctypes.c_int64,  # y row stride
+    ctypes.c_int64,  # m
+    ctypes.c_int64,  # n
+    ctypes.c_int64,  # k
+    ctypes.c_int,  # threads
+    ctypes.c_int,  # format id
+    ctypes.c_int64,  # row bytes
+    ctypes.c_int,  # plan: 0 by m, 1 direct, 2 panels
+)
+PLANS = {"auto": 0, "direct": 1, "panels": 2}
+
+
+def c_kernel() -> Any | None:
+    """The bound ``loraplex_qlinear_f32``, or None when the library is unavailable."""
+    return bind("loraplex_qlinear_f32", ARGTYPES)
+
+
+def direct_max_m() -> int:
+    """Most rows of x the in-register plan takes under "auto" (0 when unavailable)."""
+    return limit("loraplex_qlinear_direct_max_m")
+
+
+def supports(weight: PackedWeight, x: torch.Tensor) -> bool:
+    """True when the C kernel computes ``x`` by ``weight`` (float32 on the CPU, a C format)."""
+    return (
+        weight.format.c_id > 0
+        and weight.data.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and c_kernel() is not None
+    )
+
+
+def qlinear(
+    x: torch.Tensor,  # [num_tokens, in_features] float32, rows contiguous
+    weight: PackedWeight,  # [out_features, row_bytes] uint8
+    bias: torch.Tensor | None,  # [out_features] float32
+    plan: str = "auto",
+) -> torch.Tensor:  # [num_tokens, out_features] float32
+    """``x @ dequantize(weight)^T + bias`` with the C kernel."""
+    n, k = weight.out_features, weight.in_features
+    assert x.dim() == 2 and x.shape[1] == k, f"x {tuple(x.shape)} vs in_features {k}"
+    assert x.dtype == torch.float32, "float32 activations"
+    assert weight.data.is_contiguous(), "packed rows contiguous"
+    if bias is not None:
+        assert bias.shape == (n,) and bias.dtype == torch.float32 and bias.is_contiguous(), "bias"
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    if x.shape[0] == 0:
+        return y
+    kernel = c_kernel()
+    if kernel is None:
+        raise RuntimeError("the C kernel library is unavailable")
+    rc = kernel(
+        x.data_ptr(),
+        x.stride(0),
+        weight.data.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        y.stride(0),
+        x.shape[0],
+        n,
+        k,
+        torch.get_num_threads(),
+        weight.format.c_id,
+        weight.data.shape[1],
+        PLANS[plan],
+    )
+    if rc != 0:
+        raise RuntimeError(f"quantized linear failed ({rc}) for {weight.format.name} [{n}, {k}]")
+    return y

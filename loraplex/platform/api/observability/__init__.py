@@ -1,0 +1,10 @@
+"""What the server tells its operator: metrics, readiness, access logs.
+
+| module | owns |
+|---|---|
+| ``record`` | ``RequestRecord``: one request as the routes saw it (tenant, adapter, tokens, error) |
+| ``observer`` | ``RequestObserver``: the middleware that opens and closes the records; 503 while draining |
+| ``metrics`` | ``ServerMetrics``: the registry of ``GET /metrics`` (per request; snapshots when scraped) |
+| ``access_log`` | one JSON line per request on the ``loraplex.access`` logger |
+| ``readiness`` | ``check_ready``: what ``GET /ready`` answers |
+"""

@@ -1,0 +1,24 @@
+"""``GET /metrics``: Prometheus' text format (``observability.metrics``); open unless
+``metrics_require_admin`` asks for the admin token."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from loraplex.platform.api.deps import StateDep
+from loraplex.platform.api.errors import forbidden
+from loraplex.platform.api.observability.metrics import CONTENT_TYPE
+from loraplex.platform.api.tenancy.auth import check_admin
+
+router = APIRouter(tags=["metrics"])
+
+
+@router.get("/metrics", response_class=Response)
+async def metrics(request: Request, state: StateDep) -> Response:
+    """Every series of this replica, read now (engine and gateway snapshots, request counters)."""
+    if state.settings.serving.metrics_require_admin:
+        if state.gateway is None:
+            raise forbidden("metrics need the admin token, and a single-tenant server has none")
+        check_admin(state.gateway.settings.admin_token, request)
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
