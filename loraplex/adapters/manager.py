@@ -113,6 +113,8 @@ class AdapterManager:
         self._load_errors: dict[str, BaseException] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.RLock()
+        self._closed = False
+        """close() ran: the store's folders are deleted (what check_integrity compares is gone)."""
         self._num_slot_loads = 0  # adapters written into a device slot
         self._num_disk_reads = 0  # adapters read back from the store into host memory
 
@@ -407,7 +409,8 @@ class AdapterManager:
             for e in self._registry.entries():
                 if e.owned:
                     users[e.folder] = users.get(e.folder, 0) + 1
-            if users != self._store.owned_folders:
+            # After close() the store's folders are gone on purpose; the registry keeps its records.
+            if not self._closed and users != self._store.owned_folders:
                 errors.append(f"store folders {self._store.owned_folders} != registered users {users}")
             if errors:
                 raise AssertionError("adapter manager inconsistent: " + "; ".join(errors))
@@ -419,6 +422,7 @@ class AdapterManager:
         if executor is not None:
             executor.shutdown(wait=True, cancel_futures=True)
         self._store.close()
+        self._closed = True
 
     def __enter__(self) -> AdapterManager:
         return self

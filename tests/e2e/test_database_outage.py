@@ -262,8 +262,17 @@ def _outage_then_recovery(
     served = {i for ids in calls.served.values() for i in ids}
 
     def all_recorded() -> bool:
-        r = calls.admin("GET", "/usage", params={"tenant": "acme", "status": "ok", "limit": 10_000})
-        return r.status_code == 200 and {u["request_id"] for u in r.json()["data"]} >= served
+        recorded: set[str] = set()
+        params: dict[str, Any] = {"tenant": "acme", "status": "ok", "limit": 100}
+        while True:  # the usage list pages (at most 100 a page)
+            r = calls.admin("GET", "/usage", params=params)
+            if r.status_code != 200:
+                return False
+            page = r.json()
+            recorded |= {u["request_id"] for u in page["data"]}
+            if not page["has_more"]:
+                return recorded >= served
+            params["after"] = page["last_id"]
 
     _eventually(all_recorded, 30, "the usage of every served request in the database")
 

@@ -143,16 +143,18 @@ def test_a_tenant_with_one_request_is_not_stuck_behind_another_tenants_backlog(
 
         async def run() -> tuple[list[float], float]:
             async with httpx.AsyncClient(base_url=live.url, timeout=600) as client:
+                # Long enough that A's first four still run when B arrives a second later, on a
+                # fast machine too (48 tokens took about a second for four: B then raced them).
                 backlog = [
                     asyncio.ensure_future(
-                        finish_time(client, key_a, body(f"Chapter {i}. Once upon a time,", 48))
+                        finish_time(client, key_a, body(f"Chapter {i}. Once upon a time,", 192))
                     )
                     for i in range(16)
                 ]
                 await asyncio.sleep(1.0)
                 # A little shorter than A's, so that it ends strictly before the A requests
                 # admitted in the same step (equal lengths would tie, decided by delivery order).
-                b_done = await finish_time(client, key_b, body("The weather today is", 40))
+                b_done = await finish_time(client, key_b, body("The weather today is", 176))
                 return list(await asyncio.gather(*backlog)), b_done
 
         a_done, b_done = asyncio.run(run())

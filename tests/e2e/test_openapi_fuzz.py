@@ -33,7 +33,8 @@ def live_gateway(
 ) -> Iterator[tuple[str, str]]:
     """(base URL, a tenant's API key) of a gateway served on a real port."""
     tmp = tmp_path_factory.mktemp("fuzz")
-    app = build_app(gateway_engine, settings_for(tmp, f"sqlite+aiosqlite:///{tmp / 'g.db'}"))
+    # The schema is off by default in keys mode (api_docs); the fuzzer reads it, so it is on here.
+    app = build_app(gateway_engine, settings_for(tmp, f"sqlite+aiosqlite:///{tmp / 'g.db'}", api_docs=True))
     port = free_port()
     server = Server(app, "127.0.0.1", port, log_level="warning")
     # The engine is the module's fixture: the server must not shut it down when it stops.
