@@ -51,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--formats", default="q4_1,q8_0,f32", help="comma-separated: q4_1, q8_0, f32")
     p.add_argument("--no-llama-cpp", action="store_true", help="loraplex only")
     p.add_argument("--rss", action="store_true", help="also measure resident memory after load per format")
+    p.add_argument("--rss-only", action="store_true", help="only the resident memory per format")
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--measure-rss", default=None, help=argparse.SUPPRESS)  # child process mode
     return p.parse_args(argv)
@@ -119,16 +120,20 @@ def rss_bytes() -> int:
 
 
 def measure_rss(fmt: str, threads: int) -> None:
-    """Child process: resident bytes a load adds (after imports and the C kernels are loaded)."""
-    import gc
+    """Child process: resident bytes a load adds, after the imports, the C kernels and the GGUF
+    conversion (cached) are done. A warm-up engine would be wrong here: the engine keeps freed
+    heap (host_memory.py), so a second load would reuse the first one's pages."""
+    import gguf  # noqa: F401
+    import transformers  # noqa: F401
+    from transformers import AutoConfig, AutoTokenizer  # noqa: F401
 
+    from loraplex import LLM  # noqa: F401
     from loraplex.kernels.cpu.build import load_library
+    from loraplex.platform.model.source import resolve_model_dir
 
     path = files([fmt])[fmt]
     load_library()
-    small = loraplex_engine(fmt, path, threads, num_kv_blocks=16)  # warm every import
-    del small
-    gc.collect()
+    resolve_model_dir(str(path))
     before = rss_bytes()
     llm = loraplex_engine(fmt, path, threads, num_kv_blocks=16)
     after = rss_bytes()
@@ -155,9 +160,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 49152) for _ in range(args.prompt_len)] for _ in range(args.repeats + 1)]
 
-    results: dict[str, dict[str, Any]] = {}
+    results: dict[str, dict[str, Any]] = {fmt: {"file": paths[fmt].name} for fmt in formats}
     llama_by_file: dict[Path, Any] = {}
-    for fmt in formats:
+    for fmt in [] if args.rss_only else formats:
         llm = loraplex_engine(fmt, paths[fmt], args.threads, num_kv_blocks=64, enable_prefix_caching=False)
         peer = None
         if not args.no_llama_cpp:
@@ -192,8 +197,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row["llama_cpp_runs"] = theirs
             row["ratio"] = row["loraplex_tok_s"] / row["llama_cpp_tok_s"]
         results[fmt] = row
+        peer_tok_s = row.get("llama_cpp_tok_s", 0.0)
+        print(f"{fmt}: loraplex {row['loraplex_tok_s']:.2f} tok/s, llama.cpp {peer_tok_s:.2f}", flush=True)
         del llm
-    if args.rss:
+    if args.rss or args.rss_only:
         for fmt, rss in rss_per_format(formats, args.threads).items():
             results[fmt]["rss_added_bytes"] = rss["rss_added"]
             results[fmt]["file_bytes"] = rss["file"]
@@ -203,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         [
             fmt,
             r["file"],
-            r["loraplex_tok_s"],
+            r.get("loraplex_tok_s", float("nan")),
             r.get("llama_cpp_tok_s", float("nan")),
             r.get("ratio", float("nan")),
             r.get("rss_added_bytes", 0) / 1e6,
