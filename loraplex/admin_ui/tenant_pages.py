@@ -59,6 +59,17 @@ def _quotas_from_form(form: dict[str, str]) -> dict[QuotaField, int | None]:
     return values
 
 
+def _weight_from_form(form: dict[str, str]) -> float:
+    """The form's fair-share weight: empty is 1; ``InvalidInput`` for anything but a number."""
+    raw = form.get("weight", "").strip()
+    if not raw:
+        return 1.0
+    try:
+        return tenants.check_weight(float(raw))
+    except ValueError:
+        raise InvalidInput("weight", "must be a number greater than 0, e.g. 1 or 2.5") from None
+
+
 def _expiry(days: str) -> datetime | None:
     """``expires_in_days`` of the key form: empty is never; else a positive number of days."""
     days = days.strip()
@@ -127,8 +138,9 @@ async def create_tenant(request: Request, viewer: OperatorDep) -> Response:
     name = form.get("name", "").strip()
     try:
         quotas = TenantQuotas(**_quotas_from_form(form))
+        weight = _weight_from_form(form)
         async with gateway_of(request).db.transaction(write=True) as session:
-            await tenants.create_tenant(session, name, quotas)
+            await tenants.create_tenant(session, name, quotas, weight=weight)
     except ServiceError as exc:
         return await _tenants_page(
             request, viewer, PageRequest(), None, status=400, errors=_errors_of(exc), values=form
@@ -179,8 +191,10 @@ async def tenant_page(
 async def update_quotas(request: Request, name: str, viewer: OperatorDep) -> Response:
     form = await _form(request, viewer)
     try:
+        quotas, weight = _quotas_from_form(form), _weight_from_form(form)
         async with gateway_of(request).db.transaction(write=True) as session:
-            await tenants.update_quotas(session, name, _quotas_from_form(form))
+            await tenants.update_quotas(session, name, quotas)
+            await tenants.set_weight(session, name, weight)
     except (InvalidInput, Conflict) as exc:
         return await _tenant_page(
             request, viewer, name, PageRequest(), None, status=400, errors=_errors_of(exc), values=form

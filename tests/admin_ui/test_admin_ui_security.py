@@ -266,3 +266,26 @@ async def test_an_upload_over_the_cap_stops_early(
         leftovers = [p for p in store.rglob("*") if p.is_file()]
         assert leftovers == [], leftovers
         assert (await client.get("/admin/api/adapters", headers=ADMIN)).json()["data"] == []
+
+
+async def test_tenant_forms_set_the_fair_share_weight(gateway_engine: AsyncEngine, tmp_path: Path) -> None:
+    async with serving(make_gateway(gateway_engine, settings_for(tmp_path, sqlite(tmp_path)))) as client:
+        assert (await ui_sign_in(client, ADMIN_TOKEN)).status_code == 303
+        csrf = await csrf_of(client)
+        made = await client.post("/admin/tenants", data={"name": "heavy", "weight": "3", "csrf_token": csrf})
+        assert made.status_code == 303
+        plain = await client.post("/admin/tenants", data={"name": "plain", "csrf_token": csrf})
+        assert plain.status_code == 303
+
+        async def weight(name: str) -> float:
+            r = await client.get(f"/admin/api/tenants/{name}", headers=ADMIN)
+            return float(r.json()["weight"])
+
+        assert await weight("heavy") == 3.0 and await weight("plain") == 1.0
+        page = await client.get("/admin/tenants/heavy")
+        assert 'name="weight"' in page.text and 'value="3"' in page.text
+        saved = await client.post("/admin/tenants/heavy/quotas", data={"weight": "0.5", "csrf_token": csrf})
+        assert saved.status_code == 303 and await weight("heavy") == 0.5
+        bad = await client.post("/admin/tenants/heavy/quotas", data={"weight": "zero", "csrf_token": csrf})
+        assert bad.status_code == 400 and "Fair-share weight: must be a number" in bad.text
+        assert await weight("heavy") == 0.5
