@@ -31,8 +31,3 @@ def chromium_path() -> Path:
     pytest.skip(
         f"no chromium at {CHROMIUM}, and it could not be installed (apt-get install chromium as root)"
     )
-
-
-def playwright_or_skip() -> None:
-    """Skip when the playwright package (the dev extra) is not installed."""
-    pytest.importorskip("playwright.sync_api", reason="the dev extra's playwright package is not installed")
