@@ -84,22 +84,57 @@ def test_pin_count_is_per_request_and_blocks_eviction(adapters: dict[int, Path],
     manager.check_integrity()
 
 
-def test_slot_holds_the_adapter_weights_and_zeros_elsewhere(
+def test_pages_hold_the_adapter_weights_and_zeros_elsewhere(
     adapters: dict[int, Path], make_manager: Any
 ) -> None:
-    manager = make_manager(max_loras=2, max_lora_rank=8)
+    manager = make_manager(max_loras=2, max_lora_rank=8, lora_page_rank=4)
     _add(manager, adapters, 3, 4)
-    slot3 = manager.acquire(3, "x")  # rank 5, every module
+    slot3 = manager.acquire(3, "x")  # rank 5, every module: two pages of 4 rows per group
     manager.release("x")
-    manager.acquire(4, "y")
+    manager.acquire(4, "y")  # rank 2, q_proj only: one qkv page, nothing else
     assert manager.acquire(3, "x") == slot3
+    pages3, pages4 = manager.pages_of(3), manager.pages_of(4)
+    assert pages3 is not None and pages4 is not None
+    assert {g: len(p) for g, p in pages3.items()} == {"qkv": 2, "o": 2, "gate_up": 2, "down": 2}
+    assert {g: len(p) for g, p in pages4.items()} == {"qkv": 1}
     buf = manager.get_buffers(1, "qkv")
-    assert torch.count_nonzero(buf.lora_a[0, slot3, :5]) > 0
-    assert torch.count_nonzero(buf.lora_a[:, slot3, 5:]) == 0  # rank padding
-    slot4 = manager.slot_of(4)
-    assert torch.count_nonzero(buf.lora_a[1:, slot4]) == 0  # adapter 4 does not adapt k/v
-    assert torch.count_nonzero(manager.get_buffers(0, "down").lora_b[:, slot4]) == 0
-    assert buf.scales.tolist() == [1.0, 1.0]
+    first, second = pages3["qkv"]
+    assert torch.count_nonzero(buf.lora_a[0, first, :4]) > 0
+    assert torch.count_nonzero(buf.lora_a[0, second, :1]) > 0  # row 4 of rank 5
+    assert torch.count_nonzero(buf.lora_a[:, second, 1:]) == 0  # the rest of the last page
+    (page4,) = pages4["qkv"]
+    assert torch.count_nonzero(buf.lora_a[1:, page4]) == 0  # adapter 4 does not adapt k/v
+    assert torch.count_nonzero(buf.lora_a[0, page4, 2:]) == 0  # rank 2 in a page of 4
+    held = sorted([*pages3["qkv"], page4])
+    assert [i for i, s in enumerate(buf.scales.tolist()) if s == 1.0] == held
+    assert manager.stats().pages_used == {"qkv": 3, "o": 2, "gate_up": 2, "down": 2}
+    manager.check_integrity()
+
+
+def test_memory_not_a_slot_count_bounds_residency(adapters: dict[int, Path], make_manager: Any) -> None:
+    """Uncapped (max_loras None): adapters stay resident while their pages fit in lora_memory;
+    past it the least recently used unpinned ones are evicted, pinned ones never."""
+    probe = make_manager(max_loras=None, lora_page_rank=4)
+    # Adapters 1 (rank 3) and 2 (rank 4) take one page per group: room for three such adapters.
+    one_adapter = sum(probe._pool.page_nbytes(g) for g in GROUPS)
+    manager = make_manager(max_loras=None, lora_page_rank=4, lora_memory=3 * one_adapter)
+    _add(manager, adapters, 1, 2, 3, 4)
+    manager.acquire(1, "a")
+    manager.acquire(2, "b")
+    assert manager.is_resident(1) and manager.is_resident(2)
+    assert manager.acquire(4, "d") is not None  # q_proj only: one qkv page, fits
+    assert not manager.can_acquire(3)  # rank 5: two pages per group, all room pinned
+    with pytest.raises(NoFreeSlotError, match="lora_memory"):
+        manager.acquire(3, "c")
+    manager.release("a")
+    manager.release("b")
+    assert manager.can_acquire(3)
+    manager.acquire(3, "c")  # evicts the LRU unpinned adapters (1, then 2), never pinned 4
+    assert manager.is_resident(4) and manager.is_resident(3)
+    assert not manager.is_resident(1)
+    assert manager.stats().num_evictions >= 1
+    assert manager.device_nbytes <= 3 * one_adapter
+    manager.check_integrity()
 
 
 def test_packed_layout_holds_the_same_adapters_as_the_logical_one(
