@@ -331,7 +331,11 @@ class AdapterManager:
                 weights = self._host_weights(entry)
                 need = self._pages_needed(entry, weights)
                 evicted = self._make_room(adapter_id, need)
-                pages = self._pool.allocate(need)
+                pages, moved = self._pool.allocate(need)
+                for group, remap in moved.items():
+                    for table in self._pages.values():
+                        if group in table:
+                            table[group] = [remap.get(p, p) for p in table[group]]
                 self._pool.write(pages, weights)
                 new_slot = self._slots.new_slot()
                 assert new_slot is not None, "make_room left no slot"
@@ -545,27 +549,19 @@ class AdapterManager:
         return need
 
     def _could_make_room(self, need: dict[GroupName, int]) -> bool:
-        """Whether free pages, growth and evictable adapters' pages cover ``need`` (and a slot)."""
+        """Whether a slot and ``need`` pages could be had now, evicting unpinned adapters if need be."""
         evictable = self._slots.eviction_order()
         if not self._slots.has_room() and not evictable:
             return False
-        short = self._pool.shortfall(need)
-        for slot_idx in evictable:
-            if not short:
-                break
-            for group, pages in self._pages[slot_idx].items():
-                if group in short:
-                    short[group] -= len(pages)
-                    if short[group] <= 0:
-                        del short[group]
-        return not short
+        freeable = sum(self._held_nbytes(slot_idx) for slot_idx in evictable)
+        return self._pool.fits(need, freed_nbytes=freeable)
 
     def _make_room(self, adapter_id: int, need: dict[GroupName, int]) -> list[int]:
         """Evict least recently used unpinned adapters until a slot and ``need`` pages are free.
 
-        An adapter is evicted only if it frees something missing (the slot, or pages of a
-        short group). Raises ``NoFreeSlotError`` when what is evictable does not suffice
-        (nothing is evicted then).
+        Pages of any group count (the pool compacts groups to move bytes between them), so
+        eviction simply follows the LRU order. Raises ``NoFreeSlotError`` when what is
+        evictable does not suffice (nothing is evicted then).
         """
         if not self._could_make_room(need):
             raise NoFreeSlotError(
@@ -575,15 +571,15 @@ class AdapterManager:
             )
         evicted: list[int] = []
         for slot_idx in self._slots.eviction_order():
-            short = self._pool.shortfall(need)
-            if not short and self._slots.has_room():
+            if self._pool.fits(need) and self._slots.has_room():
                 break
-            if self._slots.has_room() and not short.keys() & self._pages[slot_idx].keys():
-                continue
             evicted.append(self._slots.evict(slot_idx))
             self._free_pages(slot_idx)
             self._num_evictions += 1
         return evicted
+
+    def _held_nbytes(self, slot_idx: int) -> int:
+        return self._pool.need_nbytes({g: len(p) for g, p in self._pages[slot_idx].items()})
 
     def _free_pages(self, slot_idx: int) -> None:
         self._pool.free(self._pages.pop(slot_idx))

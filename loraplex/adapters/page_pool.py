@@ -16,11 +16,11 @@ a q/v adapter costs no o, gate/up or down memory.
 
 Memory: every group pool starts empty and grows (doubling, by reallocation, between
 steps) while the bytes of all pools stay within ``budget_bytes``; past that, the
-adapter manager evicts least-recently-used unpinned adapters to free pages. Pages freed
-in one group are reused by that group; when another group needs the bytes, a group gives
-back its free pages past its last page in use (pages are handed out lowest first, so
-free pages gather at the end), but not free pages between used ones: with mixed target
-sets the budget can still hold a few free pages of one group while another waits. ``scales[page]``
+adapter manager evicts least-recently-used unpinned adapters to free pages. Free pages
+are reused by their group; when another group needs their bytes, their group is
+*compacted* (pages in use move down, the pool shrinks) and the adapters' page tables
+follow the moves. So what fits is simple: the pages in use plus the new adapter's pages
+within ``budget_bytes``, whatever the groups. ``scales[page]``
 is 1.0 for an allocated page and 0.0 for a free one, so a token that wrongly points at
 a free page still gets no delta.
 
@@ -118,29 +118,34 @@ class _GroupPool:
         self.capacity = capacity
         self.generation += 1
 
-    def trailing_free(self) -> int:
-        """Free pages past the last page in use: what ``shrink`` can give back."""
-        if len(self.free) == self.capacity:
-            return self.capacity
-        free = set(self.free)
-        last = self.capacity
-        while last > 0 and (last - 1) in free:
-            last -= 1
-        return self.capacity - last
+    def compact(self, keep_free: int = 0) -> dict[int, int]:
+        """Move the pages in use below ``num_used + keep_free`` and drop the pages above it.
 
-    def shrink(self, capacity: int) -> None:
-        """Reallocate with ``capacity`` pages; every page at or past it must be free."""
-        assert capacity < self.capacity and self.trailing_free() >= self.capacity - capacity
+        Returns ``{old page: new page}`` for the pages that moved (the owners' page tables
+        must follow). Called between steps only: a step reads its page tables at its start.
+        """
+        keep = min(self.capacity, self.num_used + keep_free)
+        free = set(self.free)
+        moved_from = [p for p in range(keep, self.capacity) if p not in free]
+        free_low = sorted(p for p in free if p < keep)
+        remap = dict(zip(moved_from, free_low, strict=False))
+        assert len(remap) == len(moved_from)
         a_dim, b_dim = self.layout.slot_dims
+        for a, b in self.layers:
+            for src, dst in remap.items():
+                a.narrow(a_dim, dst, 1).copy_(a.narrow(a_dim, src, 1))
+                b.narrow(b_dim, dst, 1).copy_(b.narrow(b_dim, src, 1))
+        for src, dst in remap.items():
+            self.scales[dst] = self.scales[src]
         self.layers = [
-            (a.narrow(a_dim, 0, capacity).clone(), b.narrow(b_dim, 0, capacity).clone())
-            for a, b in self.layers
+            (a.narrow(a_dim, 0, keep).clone(), b.narrow(b_dim, 0, keep).clone()) for a, b in self.layers
         ]
-        self.scales = self.scales[:capacity].clone()
-        self.free = [p for p in self.free if p < capacity]
+        self.scales = self.scales[:keep].clone()
+        self.free = free_low[len(remap) :]
         heapq.heapify(self.free)
-        self.capacity = capacity
+        self.capacity = keep
         self.generation += 1
+        return remap
 
     def take(self, n: int) -> list[int]:
         assert len(self.free) >= n, f"{self.group}: {n} pages wanted, {len(self.free)} free"
@@ -236,54 +241,48 @@ class LoRAPagePool:
         """Changes whenever a pool reallocates (its tensors are new objects then)."""
         return sum(p.generation for p in self._groups.values())
 
-    def _reclaimable(self, need: Mapping[GroupName, int]) -> int:
-        """Bytes that shrinking groups ``need`` does not ask for could give back."""
-        return sum(p.trailing_free() * p.page_nbytes for g, p in self._groups.items() if need.get(g, 0) == 0)
+    def need_nbytes(self, need: Mapping[GroupName, int]) -> int:
+        return sum(n * self._groups[g].page_nbytes for g, n in need.items())
 
-    def shortfall(self, need: Mapping[GroupName, int]) -> dict[GroupName, int]:
-        """Pages of each group that neither free pages nor growth within the budget can give
-        (growth may first shrink groups ``need`` does not use, by their trailing free pages)."""
-        headroom = self.budget_bytes - self.nbytes + self._reclaimable(need)
-        short: dict[GroupName, int] = {}
-        for group, n in need.items():
-            pool = self._groups[group]
-            missing = n - len(pool.free)
-            if missing <= 0:
-                continue
-            grow = min(missing, headroom // pool.page_nbytes)
-            headroom -= grow * pool.page_nbytes
-            if missing > grow:
-                short[group] = missing - grow
-        return short
+    def fits(self, need: Mapping[GroupName, int], freed_nbytes: int = 0) -> bool:
+        """Whether ``need`` fits beside the pages in use (less ``freed_nbytes`` about to be freed).
 
-    def fits(self, need: Mapping[GroupName, int]) -> bool:
-        return not self.shortfall(need)
+        Free pages of any group count: ``allocate`` compacts a group to give its bytes back.
+        """
+        return self.used_nbytes - freed_nbytes + self.need_nbytes(need) <= self.budget_bytes
 
     # -- allocation ----------------------------------------------------------------------
 
-    def allocate(self, need: Mapping[GroupName, int]) -> PageTable:
-        """Pages for ``need`` (growing pools within the budget); raises if they do not fit."""
+    def allocate(self, need: Mapping[GroupName, int]) -> tuple[PageTable, dict[GroupName, dict[int, int]]]:
+        """Pages for ``need``, growing pools within the budget; raises if they do not fit.
+
+        Returns the pages and, per group, the pages that compaction moved (``{old: new}``),
+        which the caller applies to the page tables of the adapters it holds.
+        """
         if not self.fits(need):
-            raise MemoryError(f"adapter pages {dict(need)} do not fit: {self.shortfall(need)} short")
+            raise MemoryError(f"adapter pages {dict(need)} do not fit in {self.budget_bytes} bytes")
         missing = {g: max(0, n - len(self._groups[g].free)) for g, n in need.items()}
-        rest = sum(m * self._groups[g].page_nbytes for g, m in missing.items())
-        if rest > self.budget_bytes - self.nbytes:
-            # Give back other groups' trailing free pages (pools only grow otherwise).
+        moved: dict[GroupName, dict[int, int]] = {}
+        if self.nbytes + self.need_nbytes(missing) > self.budget_bytes:
+            # Give back free pages this allocation does not take (pools only grow otherwise).
             for group, pool in self._groups.items():
-                if need.get(group, 0) == 0 and pool.trailing_free() > 0:
-                    pool.shrink(pool.capacity - pool.trailing_free())
+                keep = need.get(group, 0) if missing.get(group, 0) == 0 else 0
+                if len(pool.free) > keep:
+                    moved[group] = pool.compact(keep_free=keep)
+            missing = {g: max(0, n - len(self._groups[g].free)) for g, n in need.items()}
         for group, n in missing.items():
             if n == 0:
                 continue
             pool = self._groups[group]
             # Grow by doubling (fewer reallocations), but take at most half of what would be
-            # left after this allocation: other groups keep room to grow (pools never shrink).
-            rest = sum(m * self._groups[g].page_nbytes for g, m in missing.items())
-            spare = max(0, self.budget_bytes - self.nbytes - rest) // 2 // pool.page_nbytes
+            # left after this allocation, so other groups keep room to grow.
+            left = self.budget_bytes - self.nbytes - self.need_nbytes(missing)
+            spare = max(0, left) // 2 // pool.page_nbytes
             slack = max(pool.capacity, MIN_GROWTH_PAGES) - n
             pool.grow(pool.capacity + n + max(0, min(slack, spare)))
             missing[group] = 0
-        return {group: self._groups[group].take(n) for group, n in need.items() if n > 0}
+        pages = {group: self._groups[group].take(n) for group, n in need.items() if n > 0}
+        return pages, {g: m for g, m in moved.items() if m}
 
     def write(self, pages: PageTable, weights: AdapterWeights) -> None:
         """Store ``weights`` in ``pages`` (from ``allocate``) and mark them in use."""
