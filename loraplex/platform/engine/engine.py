@@ -134,7 +134,11 @@ class LLMEngine:
             arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype
         )
         num_blocks = config.num_kv_blocks or num_blocks_for_budget(
-            per_block, device, config.kv_cache_memory, config.gpu_memory_utilization
+            per_block,
+            device,
+            config.kv_cache_memory,
+            config.gpu_memory_utilization,
+            reserved_bytes=config.lora_memory_bytes if config.enable_lora else 0,
         )
         self.info = RuntimeInfo(
             device=device,
