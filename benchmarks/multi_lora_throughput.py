@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import shutil
 import sys
 import tempfile
@@ -79,6 +80,9 @@ BAR_VS_BASE = 0.7  # at the largest N: loraplex LoRA >= 0.7 x loraplex base
 BAR_VS_PEFT = 4.0  # at the largest N: loraplex LoRA >= 4 x PEFT
 BAR_N = 32
 DEFAULT_OUT = RESULTS_DIR / "multi_lora_throughput.json"
+DEFAULT_MANY_OUT = RESULTS_DIR / "multi_lora_many.json"
+MANY_TARGET_MODULES = ("q_proj", "v_proj")
+MANY_RANK = 8
 
 
 @dataclass
@@ -127,7 +131,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--model", default=None, help="HF model directory (default: the bundled SmolLM2-135M-Instruct)"
     )
-    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="requests (default 128; many-adapters mode: --requests-per-adapter x N for each N)",
+    )
     p.add_argument("--min-prompt", type=int, default=16)
     p.add_argument("--max-prompt", type=int, default=512)
     p.add_argument("--min-output", type=int, default=16)
@@ -142,8 +151,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="slora: adapter floor(N * x), x ~ Power(alpha) (S-LoRA's trace); zipf: P(i) ∝ (i+1)^-alpha",
     )
     p.add_argument("--popularity-seed", type=int, default=42, help="seed of the adapter draw (S-LoRA: 42)")
-    p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--lora-alpha", type=int, default=32, help="PEFT lora_alpha (scale = lora_alpha / rank)")
+    p.add_argument(
+        "--rank", type=int, default=None, help=f"adapter rank (default 16; many-adapters mode {MANY_RANK})"
+    )
+    p.add_argument(
+        "--lora-alpha",
+        type=int,
+        default=None,
+        help="PEFT lora_alpha (scale = lora_alpha / rank; default 2 x rank)",
+    )
+    p.add_argument(
+        "--target-modules",
+        default=None,
+        help="comma list (default: all seven projections; many-adapters mode: q_proj,v_proj)",
+    )
     p.add_argument("--init-std", type=float, default=0.02, help="std of the random A and B entries")
     p.add_argument("--adapter-seed", type=int, default=1234)
     p.add_argument(
@@ -156,8 +177,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # loraplex engine
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="as the engine benchmark")
-    p.add_argument("--kv-cache-gib", type=float, default=2.0)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="1024 as the engine benchmark (many-adapters mode: the engine's default)",
+    )
+    p.add_argument(
+        "--kv-cache-gib", type=float, default=None, help="2.0 (many-adapters mode: the engine's default)"
+    )
     p.add_argument("--max-loras", type=int, default=None, help="adapter slots (default: the largest N)")
     p.add_argument("--lora-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument(
@@ -181,10 +209,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-ups")
     p.add_argument("--profile", default=None, help="cProfile the loraplex run at the largest N into PATH")
-    p.add_argument("--out", default=str(DEFAULT_OUT), help="JSON results path")
+    p.add_argument(
+        "--out",
+        default=None,
+        help=f"JSON results path (default {DEFAULT_OUT}; many-adapters mode {DEFAULT_MANY_OUT})",
+    )
     p.add_argument("--plot", default=None, help="PNG path: output tok/s vs N")
     p.add_argument("--no-progress", action="store_true", help="disable progress bars")
+    add_many_adapter_args(p)
     args = p.parse_args(argv)
+    many = bool(args.many_adapters)
+    if args.rank is None:
+        args.rank = MANY_RANK if many else 16
+    if args.lora_alpha is None:
+        args.lora_alpha = 2 * args.rank
+    args.target_modules = (
+        [m for m in args.target_modules.split(",") if m]
+        if args.target_modules
+        else list(MANY_TARGET_MODULES if many else TARGET_MODULES)
+    )
+    if args.out is None:
+        args.out = str(DEFAULT_MANY_OUT if many else DEFAULT_OUT)
+    if many:
+        if args.max_loras is not None:
+            p.error("--max-loras is the classic mode's; the many-adapters mode takes caps in --configs")
+        return args
+    if args.num_requests is None:
+        args.num_requests = 128
+    if args.kv_cache_gib is None:
+        args.kv_cache_gib = 2.0
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = 1024
     if args.max_loras is None:
         args.max_loras = max(args.adapters)
     args.peft_requests = max(0, min(args.peft_requests, args.num_requests))
@@ -243,24 +298,26 @@ def adapter_histogram(assign: list[int], n: int) -> list[int]:
 
 # -- adapters ------------------------------------------------------------------------------
 def make_adapters(args: argparse.Namespace, model_dir: Path, root: Path, count: int) -> list[Path]:
-    """``count`` rank-``args.rank`` PEFT adapters on all seven projections, random A and B."""
+    """``count`` rank-``args.rank`` PEFT adapters on ``args.target_modules``, random A and B
+    (adapter i from seed ``args.adapter_seed + i``)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     cfg = LoraConfig(
-        r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules=list(TARGET_MODULES)
+        r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules=list(args.target_modules)
     )
     model = get_peft_model(base, cfg)
     params = [(n, p) for n, p in model.named_parameters() if "lora_A" in n or "lora_B" in n]
     paths = []
+    width = max(2, len(str(count - 1)))
     for i in range(count):
         gen = torch.Generator().manual_seed(args.adapter_seed + i)
         with torch.no_grad():
             for _, p in params:
                 p.copy_(torch.randn(p.shape, generator=gen) * args.init_std)
-        path = root / f"adapter-{i:02d}"
+        path = root / f"adapter-{i:0{width}d}"
         model.save_pretrained(path)
         paths.append(path)
     del model, base
@@ -466,6 +523,675 @@ def _subset(wl: Workload, k: int) -> Workload:
     )
 
 
+# -- many-adapters mode (issue 29) ---------------------------------------------------------
+MIXES = ("uniform", "powerlaw")
+
+
+def _config_list(text: str) -> list[int | None]:
+    """``default`` (no max_loras: the engine's default) or an integer cap, comma separated."""
+    out: list[int | None] = []
+    for item in (v.strip() for v in text.split(",")):
+        if not item:
+            continue
+        if item == "default":
+            out.append(None)
+        elif item.isdigit() and int(item) >= 1:
+            out.append(int(item))
+        else:
+            raise argparse.ArgumentTypeError(f"a config is 'default' or a max_loras cap >= 1, got {item!r}")
+    if not out or len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"need distinct configs, got {text!r}")
+    return out
+
+
+def _mix_list(text: str) -> list[str]:
+    mixes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in mixes if m not in MIXES]
+    if not mixes or bad:
+        raise argparse.ArgumentTypeError(f"mixes are {', '.join(MIXES)}; got {text!r}")
+    return mixes
+
+
+def add_many_adapter_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("many-adapters mode (issue 29: hundreds to thousands of distinct adapters)")
+    g.add_argument(
+        "--many-adapters",
+        type=_int_list,
+        default=None,
+        help="comma list of N (e.g. 256,1024): run the many-adapters mode with N distinct adapters",
+    )
+    g.add_argument(
+        "--configs",
+        type=_config_list,
+        default=[None, 4, 32],
+        help="engine configurations: 'default' (max_loras not passed) or a max_loras cap "
+        "(default: default,4,32)",
+    )
+    g.add_argument(
+        "--mixes",
+        type=_mix_list,
+        default=list(MIXES),
+        help="uniform: every adapter gets 1 or 2 requests; powerlaw: --popularity/--alpha over N",
+    )
+    g.add_argument(
+        "--requests-per-adapter",
+        type=float,
+        default=1.5,
+        help="requests per N when --num-requests is not given (1.5: half the adapters get 2)",
+    )
+    g.add_argument(
+        "--capped-requests",
+        type=int,
+        default=256,
+        help="configurations with a max_loras cap below the largest N run the first K requests of "
+        "each workload only (their base runs too): they are slow; 0: all",
+    )
+    g.add_argument("--ttft-probes", type=int, default=3, help="store-only adapters whose TTFT is measured")
+    g.add_argument("--ttft-prompt", type=int, default=128, help="prompt tokens of the TTFT request")
+    g.add_argument(
+        "--many-peft-requests",
+        type=int,
+        default=8,
+        help="PEFT reference on the first K requests at the largest N (0 or --skip-peft: none)",
+    )
+    g.add_argument(
+        "--max-lora-rank", type=int, default=None, help="pass max_lora_rank (default: the engine's)"
+    )
+    g.add_argument(
+        "--max-cpu-loras", type=int, default=None, help="pass max_cpu_loras (default: the engine's)"
+    )
+
+
+def config_label(cap: int | None) -> str:
+    return "default" if cap is None else f"max_loras={cap}"
+
+
+def many_engine_args(args: argparse.Namespace, cap: int | None) -> dict[str, Any]:
+    """The engine's defaults with LoRA on and prefix caching off; ``max_loras`` only for a cap.
+
+    Prefix caching is off because the same prompts run several times on one engine (base before
+    and after, every mix): cached prompt blocks would make the later runs look faster.
+    """
+    ea: dict[str, Any] = {
+        "dtype": args.dtype,
+        "enable_lora": True,
+        "enable_prefix_caching": False,
+        "num_threads": args.threads,
+        "seed": 0,
+    }
+    if cap is not None:
+        ea["max_loras"] = cap
+    optional = {
+        "max_lora_rank": args.max_lora_rank,
+        "max_cpu_loras": args.max_cpu_loras,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "kv_cache_memory": None if args.kv_cache_gib is None else int(args.kv_cache_gib * 2**30),
+    }
+    ea.update({k: v for k, v in optional.items() if v is not None})
+    for name in ("lora_backend", "attention_backend", "linear_backend"):
+        if getattr(args, name) != "auto":
+            ea[name] = getattr(args, name)
+    return ea
+
+
+def uniform_assignment(num_requests: int, n: int, seed: int) -> list[int]:
+    """Adapter of each request when every adapter is about equally popular: a random order of the
+    N adapters, repeated to cover the requests, shuffled (R in [N, 2N]: each adapter gets 1 or 2
+    requests; R < N: R distinct adapters)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    reps = -(-num_requests // n)
+    order = np.concatenate([rng.permutation(n) for _ in range(reps)])[:num_requests]
+    rng.shuffle(order)
+    return [int(v) for v in order]
+
+
+def many_requests(args: argparse.Namespace, n: int) -> int:
+    return args.num_requests or max(1, math.ceil(args.requests_per_adapter * n))
+
+
+def first_token_seconds(engine: Any, prompt: list[int], lora: Any, max_tokens: int = 2) -> float:
+    """Seconds from ``add_request`` to the step that returns the request's first token (the
+    engine idle otherwise: nothing else is queued). Runs the request to its end."""
+    from loraplex import SamplingParams
+
+    rid = engine.next_request_id()
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    engine.add_request(rid, prompt, params, lora_request=lora)
+    first: float | None = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id != rid:
+                continue
+            if out.error is not None:
+                raise RuntimeError(f"TTFT request failed: {out.error}")
+            if first is None and out.outputs and out.outputs[0].token_ids:
+                first = time.perf_counter() - t0
+    if first is None:
+        raise RuntimeError("the TTFT request produced no token")
+    return first
+
+
+def measure_ttft(
+    llm: Any, args: argparse.Namespace, wl: Workload, probes: list[Any], fresh: list[Any]
+) -> dict[str, Any]:
+    """TTFT of one request (``--ttft-prompt`` tokens) on the idle engine: with an adapter that is
+    registered but was never used (its tier recorded: ``disk`` = only in the store), the same
+    adapter again (now loaded), the base model, and an adapter never registered (the request's
+    own first use validates and registers it)."""
+    import statistics
+
+    engine = llm.llm_engine
+    prompt = [100 + (37 * i) % 20000 for i in range(args.ttft_prompt)]
+    first_token_seconds(engine, prompt, None)  # untimed: the shape's kernels built once
+    tiers = engine.lora_tiers()
+    res: dict[str, Any] = {"prompt_tokens": len(prompt), "probes": []}
+    for lo in probes:
+        tier = tiers.get(lo.int_id, "unregistered")
+        cold = first_token_seconds(engine, prompt, lo)
+        warm = first_token_seconds(engine, prompt, lo)
+        base = first_token_seconds(engine, prompt, None)
+        res["probes"].append(
+            {
+                "adapter": lo.name,
+                "tier_before": tier,
+                "ttft_s": cold,
+                "ttft_loaded_s": warm,
+                "ttft_base_s": base,
+            }
+        )
+    first_use = [first_token_seconds(engine, prompt, lo) for lo in fresh]
+    store = [p["ttft_s"] for p in res["probes"] if p["tier_before"] == "disk"]
+    med = statistics.median
+    res["summary"] = {
+        "tiers_before": sorted({p["tier_before"] for p in res["probes"]}),
+        "store_only_ms": round(1000 * med(store), 1) if store else None,
+        "registered_unused_ms": round(1000 * med([p["ttft_s"] for p in res["probes"]]), 1)
+        if res["probes"]
+        else None,
+        "loaded_ms": round(1000 * med([p["ttft_loaded_s"] for p in res["probes"]]), 1)
+        if res["probes"]
+        else None,
+        "base_ms": round(1000 * med([p["ttft_base_s"] for p in res["probes"]]), 1) if res["probes"] else None,
+        "first_use_ms": round(1000 * med(first_use), 1) if first_use else None,
+    }
+    res["first_use_s"] = first_use
+    return res
+
+
+@dataclass
+class ManyRun:
+    """One timed loraplex run of the many-adapters mode."""
+
+    config: str
+    n: int
+    mix: str
+    result: RunResult
+    assign: list[int]
+    base_key: int  # requests of the base workload it is compared with
+
+
+def run_many(args: argparse.Namespace, argv: list[str] | None, model_dir: Path) -> dict[str, Any]:
+    """The many-adapters mode: N distinct adapters (r=8 on q/v by default), each engine
+    configuration (default, max_loras caps) against its own base-model runs; TTFT of a request
+    whose adapter is only in the store."""
+    import torch
+
+    from loraplex import LLM, LoRARequest, SamplingParams
+
+    progress = not args.no_progress
+    ns = args.many_adapters
+    n_max = max(ns)
+    sizes = {n: many_requests(args, n) for n in ns}
+    args.num_requests = max(sizes.values())
+    wl = build_workload(args, model_dir)  # every N runs the first sizes[n] requests of this one
+    args.num_requests = None if not any(sizes[n] != args.num_requests for n in ns) else args.num_requests
+    cap_k = args.capped_requests
+    print(f"workload: {wl.description}", flush=True)
+    assignments: dict[tuple[int, str], list[int]] = {}
+    for n in ns:
+        r = sizes[n]
+        for mix in args.mixes:
+            if mix == "uniform":
+                a = uniform_assignment(r, n, args.popularity_seed)
+            else:
+                a = assign_adapters(r, n, args.alpha, args.popularity, args.popularity_seed)
+            assignments[(n, mix)] = a
+            counts = adapter_histogram(a, n)
+            used = [c for c in counts if c]
+            print(
+                f"  N={n} {mix}: {r} requests, {len(used)} distinct adapters used, requests per used "
+                f"adapter {min(used)}-{max(used)}"
+                + (f", first {cap_k}: {len(set(a[:cap_k]))} distinct" if cap_k and cap_k < r else ""),
+                flush=True,
+            )
+
+    tmp_root = None
+    if args.adapter_dir:
+        adapter_root = Path(args.adapter_dir)
+        adapter_root.mkdir(parents=True, exist_ok=True)
+    else:
+        tmp_root = Path(tempfile.mkdtemp(prefix="loraplex-manylora-"))
+        adapter_root = tmp_root
+    probes_per_config = args.ttft_probes
+    n_probe = 2 * probes_per_config * len(args.configs)  # registered-unused + never-registered, per engine
+    configs: dict[str, dict[str, Any]] = {}
+    runs: list[ManyRun] = []
+    bases: dict[tuple[str, int], RunResult] = {}
+    try:
+        with stopwatch() as t_make:
+            paths = make_adapters(args, model_dir, adapter_root, n_max + n_probe)
+        size_mb = sum(f.stat().st_size for f in paths[0].iterdir()) / 2**20
+        print(
+            f"\nmade {n_max} + {n_probe} adapters (rank {args.rank}, lora_alpha {args.lora_alpha}, "
+            f"{', '.join(args.target_modules)}; {size_mb:.2f} MiB each) in {t_make['seconds']:.1f} s",
+            flush=True,
+        )
+        loras = [LoRARequest(p.name, i + 1, str(p)) for i, p in enumerate(paths)]
+        work, extra = loras[:n_max], loras[n_max:]
+        done: dict[str, RunResult] = {}
+        for ci, cap in enumerate(args.configs):
+            label = config_label(cap)
+            # A cap below the largest N forces adapters through the slots (the slow runs); a cap
+            # of at least N never limits a step's adapters and runs the whole workload.
+            limit = cap_k if (cap is not None and cap < n_max and cap_k) else None
+            eargs = many_engine_args(args, cap)
+            print(f"\n== loraplex {label} (engine args {eargs}) ==", flush=True)
+            torch.manual_seed(0)
+            llm = LLM(model=args.model, **eargs)
+            info: dict[str, Any] = {"engine_args": dict(eargs), "request_limit": limit}
+            runtime = llm.llm_engine.lora_manager
+            assert runtime is not None
+            info["resolved"] = {
+                "attention": llm.llm_engine.runner.attn.name,
+                "linear": llm.llm_engine.model.linear.name,
+                "lora": runtime.backend.name,
+                "max_loras": llm.llm_engine.config.max_loras,
+                "max_cpu_loras": llm.llm_engine.config.cpu_lora_capacity,
+                "max_lora_rank": llm.llm_engine.config.max_lora_rank,
+            }
+            print(f"resolved: {info['resolved']}", flush=True)
+            k = probes_per_config
+            probes = extra[2 * k * ci : 2 * k * ci + k]
+            fresh = extra[2 * k * ci + k : 2 * k * (ci + 1)]
+            with stopwatch() as t_reg:
+                for lo in [*probes, *work]:  # probes first: the least recently used afterwards
+                    llm.add_lora(lo)
+            info["register_seconds"] = round(t_reg["seconds"], 2)
+            print(f"registered {len(probes) + len(work)} adapters in {t_reg['seconds']:.1f} s", flush=True)
+            keys = sorted({min(sizes[n], limit or sizes[n]) for n in ns})
+            if not args.no_warmup:
+                used = sorted(
+                    {
+                        a
+                        for (n, _m), asg in assignments.items()
+                        for a in asg[: min(sizes[n], limit or sizes[n])]
+                    }
+                )
+                with stopwatch() as t_warm:
+                    llm.generate(
+                        [[100 + i for i in range(16)]] * (len(used) + 1),
+                        SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                        lora_request=[None, *(work[a] for a in used)],
+                        use_tqdm=False,
+                    )
+                info["warmup_seconds"] = round(t_warm["seconds"], 2)
+                print(
+                    f"warm-up ({len(used)} adapters, 1 tiny request each): {t_warm['seconds']:.1f} s",
+                    flush=True,
+                )
+            before: dict[int, RunResult] = {}
+            for r in keys:
+                res = run_loraplex_once(llm, f"{label} base R={r}", _subset(wl, r), [None] * r, progress)
+                before[r] = res
+                done[res.name] = res
+                checkpoint(args.out, argv, done)
+                print(
+                    f"{res.name}: {res.output_tokens} tok in {res.seconds:.1f} s = {res.tok_s:.1f} tok/s",
+                    flush=True,
+                )
+            for n in ns:
+                r = min(sizes[n], limit or sizes[n])
+                for mix in args.mixes:
+                    asg = assignments[(n, mix)][:r]
+                    res = run_loraplex_once(
+                        llm, f"{label} N={n} {mix}", _subset(wl, r), [work[a] for a in asg], progress
+                    )
+                    res.extra["distinct_adapters"] = len(set(asg))
+                    runs.append(ManyRun(label, n, mix, res, asg, r))
+                    done[res.name] = res
+                    checkpoint(args.out, argv, done)
+                    print(
+                        f"{res.name}: {r} requests ({len(set(asg))} adapters), {res.output_tokens} tok in "
+                        f"{res.seconds:.1f} s = {res.tok_s:.1f} tok/s "
+                        f"({res.tok_s / before[r].tok_s:.2f}x base before)",
+                        flush=True,
+                    )
+            for r in keys:
+                base_runs = [before[r]]
+                if not args.no_bracket_base:
+                    again = run_loraplex_once(
+                        llm, f"{label} base R={r} (after)", _subset(wl, r), [None] * r, progress
+                    )
+                    done[again.name] = again
+                    checkpoint(args.out, argv, done)
+                    base_runs.append(again)
+                    print(
+                        f"{again.name}: {again.tok_s:.1f} tok/s (before {before[r].tok_s:.1f}; "
+                        f"outputs identical: {again.outputs == before[r].outputs})",
+                        flush=True,
+                    )
+                pooled = pool_runs(f"{label} base R={r}", base_runs)
+                pooled.extra["outputs_identical_before_after"] = all(
+                    b.outputs == before[r].outputs for b in base_runs
+                )
+                bases[(label, r)] = pooled
+            if args.ttft_probes:
+                info["ttft"] = measure_ttft(llm, args, wl, probes, fresh)
+                print(f"TTFT ({label}): {info['ttft']['summary']}", flush=True)
+            info["adapter_stats"] = _jsonable_stats(llm)
+            configs[label] = info
+            llm.shutdown()
+            del llm
+            gc.collect()
+
+        # ---- PEFT reference on a few requests of the largest N ------------------------------
+        peft_check: dict[str, Any] = {}
+        k_peft = 0 if args.skip_peft else args.many_peft_requests
+        first = next((m for m in runs if m.n == n_max), None)
+        if k_peft and first is not None:
+            k_peft = min(k_peft, len(first.assign))
+            asg = first.assign[:k_peft]
+            used = sorted(set(asg))
+            print(
+                f"\n== PEFT reference: first {k_peft} requests of {first.result.name} "
+                f"({len(used)} adapters) =="
+            )
+            model = load_peft(model_dir, [paths[a] for a in used], args.dtype)
+            sub = _subset(wl, k_peft)
+            ref = run_peft(model, "PEFT", sub, [paths[a].name for a in asg], args.peft_batch_size, progress)
+            del model
+            gc.collect()
+            base_out = bases[(first.config, first.base_key)].outputs[:k_peft]
+            peft_check = {
+                "run": first.result.name,
+                "agreement": token_agreement(ref.outputs, first.result.outputs[:k_peft]),
+                "peft_vs_base": token_agreement(ref.outputs, base_out),
+            }
+            a, d = peft_check["agreement"], peft_check["peft_vs_base"]
+            print(
+                f"greedy agreement loraplex vs PEFT ({k_peft} requests): {a['positional']:.1%} "
+                f"position-wise, {a['exact_requests']:.1%} of requests identical "
+                f"(PEFT vs base model: {d['positional']:.1%})"
+            )
+    finally:
+        if tmp_root is not None:
+            shutil.rmtree(tmp_root, ignore_errors=True)
+
+    return report_many(
+        args, argv, wl, sizes, assignments, configs, runs, bases, peft_check, size_mb, t_make["seconds"]
+    )
+
+
+def _jsonable_stats(llm: Any) -> dict[str, Any]:
+    mgr = llm.llm_engine.lora_manager
+    stats = getattr(getattr(mgr, "manager", None), "stats", None)
+    if stats is None:
+        return {}
+    from dataclasses import asdict
+
+    try:
+        return dict(asdict(stats()))
+    except Exception as exc:  # the adapter internals are being rewritten: never fail the run on them
+        return {"error": repr(exc)}
+
+
+def report_many(
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    wl: Workload,
+    sizes: dict[int, int],
+    assignments: dict[tuple[int, str], list[int]],
+    configs: dict[str, dict[str, Any]],
+    runs: list[ManyRun],
+    bases: dict[tuple[str, int], RunResult],
+    peft_check: dict[str, Any],
+    size_mb: float,
+    make_s: float,
+) -> dict[str, Any]:
+    """Checks, tables (printed and as Markdown), JSON and the plot of the many-adapters mode."""
+    # Every run produced exactly its requests' lengths.
+    counts_ok = all([len(o) for o in m.result.outputs] == wl.max_tokens[: m.base_key] for m in runs) and all(
+        [len(o) for o in b.outputs] == wl.max_tokens[:r] for (_c, r), b in bases.items()
+    )
+    # The same request on the same adapter gives the same greedy tokens in every configuration.
+    ref_label = config_label(args.configs[0])
+    by_key = {(m.config, m.n, m.mix): m for m in runs}
+    agreement: dict[str, Any] = {}
+    for m in runs:
+        if m.config == ref_label:
+            continue
+        ref = by_key.get((ref_label, m.n, m.mix))
+        if ref is None:
+            continue
+        k = min(len(ref.assign), len(m.assign))
+        agreement[f"{m.config} N={m.n} {m.mix}"] = token_agreement(
+            ref.result.outputs[:k], m.result.outputs[:k]
+        )
+    effect: dict[str, Any] = {}
+    for m in runs:
+        if m.config == ref_label:
+            d = token_agreement(bases[(m.config, m.base_key)].outputs, m.result.outputs)
+            effect[f"N={m.n} {m.mix}"] = {"positional_same_as_base": d["positional"], "prefix": d["prefix"]}
+
+    rows_json: list[dict[str, Any]] = []
+    for m in runs:
+        base = bases[(m.config, m.base_key)]
+        r = m.result
+        rows_json.append(
+            {
+                "config": m.config,
+                "N": m.n,
+                "mix": m.mix,
+                "requests": m.base_key,
+                "distinct_adapters": len(set(m.assign)),
+                "loraplex_tok_s": round(r.tok_s, 2),
+                "base_tok_s": round(base.tok_s, 2),
+                "ratio_to_base": round(r.tok_s / base.tok_s, 3) if base.tok_s else None,
+                "ratio_to_base_cpu": round(r.tok_cpu_s / base.tok_cpu_s, 3) if base.tok_cpu_s else None,
+                "preemptions": r.extra.get("preemptions"),
+                "engine_steps": r.extra.get("engine_steps"),
+                "capped": configs[m.config]["request_limit"] is not None,
+            }
+        )
+    headers = [
+        "config",
+        "N",
+        "mix",
+        "requests",
+        "adapters",
+        "tok/s",
+        "base tok/s",
+        "/ base",
+        "/ base (CPU-s)",
+    ]
+    table = format_table(
+        headers,
+        [
+            [
+                r["config"],
+                r["N"],
+                r["mix"],
+                f"{r['requests']}{' (capped)' if r['capped'] else ''}",
+                r["distinct_adapters"],
+                f"{r['loraplex_tok_s']:.1f}",
+                f"{r['base_tok_s']:.1f}",
+                f"{r['ratio_to_base']:.2f}x",
+                f"{r['ratio_to_base_cpu']:.2f}x",
+            ]
+            for r in rows_json
+        ],
+    )
+    ttft_rows = []
+    for label, info in configs.items():
+        s = info.get("ttft", {}).get("summary")
+        if s:
+            ttft_rows.append(
+                [
+                    label,
+                    ",".join(s["tiers_before"]),
+                    s["registered_unused_ms"],
+                    s["loaded_ms"],
+                    s["base_ms"],
+                    s["first_use_ms"],
+                ]
+            )
+    ttft_table = format_table(
+        [
+            "config",
+            "tier before",
+            "TTFT registered, never used (ms)",
+            "same adapter again (ms)",
+            "base model (ms)",
+            "adapter never registered (ms)",
+        ],
+        ttft_rows,
+    )
+    bar_rows = [r for r in rows_json if r["config"] == ref_label and not r["capped"]]
+    min_ratio: float | None = min((float(r["ratio_to_base"]) for r in bar_rows), default=None)
+    bar = {
+        "config": ref_label,
+        "bar": BAR_VS_BASE,
+        "goal": 0.8,
+        "min_ratio_to_base": min_ratio,
+        "pass": min_ratio is not None and min_ratio >= BAR_VS_BASE,
+    }
+    print(f"\noutput token counts equal to the workload's: {counts_ok}")
+    for name, a in agreement.items():
+        print(
+            f"greedy agreement {name} vs {ref_label}: {a['positional']:.1%} position-wise, "
+            f"{a['exact_requests']:.1%} of {a['num_requests']} requests identical"
+        )
+    for name, e in effect.items():
+        print(
+            f"adapters vs base model, {ref_label} {name}: "
+            f"{e['positional_same_as_base']:.1%} of positions the same"
+        )
+    print("\n" + table)
+    if ttft_rows:
+        print("\nTime to first token, one request alone on the idle engine:\n" + ttft_table)
+    if min_ratio is not None:
+        print(
+            f"bar ({ref_label}, every N and mix): lowest {min_ratio:.2f}x base (>= {BAR_VS_BASE}: "
+            f"{'PASS' if bar['pass'] else 'FAIL'}; goal 0.8)"
+        )
+
+    report: dict[str, Any] = {
+        "benchmark": "multi_lora_throughput",
+        "mode": "many_adapters",
+        "command": " ".join(
+            ["benchmarks/multi_lora_throughput.py", *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine_info(),
+        "settings": {k: v for k, v in vars(args).items()},
+        "workload": wl.summary(),
+        "requests_per_n": {str(n): r for n, r in sizes.items()},
+        "adapters": {
+            "count": max(sizes),
+            "rank": args.rank,
+            "lora_alpha": args.lora_alpha,
+            "target_modules": list(args.target_modules),
+            "init": f"A, B ~ N(0, {args.init_std}^2), seed {args.adapter_seed} + index",
+            "size_mib_each": round(size_mb, 3),
+            "make_seconds": round(make_s, 2),
+        },
+        "mixes": {
+            f"N={n} {mix}": {
+                "requests_per_adapter_used": sorted({c for c in adapter_histogram(a, n) if c}),
+                "distinct_adapters": len(set(a)),
+            }
+            for (n, mix), a in assignments.items()
+        },
+        "configs": configs,
+        "base": {f"{c} R={r}": b.summary() for (c, r), b in bases.items()},
+        "runs": {m.result.name: m.result.summary() for m in runs},
+        "table": rows_json,
+        "bar": bar,
+        "output_token_counts_equal": counts_ok,
+        "greedy_agreement_vs_first_config": agreement,
+        "adapter_effect_vs_base": effect,
+        "peft_reference": peft_check,
+    }
+    out = write_json(args.out, report)
+    md = out.with_suffix(".md")
+    md.write_text(
+        f"# Multi-LoRA, many adapters\n\n`{report['command']}`\n\n{report['timestamp']}, "
+        f"{wl.description}\n\n{table}\n\n"
+        + (
+            f"Time to first token, one request alone on the idle engine:\n\n{ttft_table}\n"
+            if ttft_rows
+            else ""
+        )
+    )
+    print(f"\nwrote {out} and {md}")
+    if args.plot:
+        make_many_plot(Path(args.plot), report)
+        print(f"wrote {args.plot}")
+    return report
+
+
+def make_many_plot(path: Path, report: dict[str, Any]) -> None:
+    """Throughput relative to the same engine's base model vs N, one line per config and mix."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["table"]
+    colors = ["#2b7bba", "#d95f02", "#7570b3", "#1b9e77", "#e7298a", "#666666"]
+    styles = {"uniform": ("o", "-"), "powerlaw": ("s", "--")}
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, label in enumerate(dict.fromkeys(r["config"] for r in rows)):
+        for mix, (marker, ls) in styles.items():
+            pts = sorted(
+                (r["N"], r["ratio_to_base"], r["capped"])
+                for r in rows
+                if r["config"] == label and r["mix"] == mix
+            )
+            if not pts:
+                continue
+            capped = " (first requests only)" if pts[0][2] else ""
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker=marker,
+                ls=ls,
+                color=colors[i % len(colors)],
+                label=f"{label}, {mix}{capped}",
+            )
+    ax.axhline(1.0, color="#999999", lw=1)
+    ax.axhline(BAR_VS_BASE, color="#999999", ls=":", lw=1, label=f"{BAR_VS_BASE}x base (bar)")
+    ns = sorted({r["N"] for r in rows})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.set_ylim(0, max(1.1, max((r["ratio_to_base"] for r in rows), default=1.0) * 1.05))
+    ax.set_xlabel(
+        f"distinct adapters N (r = {report['adapters']['rank']}, "
+        f"{'+'.join(report['adapters']['target_modules'])})"
+    )
+    ax.set_ylabel("output tok/s / same engine's base model")
+    ax.set_title("Multi-LoRA throughput with many adapters")
+    ax.legend(fontsize=7, loc="lower left")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     import torch
@@ -476,6 +1202,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     progress = not args.no_progress
     threads = set_torch_threads(args.threads)
     model_dir = resolve_model_dir(args.model)
+    if args.many_adapters:
+        return run_many(args, argv, model_dir)
     wl = build_workload(args, model_dir)
     n_max = max(args.adapters)
     print(f"workload: {wl.description}", flush=True)
@@ -519,7 +1247,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         size_mb = sum(f.stat().st_size for f in paths[0].iterdir()) / 2**20
         print(
             f"\nmade {n_max} adapters (rank {args.rank}, lora_alpha {args.lora_alpha}, "
-            f"{', '.join(TARGET_MODULES)}; {size_mb:.1f} MiB each) in {t_make['seconds']:.1f} s "
+            f"{', '.join(args.target_modules)}; {size_mb:.1f} MiB each) in {t_make['seconds']:.1f} s "
             f"under {adapter_root}",
             flush=True,
         )
@@ -711,7 +1439,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "count": n_max,
             "rank": args.rank,
             "lora_alpha": args.lora_alpha,
-            "target_modules": list(TARGET_MODULES),
+            "target_modules": list(args.target_modules),
             "init": f"A, B ~ N(0, {args.init_std}^2), seed {args.adapter_seed} + index",
             "size_mib_each": round(size_mb, 2),
             "make_seconds": round(t_make["seconds"], 2),
