@@ -44,7 +44,7 @@ def test_many_adapters_mode_tiny(tmp_path: Path, tiny_dirs: dict[str, Path]) -> 
             "--model", str(tiny_dirs["gqa_tied"]),
             "--many-adapters", "4,8",
             "--configs", "8,2",  # 8 >= the largest N: stands in for the default; 2: a slot cap
-            "--capped-requests", "4",
+            "--capped-requests", "4", "--capped-seconds", "120",  # the timed path; ends well before
             "--min-prompt", "8", "--max-prompt", "24",
             "--min-output", "4", "--max-output", "8",
             "--init-std", "0.3",  # strong adapters: a wrong one would change the tokens
@@ -71,7 +71,10 @@ def test_many_adapters_mode_tiny(tmp_path: Path, tiny_dirs: dict[str, Path]) -> 
         assert row["loraplex_tok_s"] > 0 and row["base_tok_s"] > 0 and row["ratio_to_base"] > 0
         assert row["capped"] == (config == "max_loras=2")
         assert row["requests"] == (4 if config == "max_loras=2" else {4: 6, 8: 12}[n])
+        assert row["finished_requests"] == row["requests"]
     assert data["configs"]["max_loras=8"]["request_limit"] is None
+    assert data["configs"]["max_loras=8"]["time_limit_s"] is None
+    assert data["configs"]["max_loras=2"]["time_limit_s"] == 120
     assert data["configs"]["max_loras=2"]["engine_args"]["max_loras"] == 2
     for base in data["base"].values():
         assert base["outputs_identical_before_after"] is True and len(base["pooled_runs"]) == 2
