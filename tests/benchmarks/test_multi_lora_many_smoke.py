@@ -34,6 +34,22 @@ def test_engine_args_pass_max_loras_only_for_a_cap() -> None:
         bench.parse_args(["--many-adapters", "8", "--configs", "default,x"])
 
 
+def test_time_limited_run_stops_and_frees_what_it_cut(tiny_dirs: dict[str, Path]) -> None:
+    from loraplex import LLM
+
+    bench = load_benchmark("multi_lora_throughput")
+    llm = LLM(str(tiny_dirs["gqa_tied"]), dtype="float32", num_kv_blocks=64, enable_prefix_caching=False)
+    wl = bench.random_token_workload(6, (8, 16), (32, 32), 49152, seed=3)
+    full = bench.run_loraplex_once(llm, "full", wl, [None] * 6, False)
+    cut = bench.run_loraplex_timed(llm, "cut", wl, [None] * 6, 0.0)  # one step, then the limit
+    assert cut.extra["finished_requests"] == 0 and not llm.llm_engine.has_unfinished_requests()
+    assert 0 < cut.output_tokens < full.output_tokens
+    # What the cut run generated is the start of what the full run generated.
+    x, y = bench._aligned(full.outputs, cut.outputs)
+    assert x == y and len(x) == sum(1 for o in cut.outputs if o)
+    assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_blocks
+
+
 @pytest.mark.slow
 def test_many_adapters_mode_tiny(tmp_path: Path, tiny_dirs: dict[str, Path]) -> None:
     bench = load_benchmark("multi_lora_throughput")
@@ -83,7 +99,7 @@ def test_many_adapters_mode_tiny(tmp_path: Path, tiny_dirs: dict[str, Path]) -> 
     # and the same as PEFT; the adapters change the base model's tokens.
     assert len(data["greedy_agreement_vs_first_config"]) == 4
     for agree in data["greedy_agreement_vs_first_config"].values():
-        assert agree["num_requests"] == 4 and agree["exact_requests"] == 1.0
+        assert agree["num_requests"] == 4 and agree["num_tokens"] > 0 and agree["exact_requests"] == 1.0
     peft = data["peft_reference"]
     assert peft["agreement"]["num_requests"] == 4 and peft["agreement"]["exact_requests"] == 1.0
     assert peft["peft_vs_base"]["positional"] < 1.0
