@@ -748,10 +748,31 @@ def run_loraplex_timed(llm: Any, name: str, wl: Workload, loras: list[Any], seco
 def run_limited(
     llm: Any, seconds: float | None, progress: bool, name: str, wl: Workload, loras: list[Any]
 ) -> RunResult:
-    """The whole workload, or the part of it that finishes in ``seconds``."""
+    """The whole workload, or the part of it that finishes in ``seconds``; with the adapter
+    tiers' cumulative counters (loads, disk reads, evictions) it moved."""
+    before = adapter_counters(llm)
     if seconds is None:
-        return run_loraplex_once(llm, name, wl, loras, progress)
-    return run_loraplex_timed(llm, name, wl, loras, seconds)
+        res = run_loraplex_once(llm, name, wl, loras, progress)
+    else:
+        res = run_loraplex_timed(llm, name, wl, loras, seconds)
+    after = adapter_counters(llm)
+    res.extra["adapter_moves"] = {k: v - before.get(k, 0) for k, v in after.items()}
+    return res
+
+
+def adapter_counters(llm: Any) -> dict[str, int]:
+    """The cumulative counters of the engine's published adapter stats (fields named like
+    loads / reads / evictions), whatever the adapter memory's design; empty without them."""
+    from dataclasses import asdict, is_dataclass
+
+    stats = getattr(getattr(llm.llm_engine, "stats", None), "adapters", None)
+    if stats is None or not is_dataclass(stats) or isinstance(stats, type):
+        return {}
+    return {
+        k: int(v)
+        for k, v in asdict(stats).items()
+        if isinstance(v, int) and any(w in k for w in ("loads", "reads", "evictions"))
+    }
 
 
 def _aligned(a: list[list[int]], b: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
@@ -987,7 +1008,8 @@ def run_many(args: argparse.Namespace, argv: list[str] | None, model_dir: Path) 
                     print(
                         f"{res.name}: {r} requests ({len(set(asg))} adapters), {res.output_tokens} tok in "
                         f"{res.seconds:.1f} s = {res.tok_s:.1f} tok/s "
-                        f"({res.tok_s / before[r].tok_s:.2f}x base before)",
+                        f"({res.tok_s / before[r].tok_s:.2f}x base before; adapter moves "
+                        f"{res.extra['adapter_moves']})",
                         flush=True,
                     )
             for r in keys:

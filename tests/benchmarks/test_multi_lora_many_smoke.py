@@ -92,6 +92,8 @@ def test_many_adapters_mode_tiny(tmp_path: Path, tiny_dirs: dict[str, Path]) -> 
     assert data["configs"]["max_loras=8"]["time_limit_s"] is None
     assert data["configs"]["max_loras=2"]["time_limit_s"] == 120
     assert data["configs"]["max_loras=2"]["engine_args"]["max_loras"] == 2
+    # What the adapter tiers did in each run (counters named loads / reads / evictions).
+    assert all(isinstance(run["adapter_moves"], dict) for run in data["runs"].values())
     for base in data["base"].values():
         assert base["outputs_identical_before_after"] is True and len(base["pooled_runs"]) == 2
 
