@@ -51,6 +51,10 @@ Many-adapters mode (``--many-adapters 256,1024``; issue 29, thousands of adapter
     .venv/bin/python benchmarks/multi_lora_throughput.py --many-adapters 64,256 --num-requests 128 \\
         --max-prompt 64 --max-output 16 --capped-seconds 10                    # quick check
 
+(While the engine's default is 4 fixed slots, a large cap stands in for "as many as fit":
+``--configs 256,4,32 --max-lora-rank 8``; 256 slots at the default rank 64 take ~15 GB of RAM
+with SmolLM2, padded on all seven projections.)
+
 * Adapters: N distinct PEFT LoRAs of rank 8 (``--rank``) on q_proj and v_proj only
   (``--target-modules``), random non-zero A and B (seeded), plus a few more for TTFT.
 * Engines: one per ``--configs`` entry (default ``default,4,32``): ``default`` is
