@@ -82,7 +82,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         (tmp / "SOURCE").write_text(f"{gguf_path}\n")
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared
         # Atomic publish: a crash mid-conversion never leaves a half directory.
-        os.replace(tmp, out_dir)
+        try:
+            os.replace(tmp, out_dir)
+        except OSError:
+            if not (out_dir / "SOURCE").is_file():
+                raise
+            # Another process converted the same file meanwhile and published first: its
+            # directory holds the same weights, so use it and drop ours.
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
