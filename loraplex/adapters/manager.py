@@ -374,6 +374,11 @@ class AdapterManager:
             counts = (self._slots.pin_count(i) for i in range(self._slots.num_slots))
             return {i: c for i, c in enumerate(counts) if c > 0}
 
+    def pins(self) -> dict[str, int]:
+        """Every pin holder (request id) and the adapter its pinned slot holds."""
+        with self._lock:
+            return self._slots.pinned_keys()
+
     def page_tables(self) -> dict[int, PageTable]:
         """Each resident (or draining) slot's pages per group: what a step's kernels read."""
         with self._lock:

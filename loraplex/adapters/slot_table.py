@@ -76,6 +76,10 @@ class SlotTable:
     def pin_count(self, slot_idx: int) -> int:
         return self._pin_counts[slot_idx]
 
+    def pinned_keys(self) -> dict[str, int]:
+        """Each pin holder and the adapter in the slot it pins (live or draining)."""
+        return {req: self._slot_key[slot] for req, slot in self._pins.items()}  # type: ignore[misc]
+
     def slot_of_request(self, request_id: str) -> int | None:
         """The slot ``request_id`` holds a pin on, or None."""
         return self._pins.get(request_id)

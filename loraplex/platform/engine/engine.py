@@ -592,4 +592,4 @@ class LLMEngine:
             if seq_id not in live:
                 raise AssertionError(f"seq {seq_id} holds KV blocks but is neither running nor waiting")
         if self.lora_manager is not None:
-            self.lora_manager.check_integrity()
+            self.lora_manager.check_integrity(self.scheduler.running)

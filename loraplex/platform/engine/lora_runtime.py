@@ -31,6 +31,7 @@ sequence uses.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -272,9 +273,20 @@ class LoRARuntime:
     def _plan_pages(self, meta: LoRAMetadata) -> _StepPages:
         return _StepPages(meta, self._page_tables)
 
-    def check_integrity(self) -> None:
-        """Adapter slots consistent (every pin on a live slot, counts match)."""
+    def check_integrity(self, running: Iterable[Sequence] | None = None) -> None:
+        """Adapter slots and pages consistent (``AdapterManager.check_integrity``); with
+        ``running``: pins match the running sequences (each running sequence on an adapter
+        holds one pin on that adapter's slot, nothing else holds a pin)."""
         self.manager.check_integrity()
+        if running is None:
+            return
+        want = {self._key(seq): seq.request.lora.int_id for seq in running if seq.request.lora is not None}
+        held = self.manager.pins()
+        if set(held) != set(want):
+            raise AssertionError(f"adapter pins {sorted(held)} != running sequences {sorted(want)}")
+        for key, adapter_id in want.items():
+            if held[key] != adapter_id:
+                raise AssertionError(f"{key} pins adapter {held[key]}, runs on adapter {adapter_id}")
 
 
 class _StepPages:
