@@ -7,6 +7,11 @@ Rows of x up to ``direct_max_m()`` decode the weight's blocks in registers as th
 more rows decode one panel of weights at a time into a cache-resident float buffer and run
 the float panel kernel on it (``linear_panels.c``), each weight decoded once per step.
 Formats the library lacks (``c_id`` 0) and other dtypes fall back to the torch reference.
+
+The 16-row interleaved formats (``interleave``; ``quant_x16.c``) take another plan at few
+rows: each row of x quantized per 32-block to int16 (or int8), integer dot products against
+the blocks (AVX-512 VNNI ``vpdpwssd`` / ``vpdpbusd``, 16 weight rows per vector), one float
+scale per block; more rows decode them to float panels as above (exact).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import torch
 
 from loraplex.kernels.contracts import PackedWeight
 from loraplex.kernels.cpu.build import bind, limit
+from loraplex.kernels.formats import FORMATS
+from loraplex.kernels.formats.interleaved import GROUP, Interleaved
 
 ARGTYPES = (
     ctypes.c_void_p,  # x
@@ -45,6 +52,16 @@ def c_kernel() -> Any | None:
 def direct_max_m() -> int:
     """Most rows of x the in-register plan takes under "auto" (0 when unavailable)."""
     return limit("loraplex_qlinear_direct_max_m")
+
+
+def interleave(weight: PackedWeight, int8_activations: bool = False) -> PackedWeight:
+    """``weight`` in its 16-row interleaved format (``formats/interleaved.py``) when it has one
+    (Q8_0, Q4_0, Q4_1 with a multiple of 16 rows), else ``weight`` itself."""
+    name = f"{weight.format.name}x16{'a8' if int8_activations else ''}"
+    fmt = FORMATS.get(name)  # type: ignore[call-overload]
+    if not isinstance(fmt, Interleaved) or weight.out_features % GROUP:
+        return weight
+    return PackedWeight(fmt, fmt.interleave(weight.data, weight.in_features), weight.in_features)
 
 
 def supports(weight: PackedWeight, x: torch.Tensor) -> bool:
