@@ -32,6 +32,16 @@ from loraplex.kernels.contracts import WeightFormat, WeightFormatName
 GROUP = 16  # weight rows per interleaved group
 
 
+def quantize_activations(x: torch.Tensor, bits: int) -> torch.Tensor:  # x's shape, float32
+    """The floats the integer kernels compute with for ``x`` ([rows, k], k a multiple of 32):
+    per 32-block ``q = round(x / d)`` (half to even), ``d = amax / (2^(bits-1) - 1)``, as
+    ``dq * q`` (the torch reference of ``quant_x16.c``'s activation quantization)."""
+    blocks = x.float().reshape(-1, 32)
+    d = blocks.abs().amax(dim=1, keepdim=True) / float(2 ** (bits - 1) - 1)
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    return (torch.round(blocks * inv) * d).reshape(x.shape)
+
+
 class Interleaved(WeightFormat):
     """``base``'s blocks, 16 rows interleaved (see the module docstring)."""
 
@@ -45,6 +55,11 @@ class Interleaved(WeightFormat):
         self.c_id = c_id
         self.int8_activations = int8_activations
         self._head = 4 if base.name == "q4_1" else 2  # scale bytes per row per block (d, or d and m)
+
+    @property
+    def activation_bits(self) -> int:
+        """Bits of the activations at few rows (``quantize_activations``)."""
+        return 8 if self.int8_activations else 16
 
     def check_rows(self, out_features: int) -> None:
         if out_features % GROUP:
