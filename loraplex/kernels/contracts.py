@@ -276,6 +276,10 @@ class LinearBackend(abc.ABC):
         """The form of ``weight`` ([out_features, in_features]) that ``__call__`` reads."""
         return weight
 
+    def rows(self, weight: PackedWeight, index: torch.Tensor) -> torch.Tensor:  # [len(index), in] float32
+        """Rows ``index`` of a packed weight as floats (an embedding lookup)."""
+        return weight.rows(index)
+
     def prepare_packed(self, weight: PackedWeight, int8_activations: bool = False) -> PackedWeight:
         """The layout of a packed weight that ``__call__`` reads best: the same blocks, the same
         bytes (the CPU backend interleaves Q8_0 / Q4 rows for its integer dot products);

@@ -115,3 +115,15 @@ def test_interleave_keeps_other_formats_and_odd_rows() -> None:
     assert interleave(q8).format.name == "q8_0x16"
     assert interleave(q8, int8_activations=True).format.name == "q8_0x16a8"
     assert torch.equal(interleave(q8).dequantize(), q8.dequantize())
+
+
+@pytest.mark.parametrize("name", INTERLEAVED)
+def test_interleaved_rows_in_c(name: str) -> None:
+    from loraplex.kernels.cpu.quant_linear import rows
+
+    gen = torch.Generator().manual_seed(11)
+    packed = random_packed(name, 64, 96, gen)
+    index = torch.tensor([0, 15, 16, 63, 15, 40])
+    assert torch.equal(rows(packed, index), packed.rows(index))
+    with pytest.raises(IndexError):
+        rows(packed, torch.tensor([64]))

@@ -368,3 +368,37 @@ int64_t loraplex_qx16_f32(const float *x, int64_t x_stride, const uint8_t *w, co
     }
     return failed ? -2 : 0;
 }
+
+/* Weight rows index[0 .. count) of W (an interleaved format, k weights a row) as floats into
+ * out[count, k]: an embedding lookup from the tied table. Returns 0, -1 for a bad format. */
+int64_t loraplex_qx16_rows(const uint8_t *w, const int64_t *index, int64_t count, int64_t k, int format, float *out) {
+    if (format >= X_Q8_0 + 3) format -= 3;
+    if (format < X_Q8_0 || format > X_Q4_1 || k % 32 != 0) return -1;
+    const int64_t nb = k / 32, bb = x_block_bytes(format), hb = x_head_bytes(format);
+    for (int64_t i = 0; i < count; ++i) {
+        const int64_t lane = index[i] % GROUP;
+        const uint8_t *wg = w + index[i] / GROUP * nb * bb;
+        float *row = out + i * k;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *blk = wg + b * bb, *qs = blk + hb;
+            float tmp[16];
+            vstore(tmp, f16x16(blk));
+            const float d = tmp[lane];
+            if (format == X_Q8_0) {
+                for (int j = 0; j < 32; ++j) row[32 * b + j] = d * (float)((int)qs[64 * (j / 4) + 4 * lane + j % 4] - 128);
+            } else {
+                float m = -8.0f * d;
+                if (format == X_Q4_1) {
+                    vstore(tmp, f16x16(blk + 32));
+                    m = tmp[lane];
+                }
+                for (int j = 0; j < 16; ++j) {
+                    const uint8_t q = qs[64 * (j / 4) + 4 * lane + j % 4];
+                    row[32 * b + j] = d * (float)(q & 0xF) + m;
+                    row[32 * b + 16 + j] = d * (float)(q >> 4) + m;
+                }
+            }
+        }
+    }
+    return 0;
+}

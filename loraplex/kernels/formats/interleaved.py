@@ -100,10 +100,22 @@ class Interleaved(WeightFormat):
         return self.base.dequantize(self.deinterleave(data, in_features), in_features)
 
     def rows(self, data: torch.Tensor, index: torch.Tensor, in_features: int) -> torch.Tensor:
+        # Only the asked rows' bytes: their lane of each block's scales and chunks, as GGUF blocks.
         index = index.long()
-        groups = data.reshape(-1, GROUP, data.shape[1])[index // GROUP]  # [len, 16, row_bytes]
-        floats = self.dequantize(groups.reshape(-1, data.shape[1]), in_features)
-        return floats.reshape(-1, GROUP, in_features)[torch.arange(len(index)), index % GROUP]
+        nb, head = in_features // 32, self._head
+        groups = data.reshape(-1, nb, GROUP * self.block_bytes).index_select(0, index // GROUP)  # [len, nb, .]
+        lane = (index % GROUP).view(-1, 1, 1, 1).expand(-1, nb, 1, 2)
+        parts = [
+            groups[..., GROUP * off : GROUP * (off + 2)].reshape(len(index), nb, GROUP, 2).gather(2, lane)
+            for off in range(0, head, 2)
+        ]
+        qs = groups[..., GROUP * head :].reshape(len(index), nb, -1, GROUP, 4)
+        qs = qs.gather(3, (index % GROUP).view(-1, 1, 1, 1, 1).expand(-1, nb, qs.shape[2], 1, 4))
+        qs = qs.reshape(len(index), nb, -1)
+        if self.base.name == "q8_0":
+            qs = qs ^ 0x80
+        blocks = torch.cat([p.reshape(len(index), nb, 2) for p in parts] + [qs], dim=2)
+        return self.base.dequantize(blocks.reshape(len(index), -1), in_features)
 
     def quantize(self, weight: torch.Tensor) -> torch.Tensor:
         return self.interleave(self.base.quantize(weight), int(weight.shape[1]))

@@ -179,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         """The embedding rows of ``input_ids`` (decoded from blocks when the table is packed)."""
         if isinstance(self.embed, PackedWeight):
-            return self.embed.rows(input_ids).to(self.dtype)
+            return self.linear.rows(self.embed, input_ids).to(self.dtype)
         return F.embedding(input_ids, self.embed)
 
     def use_linear(self, linear: LinearBackend, int8_activations: bool = False) -> None:
