@@ -142,7 +142,12 @@ def test_interleaved_quant_linear(variant: tuple[str, int, bool, int, bool], nam
     from loraplex.kernels.formats.interleaved import Interleaved, quantize_activations
 
     gen = torch.Generator().manual_seed(len(name))
-    for m, n, k, plan in [(1, 16, 96, "direct"), (3, 48, 576, "auto"), (4, 32, 64, "direct"), (13, 80, 96, "panels")]:
+    for m, n, k, plan in [
+        (1, 16, 96, "direct"),
+        (3, 48, 576, "auto"),
+        (4, 32, 64, "direct"),
+        (13, 80, 96, "panels"),
+    ]:
         packed = random_packed(name, n, k, gen)
         assert isinstance(packed.format, Interleaved)
         x = torch.randn(m, k, generator=gen)

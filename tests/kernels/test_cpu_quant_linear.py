@@ -80,7 +80,15 @@ def check_interleaved(name: str, m: int, n: int, k: int, plan: str, bias: bool, 
 @pytest.mark.parametrize("name", INTERLEAVED)
 @pytest.mark.parametrize("plan", ["direct", "panels", "auto"])
 def test_interleaved_formats_and_plans(name: str, plan: str) -> None:
-    for m, n, k in [(1, 16, 32), (2, 48, 96), (3, 64, 160), (4, 16, 64), (5, 80, 96), (7, 144, 64), (33, 32, 96)]:
+    for m, n, k in [
+        (1, 16, 32),
+        (2, 48, 96),
+        (3, 64, 160),
+        (4, 16, 64),
+        (5, 80, 96),
+        (7, 144, 64),
+        (33, 32, 96),
+    ]:
         check_interleaved(name, m, n, k, plan, bias=m % 2 == 1, seed=m * n + k)
 
 

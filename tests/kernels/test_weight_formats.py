@@ -85,7 +85,9 @@ def test_interleaved_layout_round_trips(name: str) -> None:
         index = torch.tensor([0, 17, 47, 3, 17])
         assert torch.equal(packed.rows(index), PackedWeight(base, raw, 96).rows(index))
         # byte layout of group 0, block 0: the 16 rows' d, then chunk 0 = 4 bytes of each row
-        assert torch.equal(data[0, :32].view(torch.float16), raw[:16, :2].contiguous().view(torch.float16)[:, 0])
+        assert torch.equal(
+            data[0, :32].view(torch.float16), raw[:16, :2].contiguous().view(torch.float16)[:, 0]
+        )
         head = 4 if name == "q4_1" else 2
         chunk0 = data.reshape(-1)[16 * head : 16 * head + 64].reshape(16, 4)  # group 0, block 0
         expected = raw[:16, head : head + 4] ^ (0x80 if name == "q8_0" else 0)

@@ -64,7 +64,14 @@ def interleave(weight: PackedWeight, int8_activations: bool = False) -> PackedWe
     return PackedWeight(fmt, fmt.interleave(weight.data, weight.in_features), weight.in_features)
 
 
-ROWS_ARGTYPES = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p)
+ROWS_ARGTYPES = (
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_int64,
+    ctypes.c_int64,
+    ctypes.c_int,
+    ctypes.c_void_p,
+)
 
 
 def rows(weight: PackedWeight, index: torch.Tensor) -> torch.Tensor:  # [len(index), in_features] float32
@@ -74,10 +81,17 @@ def rows(weight: PackedWeight, index: torch.Tensor) -> torch.Tensor:  # [len(ind
     if not isinstance(weight.format, Interleaved) or fn is None or weight.data.device.type != "cpu":
         return weight.rows(index)
     index = index.to(torch.int64).contiguous()
-    if index.numel() and not (0 <= int(index.min()) and int(index.max()) < weight.out_features):
+    if index.numel() and not (int(index.min()) >= 0 and int(index.max()) < weight.out_features):
         raise IndexError(f"row index outside [0, {weight.out_features})")
     out = torch.empty(index.numel(), weight.in_features, dtype=torch.float32)
-    if fn(weight.data.data_ptr(), index.data_ptr(), index.numel(), weight.in_features, weight.format.c_id, out.data_ptr()):
+    if fn(
+        weight.data.data_ptr(),
+        index.data_ptr(),
+        index.numel(),
+        weight.in_features,
+        weight.format.c_id,
+        out.data_ptr(),
+    ):
         raise RuntimeError(f"row decode failed for {weight.format.name}")
     return out
 

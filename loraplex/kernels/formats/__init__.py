@@ -9,7 +9,7 @@
 | | q6_k | 256 | 210 | ``d * sc[s] * (q - 32)`` (16 sub-blocks, int8 sc, 6-bit q) |
 | ``floats`` | f16, bf16, f32 | 16 | 32, 32, 64 | the float |
 | ``int8`` | ``int8`` | 16 | 16 | ``scale[row] * q`` (a float32 scale after each row) |
-| ``interleaved`` | ``q8_0x16``, ``q4_0x16``, ``q4_1x16`` (+ ``a8``) | 32 | 34, 18, 20 | the base format's, 16 rows interleaved (the CPU integer-dot layout) |
+| ``interleaved`` | ``q8_0x16``, ``q4_0x16``, ``q4_1x16``, ``*a8`` | 32 | 34, 18, 20 | 16 rows interleaved |
 | ``blocks`` | | | | byte helpers the references share |
 
 The GGUF block layouts are ggml's (``ggml-common.h``); each module's ``dequantize`` is the

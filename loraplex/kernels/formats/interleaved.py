@@ -71,7 +71,9 @@ class Interleaved(WeightFormat):
         self.check_rows(rows)
         nb, bb, head = in_features // 32, self.block_bytes, self._head
         blocks = data.reshape(rows // GROUP, GROUP, nb, bb).permute(0, 2, 1, 3)  # [g, b, row, byte]
-        scales = [blocks[..., off : off + 2].reshape(rows // GROUP, nb, 2 * GROUP) for off in range(0, head, 2)]
+        scales = [
+            blocks[..., off : off + 2].reshape(rows // GROUP, nb, 2 * GROUP) for off in range(0, head, 2)
+        ]
         qs = blocks[..., head:]  # [g, b, row, q bytes]
         if self.base.name == "q8_0":
             qs = qs ^ 0x80  # int8 q -> q + 128
@@ -103,7 +105,9 @@ class Interleaved(WeightFormat):
         # Only the asked rows' bytes: their lane of each block's scales and chunks, as GGUF blocks.
         index = index.long()
         nb, head = in_features // 32, self._head
-        groups = data.reshape(-1, nb, GROUP * self.block_bytes).index_select(0, index // GROUP)  # [len, nb, .]
+        groups = data.reshape(-1, nb, GROUP * self.block_bytes).index_select(
+            0, index // GROUP
+        )  # [len, nb, .]
         lane = (index % GROUP).view(-1, 1, 1, 1).expand(-1, nb, 1, 2)
         parts = [
             groups[..., GROUP * off : GROUP * (off + 2)].reshape(len(index), nb, GROUP, 2).gather(2, lane)

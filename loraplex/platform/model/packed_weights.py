@@ -7,7 +7,7 @@ are stored there, or quantized to per-channel int8 at load time.
 |---|---|---|
 | ``none`` | floats in ``dtype`` (HF-exact path) | floats |
 | ``gguf`` | the file's own blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, F16, BF16) | its blocks, rows decoded |
-| ``gguf_a8`` | as ``gguf``; decode steps quantize activations to int8 (llama.cpp's arithmetic) | as ``gguf`` |
+| ``gguf_a8`` | as ``gguf``; int8 activations at decode steps (llama.cpp's arithmetic) | as ``gguf`` |
 | ``int8`` | per-channel int8 made from the floats | floats |
 
 ``auto`` is ``gguf`` for a GGUF model and ``none`` otherwise. Norms stay float (they are
@@ -70,9 +70,7 @@ HF_NAMES = {
 _PERMUTED_ARCHS = ("llama",)  # llama.cpp's converter permutes q/k rows for these
 
 
-def resolve_quantization(
-    setting: str, gguf_path: Path | None
-) -> Literal["none", "gguf", "gguf_a8", "int8"]:
+def resolve_quantization(setting: str, gguf_path: Path | None) -> Literal["none", "gguf", "gguf_a8", "int8"]:
     """What ``setting`` means for a model from ``gguf_path`` (None: a Hugging Face directory)."""
     if setting == "auto":
         return "gguf" if gguf_path is not None else "none"
