@@ -8,10 +8,10 @@ more rows decode one panel of weights at a time into a cache-resident float buff
 the float panel kernel on it (``linear_panels.c``), each weight decoded once per step.
 Formats the library lacks (``c_id`` 0) and other dtypes fall back to the torch reference.
 
-The 16-row interleaved formats (``interleave``; ``quant_x16.c``) take another plan at few
-rows: each row of x quantized per 32-block to int16 (or int8), integer dot products against
-the blocks (AVX-512 VNNI ``vpdpwssd`` / ``vpdpbusd``, 16 weight rows per vector), one float
-scale per block; more rows decode them to float panels as above (exact).
+The 16-row interleaved formats (``interleave``; ``quant_x16.c``) take another plan at any
+number of rows: each row of x quantized per 32-block to int16 (or int8), integer dot products
+against the blocks (AVX-512 VNNI ``vpdpwssd`` / ``vpdpbusd``, 16 weight rows per vector), one
+float scale per block ("panels" decodes them to float panels as above, exactly).
 """
 
 from __future__ import annotations

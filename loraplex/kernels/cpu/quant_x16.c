@@ -1,7 +1,7 @@
 /*
  * Projections from the row-interleaved block formats (``formats/interleaved.py``: Q8_0 / Q4_0 /
- * Q4_1 blocks of 16 weight rows stored side by side) with int8 activations: llama.cpp's
- * arithmetic for a decode step, laid out so that one vector lane is one weight row.
+ * Q4_1 blocks of 16 weight rows stored side by side) with integer activations, laid out so
+ * that one vector lane is one weight row.
  *
  * Layout of a group of 16 rows (rows g*16 .. g*16+15), block b (32 weights) of each:
  *     Q8_0x16: d[16] f16 | 8 chunks of [16 rows x 4 bytes] (q + 128, unsigned)     544 bytes
@@ -11,19 +11,21 @@
  * the low nibbles are weights 4c .. 4c+3 of the block, the high nibbles 16+4c .. 16+4c+3
  * (ggml's nibble order).
  *
- * Few rows of x (m <= QX_DOT_MAX_M, decode steps and the LM head):
- *     each row of x is quantized per 32-block to int8 (q = round(x / dx), dx = amax / 127,
- *     and the block's sum of q), as llama.cpp's Q8 activations;
- *     for each group of 16 weight rows, for each block:
- *         isum[lane r] = sum_i wq[r][i] * xq[i]          (VNNI vpdpbusd: u8 weights x s8 x,
- *                                                         4 weights x 16 rows per instruction)
+ *     every row of x is quantized per 32-block: q = round(x / dx), dx = amax / 32767 (int16,
+ *     format ids 10-12) or amax / 127 (int8, llama.cpp's Q8 activations, ids 13-15), and the
+ *     block's sum of q;
+ *     for each group of 16 weight rows (OpenMP), for each tile of up to 8 rows of x, each block:
+ *         isum[lane r] = sum_i wq[r][i] * xq[i]      (VNNI: vpdpwssd, 2 weights x 16 rows, or
+ *                                                     vpdpbusd, 4 x 16, per instruction)
  *         y[r] += d[r] * dx * (isum[r] - offset * sum(xq))  (+ m[r] * dx * sum(xq) for Q4_1)
- *     where offset is 128 for Q8_0 (its weights are stored + 128) and 8 for Q4_0.
- * Many rows (prefill): each group is decoded to floats into a panel (exact, the format's
- * formula) and the float panel kernel runs on it, as quant_linear.c's panel plan.
+ *     where offset is 128 for Q8_0 (its weights are stored + 128) and 8 for Q4_0. The weights
+ *     need a mask and a shift (Q4 nibbles; Q8_0 bytes in 16-bit lanes); a group stays in L1
+ *     for all tiles of x, so a prefill streams the weights once too.
+ * The "panels" plan (tests, comparison) decodes each group to floats into a panel, exactly,
+ * and runs the float panel kernel on it, as quant_linear.c's panel plan.
  *
- * Without AVX-512 VNNI the same loops run on GCC vectors (four shifted byte lanes, multiply,
- * add): the AVX2 and generic builds compute the same integers.
+ * Without AVX-512 VNNI the same loops run on GCC vectors (shifted lanes, multiply, add): the
+ * AVX2 and generic builds compute the same integers.
  */
 #include <math.h>
 #include <stdint.h>
@@ -37,7 +39,7 @@
 #endif
 
 enum { X_Q8_0 = 10, X_Q4_0 = 11, X_Q4_1 = 12 }; /* + 3: int8 activations */
-#define QX_DOT_MAX_M 4
+#define QX_TILE 8 /* rows of x per register tile of the dot products */
 #define GROUP 16
 
 typedef int32_t i32x16 __attribute__((vector_size(64)));
@@ -177,12 +179,14 @@ static inline __attribute__((always_inline)) void dot_group(const int fmt, const
                                                             int64_t y_stride, const int tm) {
     const int64_t bb = x_block_bytes(fmt);
     const int hb = x_head_bytes(fmt);
-    v16 acc[QX_DOT_MAX_M];
+    v16 acc[QX_TILE];
     for (int t = 0; t < tm; ++t) acc[t] = vsplat(0.0f);
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *blk = wg + b * bb, *qs = blk + hb;
-        i32x16 s0[QX_DOT_MAX_M], s1[QX_DOT_MAX_M]; /* two chains per row of x: the adds' latency */
-        for (int t = 0; t < tm; ++t) s0[t] = s1[t] = (i32x16){0};
+        /* two chains per row of x for one or two rows (the adds' latency), one for more */
+        i32x16 s0[QX_TILE], s1_[QX_TILE];
+#define s1 (tm > 2 ? s0 : s1_)
+        for (int t = 0; t < tm; ++t) s0[t] = s1_[t] = (i32x16){0};
         if (bits == 16) { /* xq holds int32 pairs: 16 per block per row of x (quantize_row16) */
             const int32_t *xp = (const int32_t *)xq;
             for (int c = 0; c < (fmt == X_Q8_0 ? 8 : 4); ++c) {
@@ -225,10 +229,11 @@ static inline __attribute__((always_inline)) void dot_group(const int fmt, const
         for (int t = 0; t < tm; ++t) {
             const float dxb = dx[t * (k / 32) + b];
             const int32_t sxb = sx[t * (k / 32) + b];
-            const i32x16 isum = s0[t] + s1[t] - offset * sxb;
+            const i32x16 isum = (tm > 2 ? s0[t] : s0[t] + s1_[t]) - offset * sxb;
             acc[t] += to_float(isum) * (d * dxb);
             if (fmt == X_Q4_1) acc[t] += f16x16(blk + 32) * (dxb * (float)sxb);
         }
+#undef s1
     }
     for (int t = 0; t < tm; ++t) {
         if (bias != NULL) acc[t] += vload(bias);
@@ -278,11 +283,23 @@ typedef void (*dec_fn)(const uint8_t *, int64_t, float *, int64_t);
 #define QX_DOT(F, BITS)                                                                                             \
     static void dot##BITS##_##F(const uint8_t *wg, int64_t nb, const int8_t *xq, int64_t k, const float *dx,       \
                                 const int32_t *sx, const float *bias, float *y, int64_t ys, int64_t m) {           \
-        switch (m) {                                                                                                \
-            case 4: dot_group(F, BITS, wg, nb, xq, k, dx, sx, bias, y, ys, 4); break;                               \
-            case 3: dot_group(F, BITS, wg, nb, xq, k, dx, sx, bias, y, ys, 3); break;                               \
-            case 2: dot_group(F, BITS, wg, nb, xq, k, dx, sx, bias, y, ys, 2); break;                               \
-            default: dot_group(F, BITS, wg, nb, xq, k, dx, sx, bias, y, ys, 1); break;                              \
+        /* every tile of rows against this group: its weights stay in L1 */                                     \
+        const int64_t xrow = BITS == 8 ? k : 2 * k;                                                                 \
+        for (int64_t t0 = 0; t0 < m; t0 += QX_TILE) {                                                               \
+            const int8_t *xt = xq + t0 * xrow;                                                                      \
+            const float *dt = dx + t0 * (k / 32);                                                                   \
+            const int32_t *st = sx + t0 * (k / 32);                                                                 \
+            float *yt = y + t0 * ys;                                                                                \
+            switch (m - t0 < QX_TILE ? m - t0 : QX_TILE) {                                                          \
+                case 8: dot_group(F, BITS, wg, nb, xt, k, dt, st, bias, yt, ys, 8); break;                          \
+                case 7: dot_group(F, BITS, wg, nb, xt, k, dt, st, bias, yt, ys, 7); break;                          \
+                case 6: dot_group(F, BITS, wg, nb, xt, k, dt, st, bias, yt, ys, 6); break;                          \
+                case 5: dot_group(F, BITS, wg, nb, xt, k, dt, st, bias, yt, ys, 5); break;                          \
+                case 4: dot_group(F, BITS, wg, nb, xt, k, dt, st, bias, yt, ys, 4); break;                          \
+                case 3: dot_group(F, BITS, wg, nb, xt, k, dt, st, bias, yt, ys, 3); break;                          \
+                case 2: dot_group(F, BITS, wg, nb, xt, k, dt, st, bias, yt, ys, 2); break;                          \
+                default: dot_group(F, BITS, wg, nb, xt, k, dt, st, bias, yt, ys, 1); break;                         \
+            }                                                                                                       \
         }                                                                                                           \
     }
 #define QX_FORMAT(F)                                                                                                \
@@ -297,9 +314,6 @@ QX_FORMAT(X_Q4_1)
 #undef QX_FORMAT
 #undef QX_DOT
 
-/* Rows of x up to which a call quantizes x and runs the integer dot products. */
-int64_t loraplex_qx16_dot_max_m(void) { return QX_DOT_MAX_M; }
-
 /* 1 when this build has the VNNI dot product (else the GCC-vector one). */
 int64_t loraplex_qx16_has_vnni(void) {
 #if defined(__AVX512VNNI__)
@@ -310,7 +324,7 @@ int64_t loraplex_qx16_has_vnni(void) {
 }
 
 /* y[m, n] = x[m, k] @ W^T + bias for W [n / 16 groups] in an interleaved format; n % 16 == 0.
- * plan: 0 = by m (int8 dot products up to QX_DOT_MAX_M rows, float panels above), 1 = dot, 2 = panels.
+ * plan: 0 or 1 = integer dot products (any m), 2 = float panels (exact; kept for tests and comparison).
  * Returns 0, -1 for a bad format or shape, -2 when a panel buffer could not be allocated. */
 int64_t loraplex_qx16_f32(const float *x, int64_t x_stride, const uint8_t *w, const float *bias, float *y,
                           int64_t y_stride, int64_t m, int64_t n, int64_t k, int num_threads, int format, int plan) {
@@ -326,23 +340,28 @@ int64_t loraplex_qx16_f32(const float *x, int64_t x_stride, const uint8_t *w, co
     }
     if (n % GROUP != 0 || k % 32 != 0) return -1;
     const int64_t nb = k / 32, groups = n / GROUP, group_bytes = nb * x_block_bytes(format);
-    if (plan == 1 || (plan == 0 && m <= QX_DOT_MAX_M)) {
-        int8_t *xq = malloc((size_t)(QX_DOT_MAX_M * 2 * k + 64)); /* int8 rows, or int16 pairs */
-        float *dx = malloc(sizeof(float) * (size_t)(QX_DOT_MAX_M * nb));
-        int32_t *sx = malloc(sizeof(int32_t) * (size_t)(QX_DOT_MAX_M * nb));
-        int failed = xq == NULL || dx == NULL || sx == NULL;
-        for (int64_t t0 = 0; !failed && t0 < m; t0 += QX_DOT_MAX_M) {
-            const int64_t tm = m - t0 < QX_DOT_MAX_M ? m - t0 : QX_DOT_MAX_M;
-            for (int64_t t = 0; t < tm; ++t) {
-                if (bits == 8)
-                    quantize_row(x + (t0 + t) * x_stride, k, xq + t * k, dx + t * nb, sx + t * nb);
-                else
-                    quantize_row16(x + (t0 + t) * x_stride, k, (int32_t *)xq + t * (k / 2), dx + t * nb, sx + t * nb);
+    if (plan != 2) {
+        /* every row of x quantized first (int8 rows, or int16 pairs), then each group of weights
+         * against all of them */
+        int8_t *xq = malloc((size_t)(m * 2 * k + 64));
+        float *dx = malloc(sizeof(float) * (size_t)(m * nb));
+        int32_t *sx = malloc(sizeof(int32_t) * (size_t)(m * nb));
+        const int failed = xq == NULL || dx == NULL || sx == NULL;
+        if (!failed) {
+#pragma omp parallel num_threads(num_threads)
+            {
+#pragma omp for schedule(static)
+                for (int64_t t = 0; t < m; ++t) {
+                    if (bits == 8)
+                        quantize_row(x + t * x_stride, k, xq + t * k, dx + t * nb, sx + t * nb);
+                    else
+                        quantize_row16(x + t * x_stride, k, (int32_t *)xq + t * (k / 2), dx + t * nb, sx + t * nb);
+                }
+#pragma omp for schedule(static)
+                for (int64_t g = 0; g < groups; ++g)
+                    dot(w + g * group_bytes, nb, xq, k, dx, sx, bias != NULL ? bias + g * GROUP : NULL, y + g * GROUP,
+                        y_stride, m);
             }
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-            for (int64_t g = 0; g < groups; ++g)
-                dot(w + g * group_bytes, nb, xq, k, dx, sx, bias != NULL ? bias + g * GROUP : NULL,
-                    y + t0 * y_stride + g * GROUP, y_stride, tm);
         }
         free(xq);
         free(dx);
