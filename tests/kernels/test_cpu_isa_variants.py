@@ -147,6 +147,7 @@ def test_interleaved_quant_linear(variant: tuple[str, int, bool, int, bool], nam
         (3, 48, 576, "auto"),
         (4, 32, 64, "direct"),
         (13, 80, 96, "panels"),
+        (13, 32, 64, "auto"),
     ]:
         packed = random_packed(name, n, k, gen)
         assert isinstance(packed.format, Interleaved)
