@@ -282,8 +282,9 @@ class LinearBackend(abc.ABC):
 
     def prepare_packed(self, weight: PackedWeight, int8_activations: bool = False) -> PackedWeight:
         """The layout of a packed weight that ``__call__`` reads best: the same blocks, the same
-        bytes (the CPU backend interleaves Q8_0 / Q4 rows for its integer dot products);
-        ``int8_activations`` asks for llama.cpp's int8 activations where a layout has them."""
+        bytes (the CPU backend interleaves Q8_0 / Q4 rows for its integer dot products, in
+        place: ``weight`` is not to be used afterwards); ``int8_activations`` asks for
+        llama.cpp's int8 activations where a layout has them."""
         return weight
 
     @abc.abstractmethod

@@ -94,7 +94,14 @@ def test_interleaved_formats_and_plans(name: str, plan: str) -> None:
 
 @pytest.mark.parametrize("name", ["q4_1x16", "q8_0x16", "q4_1x16a8"])
 def test_interleaved_model_shapes(name: str) -> None:
-    for m, n, k in [(1, 960, 576), (2, 576, 1536), (4, 3072, 576), (37, 576, 1536), (1, 4096, 576), (130, 64, 576)]:
+    for m, n, k in [
+        (1, 960, 576),
+        (2, 576, 1536),
+        (4, 3072, 576),
+        (37, 576, 1536),
+        (1, 4096, 576),
+        (130, 64, 576),
+    ]:
         check_interleaved(name, m, n, k, "auto", bias=False, seed=n)
 
 
@@ -135,3 +142,16 @@ def test_interleaved_rows_in_c(name: str) -> None:
     assert torch.equal(rows(packed, index), packed.rows(index))
     with pytest.raises(IndexError):
         rows(packed, torch.tensor([64]))
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1"])
+def test_interleave_in_place_equals_the_reference(name: str) -> None:
+    from loraplex.kernels.cpu.quant_linear import interleave
+
+    gen = torch.Generator().manual_seed(12)
+    plain = random_packed(name, 48, 160, gen)
+    expected = interleave(plain)  # the torch reference, a new tensor
+    data = plain.data.clone()
+    done = interleave(PackedWeight(plain.format, data, 160), in_place=True)
+    assert done.data.data_ptr() == data.data_ptr() and done.format is expected.format
+    assert torch.equal(done.data, expected.data)

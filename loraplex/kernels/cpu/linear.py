@@ -125,7 +125,7 @@ class CpuLinearBackend(LinearBackend):
         llama.cpp's int8 ones with ``int8_activations``); other formats as they are."""
         if weight.data.device.type != "cpu" or quant_linear.c_kernel() is None:
             return weight
-        return quant_linear.interleave(weight, int8_activations)
+        return quant_linear.interleave(weight, int8_activations, in_place=True)
 
     def __call__(
         self,

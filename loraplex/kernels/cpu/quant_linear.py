@@ -54,14 +54,26 @@ def direct_max_m() -> int:
     return limit("loraplex_qlinear_direct_max_m")
 
 
-def interleave(weight: PackedWeight, int8_activations: bool = False) -> PackedWeight:
+INTERLEAVE_ARGTYPES = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int)
+
+
+def interleave(weight: PackedWeight, int8_activations: bool = False, in_place: bool = False) -> PackedWeight:
     """``weight`` in its 16-row interleaved format (``formats/interleaved.py``) when it has one
-    (Q8_0, Q4_0, Q4_1 with a multiple of 16 rows), else ``weight`` itself."""
+    (Q8_0, Q4_0, Q4_1 with a multiple of 16 rows), else ``weight`` itself. ``in_place``
+    rearranges ``weight.data`` itself with the C kernel (the load-time path: no second copy,
+    which the engine's heap would keep; ``weight`` must not be used afterwards)."""
     name = f"{weight.format.name}x16{'a8' if int8_activations else ''}"
     fmt = FORMATS.get(name)  # type: ignore[call-overload]
     if not isinstance(fmt, Interleaved) or weight.out_features % GROUP:
         return weight
-    return PackedWeight(fmt, fmt.interleave(weight.data, weight.in_features), weight.in_features)
+    fn = bind("loraplex_qx16_interleave", INTERLEAVE_ARGTYPES)
+    if not in_place or fn is None or not weight.data.is_contiguous() or weight.data.device.type != "cpu":
+        return PackedWeight(fmt, fmt.interleave(weight.data, weight.in_features), weight.in_features)
+    if fn(weight.data.data_ptr(), weight.out_features, weight.in_features, fmt.c_id):
+        raise RuntimeError(
+            f"interleaving {weight.format.name} [{weight.out_features}, {weight.in_features}] failed"
+        )
+    return PackedWeight(fmt, weight.data, weight.in_features)
 
 
 ROWS_ARGTYPES = (

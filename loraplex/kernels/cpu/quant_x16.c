@@ -421,3 +421,33 @@ int64_t loraplex_qx16_rows(const uint8_t *w, const int64_t *index, int64_t count
     }
     return 0;
 }
+
+/* W [n, k / 32 blocks] in the GGUF layout of `format`'s base (Q8_0 / Q4_0 / Q4_1) rearranged
+ * into `format`'s interleaved layout in place, one group of 16 rows at a time (a group's bytes
+ * are the same span in both layouts): no second copy of the weight. Returns 0, -1 for a bad
+ * format or shape, -2 without memory for one group. */
+int64_t loraplex_qx16_interleave(uint8_t *w, int64_t n, int64_t k, int format) {
+    if (format >= X_Q8_0 + 3) format -= 3;
+    if (format < X_Q8_0 || format > X_Q4_1 || k % 32 != 0 || n % GROUP != 0) return -1;
+    const int64_t nb = k / 32, bb = format == X_Q8_0 ? 34 : format == X_Q4_0 ? 18 : 20;
+    const int64_t head = format == X_Q4_1 ? 4 : 2, qbytes = bb - head, row_bytes = nb * bb;
+    uint8_t *tmp = malloc((size_t)(GROUP * row_bytes));
+    if (tmp == NULL) return -2;
+    for (int64_t g = 0; g < n / GROUP; ++g) {
+        uint8_t *span = w + g * GROUP * row_bytes;
+        memcpy(tmp, span, (size_t)(GROUP * row_bytes));
+        for (int64_t b = 0; b < nb; ++b) {
+            uint8_t *out = span + b * GROUP * bb;
+            for (int r = 0; r < GROUP; ++r) {
+                const uint8_t *blk = tmp + r * row_bytes + b * bb;
+                for (int64_t h = 0; h < head; h += 2) memcpy(out + GROUP * h + 2 * r, blk + h, 2);
+                for (int64_t q = 0; q < qbytes; ++q) {
+                    const uint8_t v = blk[head + q];
+                    out[GROUP * head + (q / 4) * 64 + 4 * r + q % 4] = format == X_Q8_0 ? (uint8_t)(v ^ 0x80) : v;
+                }
+            }
+        }
+    }
+    free(tmp);
+    return 0;
+}
