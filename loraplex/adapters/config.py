@@ -12,10 +12,14 @@ from loraplex.adapters.archive import ArchiveLimits
 class AdapterManagerConfig:
     """Sizes of the three adapter tiers and upload limits."""
 
-    max_loras: int = 4
-    """Device slots: distinct adapters one forward pass can serve."""
+    max_loras: int | None = None
+    """Optional cap on resident adapters (vLLM's name); None: as many as ``lora_memory`` holds."""
     max_lora_rank: int = 16
-    """Largest rank accepted; every slot is padded to it."""
+    """Largest rank accepted (validation only: pages hold ``lora_page_rank`` rows each)."""
+    lora_page_rank: int = 8
+    """Rank rows per adapter page: an adapter of rank r takes ceil(r / lora_page_rank) pages."""
+    lora_memory: int = 1 << 30
+    """Bytes of accelerator memory for adapter pages (all groups together)."""
     max_cpu_loras: int = 16
     """Validated adapters kept in host memory (LRU); the rest are re-read from disk."""
     store_dir: Path | None = None
@@ -28,9 +32,14 @@ class AdapterManagerConfig:
     """Background threads that read adapters from disk into the host tier."""
 
     def __post_init__(self) -> None:
-        for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "num_loader_threads"):
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "num_loader_threads", "lora_page_rank"):
             value = getattr(self, name)
+            if name == "max_loras" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        memory = self.lora_memory
+        if isinstance(memory, bool) or not isinstance(memory, int) or memory < 1:
+            raise ValueError(f"lora_memory must be a positive number of bytes, got {self.lora_memory!r}")
         if self.max_lora_rank > 1024:
             raise ValueError(f"max_lora_rank {self.max_lora_rank} is implausibly large (limit 1024)")

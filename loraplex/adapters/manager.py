@@ -2,7 +2,12 @@
 
 Tiers (like LoRAX and vLLM)::
 
-    device slots (max_loras)  <-  host LRU (max_cpu_loras)  <-  disk store (all adapters)
+    device pages (lora_memory)  <-  host LRU (max_cpu_loras)  <-  disk store (all adapters)
+
+A resident adapter has a *slot* (a handle: the index tokens carry) and pages in the page
+pool (``page_pool.py``) for the rank rows of the groups it targets. How many adapters are
+resident at once is bounded by the pool's memory (and by ``max_loras`` when set), not by
+a fixed slot count.
 
 Scheduler protocol, per step, for a request that wants adapter ``a``::
 
@@ -14,7 +19,8 @@ Scheduler protocol, per step, for a request that wants adapter ``a``::
     mgr.release(req_id)                  # when the request finishes, aborts or is preempted
 
 A slot is pinned once per running request that uses it; only unpinned slots are
-evicted, least recently used first. ``remove_adapter`` refuses new requests at once,
+evicted, least recently used first, when a new adapter needs a slot (past ``max_loras``)
+or pages (past ``lora_memory``). ``remove_adapter`` refuses new requests at once,
 while requests already pinned to the adapter's slot finish on its old weights; the
 slot frees with its last ``release``.
 
@@ -39,10 +45,11 @@ from loraplex.adapters.config import AdapterManagerConfig
 from loraplex.adapters.errors import NoFreeSlotError
 from loraplex.adapters.host_cache import HostAdapterCache
 from loraplex.adapters.identity import AdapterIdentity
+from loraplex.adapters.page_pool import LoRAPagePool, PageTable, pages_needed
 from loraplex.adapters.peft_weights import AdapterWeights
 from loraplex.adapters.registry import AdapterEntry, AdapterInfo, AdapterRegistry, Tier
 from loraplex.adapters.request import LoRARequest
-from loraplex.adapters.slot_buffers import LoRASlotBuffers, SlotBuffers
+from loraplex.adapters.slot_buffers import SlotBuffers
 from loraplex.adapters.slot_table import SlotTable
 from loraplex.adapters.spec import BaseModelSpec, GroupName
 from loraplex.adapters.store import AdapterStore, StagedAdapter
@@ -59,11 +66,22 @@ class AdapterStats:
 
     num_registered: int
     """Adapters registered (every one is on disk, in the store)."""
-    num_slots: int
+    max_loras: int | None
+    """The cap on resident adapters, None when memory alone bounds them."""
     num_on_device: int
-    """Adapters loaded in a device slot."""
+    """Adapters resident (pages in the device pool)."""
     num_pinned_slots: int
-    """Slots a running sequence uses."""
+    """Resident adapters a running sequence uses."""
+    pool_used_bytes: int
+    """Bytes of adapter pages in use."""
+    pool_bytes: int
+    """Bytes the adapter page pools hold (used and free pages)."""
+    pool_budget_bytes: int
+    """``lora_memory``: the most the pools may hold."""
+    pages_used: dict[str, int]
+    """Pages in use per projection group."""
+    num_evictions: int
+    """Resident adapters evicted to make room since start-up."""
     num_in_host: int
     """Registered adapters whose weights are in host memory."""
     host_capacity: int
@@ -100,14 +118,16 @@ class AdapterManager:
             self._store.open()  # leftovers of a crash
         self._host = HostAdapterCache(self.config.max_cpu_loras)
         self._slots = SlotTable(self.config.max_loras)
-        self._buffers = LoRASlotBuffers(
+        self._pool = LoRAPagePool(
             spec,
-            self.config.max_loras,
-            self.config.max_lora_rank,
+            self.config.lora_page_rank,
+            self.config.lora_memory,
             self.device,
             dtype,
             layout=weight_layout,
         )
+        self._pages: dict[int, PageTable] = {}  # slot -> its adapter's pages
+        self._need: dict[str, dict[GroupName, int]] = {}  # version -> pages per group (cached)
         self._registry = AdapterRegistry()
         self._loads: dict[str, Future[AdapterWeights]] = {}  # version -> background disk read
         self._load_errors: dict[str, BaseException] = {}
@@ -115,7 +135,8 @@ class AdapterManager:
         self._lock = threading.RLock()
         self._closed = False
         """close() ran: the store's folders are deleted (what check_integrity compares is gone)."""
-        self._num_slot_loads = 0  # adapters written into a device slot
+        self._num_slot_loads = 0  # adapters written into device pages
+        self._num_evictions = 0
         self._num_disk_reads = 0  # adapters read back from the store into host memory
 
     # -- registry ----------------------------------------------------------------------
@@ -189,12 +210,13 @@ class AdapterManager:
             info = self._info(entry, slot_idx=self._slots.slot_of(adapter_id))
             detached = self._slots.detach(adapter_id)
             if detached is not None and detached.freed:
-                self._buffers.clear(detached.slot_idx)
+                self._free_pages(detached.slot_idx)
             elif detached is not None:
                 self._registry.start_draining(detached.slot_idx, entry)
             version = entry.identity.version
             if version not in self._registry.live_versions():
                 self._host.discard(version)
+                self._need.pop(version, None)
                 self._load_errors.pop(version, None)
             if entry.owned:
                 self._store.release(entry.folder)
@@ -238,7 +260,7 @@ class AdapterManager:
 
     @property
     def num_free_slots(self) -> int:
-        """Slots holding no adapter (evictable ones not counted)."""
+        """Free slots that exist now (evictable ones not counted; an uncapped table grows more)."""
         with self._lock:
             return self._slots.num_free
 
@@ -254,7 +276,8 @@ class AdapterManager:
             entry = self._registry.require(adapter_id)
             if self._slots.slot_of(adapter_id) is not None:
                 return True
-            return entry.identity.version in self._host and self._slots.can_place()
+            weights = self._host.get(entry.identity.version)
+            return weights is not None and self._could_make_room(self._pages_needed(entry, weights))
 
     def prefetch(self, adapter_id: int) -> bool:
         """Start reading ``adapter_id`` from disk into host memory; True if already there.
@@ -302,15 +325,27 @@ class AdapterManager:
             if slot_idx is None:
                 if not self._slots.can_place():
                     raise NoFreeSlotError(
-                        f"adapter {adapter_id}: all {self.config.max_loras} slots are pinned "
-                        "by running requests; retry when one finishes"
+                        f"adapter {adapter_id}: all {self._slots.num_slots} resident adapters are "
+                        "pinned by running requests; retry when one finishes"
                     )
                 weights = self._host_weights(entry)
-                slot_idx, evicted = self._slots.choose_slot()
-                self._buffers.write(slot_idx, weights)
+                need = self._pages_needed(entry, weights)
+                evicted = self._make_room(adapter_id, need)
+                pages, moved = self._pool.allocate(need)
+                for group, remap in moved.items():
+                    for table in self._pages.values():
+                        if group in table:
+                            table[group] = [remap.get(p, p) for p in table[group]]
+                self._pool.write(pages, weights)
+                new_slot = self._slots.new_slot()
+                assert new_slot is not None, "make_room left no slot"
+                slot_idx = new_slot
                 self._slots.assign(slot_idx, adapter_id)
+                self._pages[slot_idx] = pages
                 self._num_slot_loads += 1
-                logger.debug("loaded adapter %d into slot %d (evicted %s)", adapter_id, slot_idx, evicted)
+                logger.debug("loaded adapter %d: slot %d, pages %s", adapter_id, slot_idx, pages)
+                if evicted:
+                    logger.debug("evicted adapters %s for adapter %d", evicted, adapter_id)
             self._slots.pin(slot_idx, request_id)
             return slot_idx
 
@@ -321,7 +356,7 @@ class AdapterManager:
             if unpinned is None:
                 return False
             if unpinned.freed:
-                self._buffers.clear(unpinned.slot_idx)
+                self._free_pages(unpinned.slot_idx)
                 entry = self._registry.finish_draining(unpinned.slot_idx)
                 logger.info(
                     "slot %d of removed adapter %d is free", unpinned.slot_idx, entry.identity.adapter_id
@@ -336,8 +371,28 @@ class AdapterManager:
     def pins_by_slot(self) -> dict[int, int]:
         """Pins held on each slot that has any (slot -> number of holders)."""
         with self._lock:
-            counts = (self._slots.pin_count(i) for i in range(self.config.max_loras))
+            counts = (self._slots.pin_count(i) for i in range(self._slots.num_slots))
             return {i: c for i, c in enumerate(counts) if c > 0}
+
+    def page_tables(self) -> dict[int, PageTable]:
+        """Each resident (or draining) slot's pages per group: what a step's kernels read."""
+        with self._lock:
+            return {slot: {g: list(p) for g, p in table.items()} for slot, table in self._pages.items()}
+
+    def pages_of(self, adapter_id: int) -> PageTable | None:
+        """The pages of resident ``adapter_id`` per group, or None if it is not resident."""
+        with self._lock:
+            slot_idx = self._slots.slot_of(adapter_id)
+            return None if slot_idx is None else {g: list(p) for g, p in self._pages[slot_idx].items()}
+
+    @property
+    def pool_generation(self) -> int:
+        """Changes when a page pool reallocates (the buffers ``get_buffers`` gives are new)."""
+        return self._pool.generation
+
+    @property
+    def page_rank(self) -> int:
+        return self._pool.page_rank
 
     def stats(self) -> AdapterStats:
         """Where the adapters are now, and how often they moved (a snapshot, for ``EngineStats``)."""
@@ -347,9 +402,14 @@ class AdapterManager:
             in_host = sum(e.identity.version in self._host for e in entries)
             return AdapterStats(
                 num_registered=len(entries),
-                num_slots=self.config.max_loras,
+                max_loras=self.config.max_loras,
                 num_on_device=on_device,
-                num_pinned_slots=sum(self._slots.pin_count(i) > 0 for i in range(self.config.max_loras)),
+                num_pinned_slots=self._slots.num_pinned,
+                pool_used_bytes=self._pool.used_nbytes,
+                pool_bytes=self._pool.nbytes,
+                pool_budget_bytes=self._pool.budget_bytes,
+                pages_used={g: self._pool.num_used(g) for g in self._pool.groups()},
+                num_evictions=self._num_evictions,
                 num_in_host=in_host,
                 host_capacity=self.config.max_cpu_loras,
                 num_slot_loads=self._num_slot_loads,
@@ -360,18 +420,18 @@ class AdapterManager:
     # -- model runner ----------------------------------------------------------------------
 
     def get_buffers(self, layer_idx: int, group: GroupName) -> SlotBuffers:
-        """``(lora_a, lora_b, scales, slice_sizes)`` of ``group`` in layer ``layer_idx``, in
-        the weight layout (what the LoRA backend's ``apply`` reads)."""
-        return self._buffers.get(layer_idx, group)
+        """``(lora_a, lora_b, scales, slice_sizes)`` of ``group``'s pages in layer ``layer_idx``,
+        in the weight layout (what the LoRA backend's ``apply`` reads; slots index pages)."""
+        return self._pool.get(layer_idx, group)
 
     def get_logical_buffers(self, layer_idx: int, group: GroupName) -> SlotBuffers:
         """The same in the logical layout (a copy where the weight layout needs one)."""
-        return self._buffers.get_logical(layer_idx, group)
+        return self._pool.get_logical(layer_idx, group)
 
     @property
     def device_nbytes(self) -> int:
-        """Device memory of the slot buffers."""
-        return self._buffers.nbytes
+        """Device memory of the adapter page pools."""
+        return self._pool.nbytes
 
     # -- invariants and lifetime -----------------------------------------------------------
 
@@ -380,16 +440,14 @@ class AdapterManager:
         with self._lock:
             self._slots.check_integrity()
             errors: list[str] = []
-            scales = self._buffers.scales.tolist()
             draining = self._registry.draining()
-            for slot_idx in range(self.config.max_loras):
+            in_use = self._slots.slots_in_use()
+            if sorted(self._pages) != in_use:
+                errors.append(f"slots with pages {sorted(self._pages)} != slots in use {in_use}")
+            errors += self._pool.check(self._pages)
+            for slot_idx in in_use:
                 key = self._slots.key_of(slot_idx)
-                if key is None:
-                    if scales[slot_idx] != 0.0:
-                        errors.append(f"free slot {slot_idx} has scale {scales[slot_idx]}")
-                    continue
-                if scales[slot_idx] != 1.0:
-                    errors.append(f"occupied slot {slot_idx} has scale {scales[slot_idx]}")
+                assert key is not None
                 if self._slots.is_draining(slot_idx):
                     drained = draining.get(slot_idx)
                     if drained is None or drained.identity.adapter_id != key:
@@ -482,6 +540,49 @@ class AdapterManager:
             else:
                 self._host.put(version, future.result())
                 self._num_disk_reads += 1
+
+    def _pages_needed(self, entry: AdapterEntry, weights: AdapterWeights) -> dict[GroupName, int]:
+        version = entry.identity.version
+        need = self._need.get(version)
+        if need is None:
+            need = self._need[version] = pages_needed(weights, self._pool.page_rank)
+        return need
+
+    def _could_make_room(self, need: dict[GroupName, int]) -> bool:
+        """Whether a slot and ``need`` pages could be had now, evicting unpinned adapters if need be."""
+        evictable = self._slots.eviction_order()
+        if not self._slots.has_room() and not evictable:
+            return False
+        freeable = sum(self._held_nbytes(slot_idx) for slot_idx in evictable)
+        return self._pool.fits(need, freed_nbytes=freeable)
+
+    def _make_room(self, adapter_id: int, need: dict[GroupName, int]) -> list[int]:
+        """Evict least recently used unpinned adapters until a slot and ``need`` pages are free.
+
+        Pages of any group count (the pool compacts groups to move bytes between them), so
+        eviction simply follows the LRU order. Raises ``NoFreeSlotError`` when what is
+        evictable does not suffice (nothing is evicted then).
+        """
+        if not self._could_make_room(need):
+            raise NoFreeSlotError(
+                f"adapter {adapter_id}: its pages ({need} of rank {self._pool.page_rank}) do not fit "
+                f"in lora_memory ({self._pool.budget_bytes} bytes) beside the adapters running "
+                "requests use; retry when one finishes"
+            )
+        evicted: list[int] = []
+        for slot_idx in self._slots.eviction_order():
+            if self._pool.fits(need) and self._slots.has_room():
+                break
+            evicted.append(self._slots.evict(slot_idx))
+            self._free_pages(slot_idx)
+            self._num_evictions += 1
+        return evicted
+
+    def _held_nbytes(self, slot_idx: int) -> int:
+        return self._pool.need_nbytes({g: len(p) for g, p in self._pages[slot_idx].items()})
+
+    def _free_pages(self, slot_idx: int) -> None:
+        self._pool.free(self._pages.pop(slot_idx))
 
     def _host_weights(self, entry: AdapterEntry) -> AdapterWeights:
         """The adapter's host weights, reading them from disk now on a miss (caller holds the lock)."""

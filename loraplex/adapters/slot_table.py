@@ -1,6 +1,10 @@
-"""Bookkeeping of the device adapter slots: occupancy, per-request pins, LRU, draining.
+"""Bookkeeping of the resident adapters: occupancy, per-request pins, LRU, draining.
 
-No tensors here; ``LoRASlotBuffers`` holds the weights. Each slot is in one state:
+A *slot* is one resident adapter's handle (the index tokens carry in ``LoRAMetadata``);
+its weights live in pages of the adapter page pool (``page_pool.py``), which the
+adapter manager records per slot. No tensors here. With a cap (``max_loras``) the
+table holds at most that many slots; without one it grows as adapters become resident
+and memory, not this table, bounds them. Each slot is in one state:
 
 ==========  ==================  ========  ===============================================
 state       key (adapter id)    pins      how it leaves the state
@@ -18,6 +22,7 @@ least recently used first; a slot counts as used when it is pinned or unpinned.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -32,18 +37,28 @@ class Unpinned(NamedTuple):
 
 
 class SlotTable:
-    """Which adapter each of ``num_slots`` device slots holds, and who is using it."""
+    """Which adapter each slot holds, and who is using it.
 
-    def __init__(self, num_slots: int) -> None:
-        if num_slots < 1:
+    ``num_slots``: the cap (``max_loras``), or None for a table that grows on demand.
+    """
+
+    def __init__(self, num_slots: int | None) -> None:
+        if num_slots is not None and num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        self.num_slots = num_slots
-        self._slot_key: list[int | None] = [None] * num_slots  # live or draining occupant
+        self.max_slots = num_slots
+        initial = num_slots or 0
+        self._slot_key: list[int | None] = [None] * initial  # live or draining occupant
         self._draining: set[int] = set()
         self._key_slot: dict[int, int] = {}  # live occupants only
         self._pins: dict[str, int] = {}  # request id -> slot
-        self._pin_counts: list[int] = [0] * num_slots
+        self._pin_counts: list[int] = [0] * initial
         self._lru: OrderedDict[int, None] = OrderedDict()  # live slots, least recently used first
+        self._free: list[int] = list(range(initial))  # a heap: the lowest free slot first
+
+    @property
+    def num_slots(self) -> int:
+        """Slots that exist now (the cap when there is one)."""
+        return len(self._slot_key)
 
     # -- queries -----------------------------------------------------------------------
 
@@ -67,11 +82,21 @@ class SlotTable:
 
     @property
     def num_free(self) -> int:
-        return sum(key is None for key in self._slot_key)
+        """Free slots that exist now (an uncapped table also grows new ones)."""
+        return len(self._free)
+
+    @property
+    def num_live(self) -> int:
+        """Slots holding a findable adapter."""
+        return len(self._key_slot)
 
     @property
     def num_pinned(self) -> int:
         return sum(count > 0 for count in self._pin_counts)
+
+    def has_room(self) -> bool:
+        """Whether ``new_slot`` would succeed without evicting."""
+        return bool(self._free) or self.max_slots is None
 
     def eviction_order(self) -> list[int]:
         """Slots that ``choose_slot`` could evict, first candidate first."""
@@ -79,36 +104,58 @@ class SlotTable:
 
     def can_place(self) -> bool:
         """Whether a new adapter could get a slot now (a free one or an evictable one)."""
-        return self.num_free > 0 or bool(self.eviction_order())
+        return self.has_room() or bool(self.eviction_order())
+
+    def slots_in_use(self) -> list[int]:
+        """Live and draining slots."""
+        return [i for i, key in enumerate(self._slot_key) if key is not None]
 
     # -- transitions -------------------------------------------------------------------
+
+    def new_slot(self) -> int | None:
+        """The lowest free slot (an uncapped table grows one), or None when there is none."""
+        if self._free:
+            return heapq.heappop(self._free)
+        if self.max_slots is None:
+            self._slot_key.append(None)
+            self._pin_counts.append(0)
+            return len(self._slot_key) - 1
+        return None
+
+    def evict(self, slot_idx: int) -> int:
+        """Free live, unpinned ``slot_idx``; returns the adapter it held."""
+        key = self._slot_key[slot_idx]
+        assert key is not None and slot_idx in self._lru, f"evict of slot {slot_idx}, which is not live"
+        assert self._pin_counts[slot_idx] == 0, f"evict of pinned slot {slot_idx}"
+        del self._key_slot[key]
+        del self._lru[slot_idx]
+        self._release(slot_idx)
+        return key
 
     def choose_slot(self) -> tuple[int, int | None]:
         """Pick a slot for a new adapter: the lowest free one, else the LRU unpinned live one.
 
-        Returns ``(slot_idx, evicted_key)``; an evicted slot is free when this returns.
-        Raises ``NoFreeSlotError`` when every slot is pinned or draining.
+        Returns ``(slot_idx, evicted_key)``; the slot is taken (not free) when this returns:
+        ``assign`` it next. Raises ``NoFreeSlotError`` when every slot is pinned or draining.
         """
-        for slot_idx, key in enumerate(self._slot_key):
-            if key is None:
-                return slot_idx, None
+        slot_idx = self.new_slot()
+        if slot_idx is not None:
+            return slot_idx, None
         candidates = self.eviction_order()
         if not candidates:
             raise NoFreeSlotError(
                 f"all {self.num_slots} adapter slots are in use by running requests; "
                 "wait for one to finish or raise max_loras"
             )
-        slot_idx = candidates[0]
-        evicted = self._slot_key[slot_idx]
-        assert evicted is not None, f"slot {slot_idx} in LRU but empty"
-        del self._key_slot[evicted]
-        del self._lru[slot_idx]
-        self._slot_key[slot_idx] = None
+        evicted = self.evict(candidates[0])
+        slot_idx = self.new_slot()
+        assert slot_idx == candidates[0]
         return slot_idx, evicted
 
     def assign(self, slot_idx: int, key: int) -> None:
         """Make free ``slot_idx`` the live home of ``key``."""
         assert self._slot_key[slot_idx] is None, f"slot {slot_idx} holds {self._slot_key[slot_idx]}"
+        assert slot_idx not in self._free, f"slot {slot_idx} was not taken (new_slot / choose_slot)"
         assert key not in self._key_slot, f"adapter {key} already lives in slot {self._key_slot[key]}"
         self._slot_key[slot_idx] = key
         self._key_slot[key] = slot_idx
@@ -133,7 +180,7 @@ class SlotTable:
         if slot_idx in self._draining:
             if self._pin_counts[slot_idx] == 0:
                 self._draining.discard(slot_idx)
-                self._slot_key[slot_idx] = None
+                self._release(slot_idx)
                 return Unpinned(slot_idx, True)
         else:
             self._lru.move_to_end(slot_idx)
@@ -146,10 +193,14 @@ class SlotTable:
             return None
         del self._lru[slot_idx]
         if self._pin_counts[slot_idx] == 0:
-            self._slot_key[slot_idx] = None
+            self._release(slot_idx)
             return Unpinned(slot_idx, True)
         self._draining.add(slot_idx)
         return Unpinned(slot_idx, False)
+
+    def _release(self, slot_idx: int) -> None:
+        self._slot_key[slot_idx] = None
+        heapq.heappush(self._free, slot_idx)
 
     # -- invariants --------------------------------------------------------------------
 
@@ -157,6 +208,11 @@ class SlotTable:
         """Raise AssertionError if the bookkeeping is inconsistent (works under ``python -O``)."""
         errors: list[str] = []
         counts = [0] * self.num_slots
+        if self.max_slots is not None and self.num_slots != self.max_slots:
+            errors.append(f"a capped table has {self.num_slots} slots, not {self.max_slots}")
+        empty = sorted(i for i, key in enumerate(self._slot_key) if key is None)
+        if sorted(self._free) != empty:
+            errors.append(f"free list {sorted(self._free)} != empty slots {empty}")
         for request_id, slot_idx in self._pins.items():
             counts[slot_idx] += 1
             if self._slot_key[slot_idx] is None:

@@ -77,7 +77,7 @@ def _engine_numbers(stats: EngineStats) -> dict[str, Any]:
         None
         if a is None
         else [
-            {"tier": "accelerator", "adapters": a.num_on_device, "capacity": a.num_slots},
+            {"tier": "accelerator", "adapters": a.num_on_device, "capacity": a.max_loras},
             {"tier": "host", "adapters": a.num_in_host, "capacity": a.host_capacity},
             {"tier": "store", "adapters": a.num_registered, "capacity": None},
         ]

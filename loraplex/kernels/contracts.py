@@ -174,6 +174,26 @@ class LoRABackend(abc.ABC):
         x_rank = self.shrink(x, lora_a, meta)
         self.expand(y, x_rank, lora_b, scales, slice_sizes, meta)
 
+    def apply_paged(
+        self,
+        y: torch.Tensor,  # [num_tokens, sum(slice_sizes)]
+        x: torch.Tensor,  # [num_tokens, in_features]
+        lora_a: torch.Tensor,  # one group's page pool: slots index pages of page_rank rows
+        lora_b: torch.Tensor,
+        scales: torch.Tensor,  # [num_pages]
+        slice_sizes: tuple[int, ...],
+        passes: tuple[LoRAMetadata, ...],
+    ) -> None:
+        """The LoRA delta of adapters stored in pages: ``passes[i]`` maps each token to page
+        ``i`` of its adapter (-1: none), so an adapter of rank r is ``ceil(r / page_rank)``
+        passes deep and adapters of different ranks share one call with no rank padding.
+
+        LoRA is a sum over rank rows, so the delta is the sum of the passes' deltas. This
+        default runs ``apply`` per pass; a backend may fuse the passes (the CPU one does).
+        """
+        for meta in passes:
+            self.apply(y, x, lora_a, lora_b, scales, slice_sizes, meta)
+
 
 class WeightFormat(abc.ABC):
     """How one row of a projection's weight is stored: ``blocks_per_row`` blocks of

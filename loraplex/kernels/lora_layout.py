@@ -22,6 +22,8 @@ class LoRAWeightLayout:
     """The logical layout itself."""
 
     name = "logical"
+    slot_dims: tuple[int, int] = (1, 1)
+    """The dimension of ``lora_a`` and of ``lora_b`` that indexes slots (pages)."""
 
     def allocate(
         self,

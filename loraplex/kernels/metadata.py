@@ -19,6 +19,7 @@ Index arithmetic, for sequence ``i``::
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -124,4 +125,33 @@ class LoRAMetadata:
             num_active_slots=len({s for s in token_slots if s >= 0}),
             seg_starts_cpu=tuple(starts),
             seg_slots_cpu=tuple(slots),
+        )
+
+    @staticmethod
+    def from_segments(starts: Sequence[int], slots: Sequence[int], device: torch.device) -> LoRAMetadata:
+        """Build both views from runs: tokens ``starts[i]:starts[i + 1]`` use ``slots[i]``.
+
+        Adjacent runs of the same slot are merged; costs O(runs) in Python, not O(tokens).
+        """
+        merged_starts: list[int] = [0]
+        merged_slots: list[int] = []
+        for i, slot in enumerate(slots):
+            if starts[i + 1] == starts[i]:
+                continue
+            if merged_slots and merged_slots[-1] == slot:
+                merged_starts[-1] = starts[i + 1]
+            else:
+                merged_slots.append(slot)
+                merged_starts.append(starts[i + 1])
+        if not merged_slots:
+            merged_starts = [0]
+        lengths = torch.tensor([b - a for a, b in itertools.pairwise(merged_starts)], dtype=torch.int64)
+        token_slots = torch.repeat_interleave(torch.tensor(merged_slots, dtype=torch.int32), lengths)
+        return LoRAMetadata(
+            token_slots=token_slots.to(device),
+            seg_starts=torch.tensor(merged_starts, dtype=torch.int32, device=device),
+            seg_slots=torch.tensor(merged_slots, dtype=torch.int32, device=device),
+            num_active_slots=len({s for s in merged_slots if s >= 0}),
+            seg_starts_cpu=tuple(merged_starts),
+            seg_slots_cpu=tuple(merged_slots),
         )

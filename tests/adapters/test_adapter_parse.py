@@ -31,17 +31,22 @@ CASES: dict[str, dict[str, Any]] = {
 
 
 def _slot_delta(
-    manager: AdapterManager, slot_idx: int, layer: int, module: str, x: torch.Tensor
+    manager: AdapterManager, adapter_id: int, layer: int, module: str, x: torch.Tensor
 ) -> torch.Tensor:
-    """``scale * (x @ A^T) @ B^T`` for one module, read from the stacked slot buffers."""
+    """``scale * (x @ A^T) @ B^T`` for one module, summed over the adapter's pages in the pool."""
+    tables = manager.pages_of(adapter_id)
+    assert tables is not None, "adapter not resident"
     for group, modules in GROUPS.items():
         if module in modules:
-            buf = manager.get_buffers(layer, group)
             i = modules.index(module)  # type: ignore[arg-type]
-            out = buf.slice_sizes[i]
-            a = buf.lora_a[i, slot_idx].float()
-            b = buf.lora_b[i, slot_idx, :out].float()
-            return (x @ a.T) @ b.T * buf.scales[slot_idx]
+            delta = torch.zeros(x.shape[0], manager.spec.features(module)[1], device=x.device)  # type: ignore[arg-type]
+            for page in tables.get(group, []):
+                buf = manager.get_buffers(layer, group)
+                out = buf.slice_sizes[i]
+                a = buf.lora_a[i, page].float()
+                b = buf.lora_b[i, page, :out].float()
+                delta += (x @ a.T) @ b.T * buf.scales[page]
+            return delta
     raise AssertionError(module)
 
 
@@ -54,7 +59,7 @@ def test_slot_buffers_match_peft_per_module(
     peft_model.save_pretrained(tmp_path / case)
     manager = make_manager(max_loras=2, max_lora_rank=8)
     manager.add_adapter(LoRARequest(case, 1, str(tmp_path / case)))
-    slot_idx = manager.acquire(1, "req")
+    manager.acquire(1, "req")
 
     xs = random_inputs(spec)
     expected = peft_deltas(peft_model, xs)
@@ -62,7 +67,7 @@ def test_slot_buffers_match_peft_per_module(
     for layer in range(spec.num_layers):
         for module in ALL_MODULES:
             x = xs[spec.features(module)[0]]  # type: ignore[arg-type]
-            got = _slot_delta(manager, slot_idx, layer, module, x)
+            got = _slot_delta(manager, 1, layer, module, x)
             want = expected.get((layer, module))  # type: ignore[arg-type]
             if want is None:
                 assert torch.count_nonzero(got) == 0, f"{module} layer {layer} is not adapted but has a delta"
@@ -121,37 +126,46 @@ def test_weights_are_converted_to_the_serving_dtype(
     peft_model.save_pretrained(tmp_path / "a")
     manager = make_manager(dtype=dtype)
     manager.add_adapter(LoRARequest("a", 1, str(tmp_path / "a")))
-    slot_idx = manager.acquire(1, "req")
+    manager.acquire(1, "req")
     assert manager.get_buffers(0, "qkv").lora_a.dtype == dtype
     xs = random_inputs(spec)
     want = peft_deltas(peft_model, xs)[(1, "down_proj")]
-    got = _slot_delta(manager, slot_idx, 1, "down_proj", xs[spec.down_proj[0]])
+    got = _slot_delta(manager, 1, 1, "down_proj", xs[spec.down_proj[0]])
     torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-2)
 
 
 def test_fused_groups_apply_with_the_torch_backend(
     tmp_path: Path, spec: BaseModelSpec, make_manager: Any
 ) -> None:
-    """Two adapters in two slots, one flat batch: the backend reproduces PEFT per token."""
+    """Two adapters of ranks 4 and 8 in pages of 4 rows (one and two pages), one flat batch,
+    one ``apply_paged`` call: the backend reproduces PEFT per token."""
     lora_mod = pytest.importorskip("loraplex.kernels.portable.lora")
     from loraplex.kernels.metadata import LoRAMetadata
 
     backend = lora_mod.PortableLoRABackend()
     models = {1: make_peft_model(seed=11, r=4, lora_alpha=8), 2: make_peft_model(seed=12, r=8, lora_alpha=4)}
-    manager = make_manager(max_loras=3, max_lora_rank=8)
-    slots = {}
+    manager = make_manager(max_loras=3, max_lora_rank=8, lora_page_rank=4)
+    pages: dict[int, list[int]] = {}
     for adapter_id, model in models.items():
         model.save_pretrained(tmp_path / str(adapter_id))
         manager.add_adapter(LoRARequest(f"a{adapter_id}", adapter_id, str(tmp_path / str(adapter_id))))
-        slots[adapter_id] = manager.acquire(adapter_id, f"r{adapter_id}")
+        manager.acquire(adapter_id, f"r{adapter_id}")
+        table = manager.pages_of(adapter_id)
+        assert table is not None
+        pages[adapter_id] = table["qkv"]
+    assert [len(pages[1]), len(pages[2])] == [1, 2]
 
     token_adapters = [1, 1, 0, 2, 2, 2, 0]
-    token_slots = [slots[a] if a else -1 for a in token_adapters]
-    meta = LoRAMetadata.from_token_slots(token_slots, torch.device("cpu"))
+    passes = tuple(
+        LoRAMetadata.from_token_slots(
+            [pages[a][i] if a and len(pages[a]) > i else -1 for a in token_adapters], torch.device("cpu")
+        )
+        for i in range(2)
+    )
     x = torch.randn(len(token_adapters), spec.q_proj[0], generator=torch.Generator().manual_seed(0))
     buf = manager.get_buffers(1, "qkv")
     y = torch.zeros(len(token_adapters), sum(buf.slice_sizes))
-    backend.apply(y, x, buf.lora_a, buf.lora_b, buf.scales, buf.slice_sizes, meta)
+    backend.apply_paged(y, x, buf.lora_a, buf.lora_b, buf.scales, buf.slice_sizes, passes)
 
     for t, adapter_id in enumerate(token_adapters):
         if adapter_id == 0:
@@ -177,7 +191,7 @@ def test_slots_on_cuda_match_peft(tmp_path: Path, spec: BaseModelSpec, make_mana
         expected = peft_deltas(peft_model, xs)
         for (layer, module), want in expected.items():
             x = xs[spec.features(module)[0]].cuda()
-            got = _slot_delta(cuda_manager, 0, layer, module, x).cpu()
+            got = _slot_delta(cuda_manager, 1, layer, module, x).cpu()
             torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-2)
         cuda_manager.release("r")
         cuda_manager.check_integrity()

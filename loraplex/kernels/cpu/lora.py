@@ -16,6 +16,7 @@ and take the portable path.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import functools
 from dataclasses import dataclass
@@ -28,16 +29,20 @@ from loraplex.kernels.cpu.lora_layout import CPU_PACKED_LAYOUT, PANEL, padded_co
 from loraplex.kernels.lora_layout import LOGICAL_LAYOUT, LoRAWeightLayout
 from loraplex.kernels.metadata import LoRAMetadata
 from loraplex.kernels.portable.lora import PortableLoRABackend
+from loraplex.kernels.step_cache import IdentityCache
 
 _ARGTYPES = (
     ctypes.c_void_p,
     ctypes.c_int64,
     ctypes.c_void_p,
     ctypes.c_int64,
-    *[ctypes.c_void_p] * 7,
+    *[ctypes.c_void_p] * 8,
     *[ctypes.c_int64] * 7,
     ctypes.c_int,
 )
+
+_GroupingKey = LoRAMetadata | tuple[LoRAMetadata, ...]
+"""A step's metadata, or the page passes of one group (``apply_paged``)."""
 
 
 def _kernel() -> Any | None:
@@ -52,46 +57,80 @@ def _slice_sizes_tensor(slice_sizes: tuple[int, ...]) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class TokenGroups:
-    """Token indices grouped by adapter slot (int64 tensors for the kernel)."""
+    """Token indices grouped by adapter, and each group's slots (int64 tensors for the kernel).
+
+    A group's slots are its adapter's pages (one slot for an adapter of rank <= the page
+    rank): ``slots[page_starts[g]:page_starts[g + 1]]``.
+    """
 
     tokens: torch.Tensor  # [num_grouped_tokens], token indices, group after group
     starts: torch.Tensor  # [num_groups + 1], offsets into tokens
-    slots: torch.Tensor  # [num_groups]
+    page_starts: torch.Tensor  # [num_groups + 1], offsets into slots
+    slots: torch.Tensor  # [page_starts[-1]]
 
     @property
     def num_groups(self) -> int:
-        return int(self.slots.shape[0])
+        return int(self.starts.shape[0]) - 1
 
     @functools.cached_property
-    def pointers(self) -> tuple[int, int, int]:
-        """Addresses of tokens, starts and slots, as the kernel takes them (one step's
-        groups serve every projection of every layer: computed once)."""
-        return (self.tokens.data_ptr(), self.starts.data_ptr(), self.slots.data_ptr())
+    def pointers(self) -> tuple[int, int, int, int]:
+        """Addresses of tokens, starts, page starts and slots, as the kernel takes them (one
+        step's groups serve every projection of every layer: computed once)."""
+        tensors = (self.tokens, self.starts, self.page_starts, self.slots)
+        return tuple(t.data_ptr() for t in tensors)  # type: ignore[return-value]
 
     @staticmethod
-    def from_slot_tokens(by_slot: dict[int, list[int]]) -> TokenGroups:
-        """Groups from ``{slot: token indices}``."""
+    def from_slot_tokens(by_slots: dict[int, list[int]] | dict[tuple[int, ...], list[int]]) -> TokenGroups:
+        """Groups from ``{slot or tuple of slots: token indices}``."""
         tokens: list[int] = []
         starts = [0]
-        for tok in by_slot.values():
+        slots: list[int] = []
+        page_starts = [0]
+        for key, tok in by_slots.items():
             tokens += tok
             starts.append(len(tokens))
+            slots += key if isinstance(key, tuple) else (key,)
+            page_starts.append(len(slots))
         return TokenGroups(
             torch.tensor(tokens, dtype=torch.int64),
             torch.tensor(starts, dtype=torch.int64),
-            torch.tensor(list(by_slot), dtype=torch.int64),
+            torch.tensor(page_starts, dtype=torch.int64),
+            torch.tensor(slots, dtype=torch.int64),
         )
 
     @staticmethod
-    def from_meta(meta: LoRAMetadata) -> TokenGroups:
-        """Every token with an adapter, grouped by slot (segments of one slot merged)."""
-        starts = meta.seg_starts_cpu or tuple(meta.seg_starts.tolist())
-        seg_slots = meta.seg_slots_cpu or tuple(meta.seg_slots.tolist())
+    def from_meta(*metas: LoRAMetadata) -> TokenGroups:
+        """Every token with an adapter, grouped by adapter (segments of one adapter merged).
+
+        Several metas are the passes of a paged step: ``metas[i]`` gives each token page
+        ``i`` of its adapter. A token's group is keyed by its first page; the later passes
+        add their pages to that group's page list (one adapter, one page list).
+        """
+        if not metas:
+            return TokenGroups.from_slot_tokens({})
+        first = metas[0]
+        starts = first.seg_starts_cpu or tuple(first.seg_starts.tolist())
+        seg_slots = first.seg_slots_cpu or tuple(first.seg_slots.tolist())
         by_slot: dict[int, list[int]] = {}
         for i, slot in enumerate(seg_slots):
             if slot >= 0 and starts[i + 1] > starts[i]:
                 by_slot.setdefault(slot, []).extend(range(starts[i], starts[i + 1]))
-        return TokenGroups.from_slot_tokens(by_slot)
+        if len(metas) == 1:
+            return TokenGroups.from_slot_tokens(by_slot)
+        pages: dict[int, list[int]] = {slot: [slot] for slot in by_slot}
+        for meta in metas[1:]:
+            m_starts = meta.seg_starts_cpu or tuple(meta.seg_starts.tolist())
+            m_slots = meta.seg_slots_cpu or tuple(meta.seg_slots.tolist())
+            for i, slot in enumerate(m_slots):
+                if slot < 0 or m_starts[i + 1] == m_starts[i]:
+                    continue
+                # The first page of this run's adapter: the pass-0 segment holding its first token.
+                owner = seg_slots[bisect.bisect_right(starts, m_starts[i]) - 1]
+                if owner < 0:
+                    raise ValueError(f"LoRA pass: tokens at {m_starts[i]} have page {slot} but no first page")
+                if slot not in pages[owner]:
+                    pages[owner].append(slot)
+        return TokenGroups.from_slot_tokens({tuple(pages[slot]): tok for slot, tok in by_slot.items()})
 
 
 def is_packed(lora_a: torch.Tensor, lora_b: torch.Tensor) -> bool:
@@ -223,8 +262,8 @@ class CpuLoRABackend(PortableLoRABackend):
 
     def __init__(self) -> None:
         super().__init__()
-        self._groups_meta: LoRAMetadata | None = None
-        self._groups: TokenGroups | None = None
+        # Token groupings of the step's metadata (one per projection group of a paged step).
+        self._token_groupings: IdentityCache[_GroupingKey, TokenGroups] = IdentityCache()
         self._weights: dict[tuple[int, int, int, tuple[int, ...]], PackedWeights] = {}
 
     def weight_layout(self, dtype: torch.dtype, device: torch.device) -> LoRAWeightLayout:
@@ -232,12 +271,15 @@ class CpuLoRABackend(PortableLoRABackend):
             return CPU_PACKED_LAYOUT
         return LOGICAL_LAYOUT
 
-    def _token_groups(self, meta: LoRAMetadata) -> TokenGroups:
-        # One LoRAMetadata serves every projection of a step: group its tokens once.
-        if self._groups_meta is not meta or self._groups is None:
-            self._groups = TokenGroups.from_meta(meta)
-            self._groups_meta = meta
-        return self._groups
+    def _token_groups(self, key: _GroupingKey) -> TokenGroups:
+        # One metadata (or tuple of passes) serves every layer of a step: group its tokens once.
+        return self._token_groupings.get(
+            key, lambda k: TokenGroups.from_meta(*k) if isinstance(k, tuple) else TokenGroups.from_meta(k)
+        )
+
+    def forget_weights(self) -> None:
+        """Drop the checked-weights cache (the page pools reallocated: old tensors can go)."""
+        self._weights.clear()
 
     def _packed_weights(
         self, lora_a: torch.Tensor, lora_b: torch.Tensor, scales: torch.Tensor, slice_sizes: tuple[int, ...]
@@ -275,3 +317,23 @@ class CpuLoRABackend(PortableLoRABackend):
             # view costs a copy of B, but the tokens still get the right delta.
             lora_a, lora_b = CPU_PACKED_LAYOUT.logical(lora_a, lora_b)
         super().apply(y, x, lora_a, lora_b, scales, slice_sizes, meta)
+
+    def apply_paged(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        scales: torch.Tensor,
+        slice_sizes: tuple[int, ...],
+        passes: tuple[LoRAMetadata, ...],
+    ) -> None:
+        if not passes:
+            return
+        weights = self._packed_weights(lora_a, lora_b, scales, slice_sizes)
+        if weights is not None and weights.takes(y, x):
+            # Every pass in one call: a page is a rank-P slot to the kernel, and a token of
+            # a rank-2P adapter sits in two pages' groups (its deltas add up in y).
+            lora_grouped_cpu(y, x, weights, self._token_groups(passes))
+            return
+        super().apply_paged(y, x, lora_a, lora_b, scales, slice_sizes, passes)

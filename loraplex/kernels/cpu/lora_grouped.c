@@ -2,10 +2,16 @@
  * Multi-adapter LoRA on the CPU for every token of a step: decodes, short chunks and
  * prefill runs, one call per projection, on weights packed for it (kernels/cpu/lora_layout.py).
  *
- *   for each work item (up to ITEM_TOKENS tokens of one adapter slot):
- *     r[t, :] = scale[slot] * x[t] @ At[slot]                    (shrink, every slice at once)
- *     for each slice s, panel p of 64 output columns:
- *       y[t, off_s + 64p : +64] += r[t, s*rank : (s+1)*rank] @ Bp[s, slot, p]   (expand)
+ *   for each work item (up to ITEM_TOKENS tokens of one adapter):
+ *     for each slot (page) of the adapter's page table:
+ *       r[t, :] = scale[slot] * x[t] @ At[slot]                  (shrink, every slice at once)
+ *       for each slice s, panel p of 64 output columns:
+ *         y[t, off_s + 64p : +64] += r[t, s*rank : (s+1)*rank] @ Bp[s, slot, p]   (expand)
+ *
+ * A slot holds `rank` rank rows; an adapter of a larger rank is several slots (pages of
+ * the adapter page pool, adapters/page_pool.py), whose deltas add up: LoRA is a sum over
+ * rank rows. The pages of one adapter are walked inside one work item, so two threads
+ * never add into the same rows of y.
  *
  * Both halves are register tiles with no horizontal reductions:
  * - the shrink holds rows x vectors of r in registers (6 x 4, 8 x 3, 12 x 2 or 12 x 1
@@ -31,11 +37,13 @@
  *                                                n_pad = num_slices * rank rounded up to 16
  *   lora_bp    [num_slices, num_slots, num_panels, rank, PW]   Bp[.., p, k, c] = B[64p + c, k]
  *   scales     [num_slots] float32
- *   tokens     [group_starts[num_groups]] int64, token indices grouped by slot
- *   group_starts [num_groups + 1] int64, group_slots [num_groups] int64
+ *   tokens     [group_starts[num_groups]] int64, token indices grouped by adapter
+ *   group_starts [num_groups + 1] int64
+ *   group_page_starts [num_groups + 1] int64: group g's slots are
+ *                group_slots[group_page_starts[g] : group_page_starts[g + 1]]
  *   slice_sizes  [num_slices] int64, each <= num_panels * PW
  *
- * Returns the number of groups whose slot is outside [0, num_slots) (skipped; the
+ * Returns the number of groups with a slot outside [0, num_slots) (skipped; the
  * launcher raises), or -1 if scratch memory could not be allocated.
  */
 #include <stdint.h>
@@ -153,8 +161,8 @@ static void expand_panel(float *const *yt, const float *panel, int64_t rank, con
 int64_t loraplex_lora_grouped_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride,
                                   const float *lora_at, const float *lora_bp, const float *scales,
                                   const int64_t *slice_sizes, const int64_t *tokens,
-                                  const int64_t *group_starts, const int64_t *group_slots,
-                                  int64_t num_groups, int64_t num_slices, int64_t num_slots,
+                                  const int64_t *group_starts, const int64_t *group_page_starts,
+                                  const int64_t *group_slots, int64_t num_groups, int64_t num_slices, int64_t num_slots,
                                   int64_t rank, int64_t in_features, int64_t n_pad,
                                   int64_t num_panels, int num_threads) {
     int64_t offsets[MAX_SLICES];
@@ -189,13 +197,14 @@ int64_t loraplex_lora_grouped_f32(const float *x, int64_t x_stride, float *y, in
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < num_items; ++item) {
             const int64_t g = items[2 * item], first = items[2 * item + 1];
-            const int64_t slot = group_slots[g];
-            if (slot < 0 || slot >= num_slots) {
+            int bad = 0;
+            for (int64_t q = group_page_starts[g]; q < group_page_starts[g + 1]; ++q)
+                bad |= group_slots[q] < 0 || group_slots[q] >= num_slots;
+            if (bad) {
                 bad_groups += first == group_starts[g]; /* count each group once */
                 continue;
             }
-            const float scale = scales[slot];
-            if (scale == 0.0f || r == NULL) continue; /* a free slot: no delta, by the slot buffers' contract */
+            if (r == NULL) continue;
             const int64_t end = group_starts[g + 1];
             const int64_t cnt = end - first < ITEM_TOKENS ? end - first : ITEM_TOKENS;
             const float *xs[ITEM_TOKENS + PAD_ROWS];
@@ -205,21 +214,26 @@ int64_t loraplex_lora_grouped_f32(const float *x, int64_t x_stride, float *y, in
                 xs[j] = x + t * x_stride;
                 ys[j] = y + t * y_stride;
             }
-            item_shrink(xs, cnt, lora_at + slot * in_features * n_pad, n_pad, in_features, r);
-            for (int64_t i = 0; i < cnt * n_pad; ++i) r[i] *= scale;
-            for (int64_t t = cnt; t < cnt + TB; ++t) /* the expand's padding rows: finite values */
-                memcpy(r + t * n_pad, r + (cnt - 1) * n_pad, sizeof(float) * (size_t)n_pad);
-            /* Token blocks outermost: each block's 4 y rows are read and written in long
-             * runs the hardware prefetcher follows (y is the bulk of a prefill step's
-             * traffic); the slot's B panels are re-read from L2/L3 per block. */
-            for (int64_t t0 = 0; t0 < cnt; t0 += TB) {
-                const int64_t real = cnt - t0 < TB ? cnt - t0 : TB;
-                for (int64_t s = 0; s < num_slices; ++s) {
-                    const float *bp = lora_bp + (s * num_slots + slot) * num_panels * panel_floats;
-                    for (int64_t p = 0; p * PW < slice_sizes[s]; ++p) {
-                        const int64_t cols = slice_sizes[s] - p * PW < PW ? slice_sizes[s] - p * PW : PW;
-                        expand_panel(ys + t0, bp + p * panel_floats, rank, r + t0 * n_pad + s * rank,
-                                     n_pad, offsets[s] + p * PW, cols, real);
+            for (int64_t q = group_page_starts[g]; q < group_page_starts[g + 1]; ++q) {
+                const int64_t slot = group_slots[q];
+                const float scale = scales[slot];
+                if (scale == 0.0f) continue; /* a free slot or page: no delta, by the pool's contract */
+                item_shrink(xs, cnt, lora_at + slot * in_features * n_pad, n_pad, in_features, r);
+                for (int64_t i = 0; i < cnt * n_pad; ++i) r[i] *= scale;
+                for (int64_t t = cnt; t < cnt + TB; ++t) /* the expand's padding rows: finite values */
+                    memcpy(r + t * n_pad, r + (cnt - 1) * n_pad, sizeof(float) * (size_t)n_pad);
+                /* Token blocks outermost: each block's 4 y rows are read and written in long
+                 * runs the hardware prefetcher follows (y is the bulk of a prefill step's
+                 * traffic); the slot's B panels are re-read from L2/L3 per block. */
+                for (int64_t t0 = 0; t0 < cnt; t0 += TB) {
+                    const int64_t real = cnt - t0 < TB ? cnt - t0 : TB;
+                    for (int64_t s = 0; s < num_slices; ++s) {
+                        const float *bp = lora_bp + (s * num_slots + slot) * num_panels * panel_floats;
+                        for (int64_t p = 0; p * PW < slice_sizes[s]; ++p) {
+                            const int64_t cols = slice_sizes[s] - p * PW < PW ? slice_sizes[s] - p * PW : PW;
+                            expand_panel(ys + t0, bp + p * panel_floats, rank, r + t0 * n_pad + s * rank,
+                                         n_pad, offsets[s] + p * PW, cols, real);
+                        }
                     }
                 }
             }

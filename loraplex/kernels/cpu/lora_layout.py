@@ -35,6 +35,7 @@ class CpuPackedLoRALayout(LoRAWeightLayout):
     """A^T with every slice side by side, B^T in 64-column panels (see the module doc)."""
 
     name = "cpu-packed"
+    slot_dims = (0, 1)
 
     def allocate(
         self,

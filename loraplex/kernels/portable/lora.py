@@ -32,6 +32,7 @@ import torch
 
 from loraplex.kernels.contracts import LoRABackend
 from loraplex.kernels.metadata import LoRAMetadata
+from loraplex.kernels.step_cache import IdentityCache
 
 # Runs at least this long are prefill chunks served on views; shorter runs are batched.
 DIRECT_MIN_RUN = 16
@@ -177,15 +178,11 @@ class PortableLoRABackend(LoRABackend):
     name = "torch"
 
     def __init__(self) -> None:
-        # One LoRAMetadata serves every projection of a step: group its tokens once.
-        self._grouped_meta: LoRAMetadata | None = None
-        self._grouping: _Grouping | None = None
+        # One LoRAMetadata serves every layer of a step: group its tokens once.
+        self._groupings: IdentityCache[LoRAMetadata, _Grouping] = IdentityCache()
 
     def _group(self, meta: LoRAMetadata, device: torch.device) -> _Grouping:
-        if self._grouped_meta is not meta or self._grouping is None:
-            self._grouping = group_tokens(meta, device)
-            self._grouped_meta = meta
-        return self._grouping
+        return self._groupings.get(meta, lambda m: group_tokens(m, device))
 
     # -- shrink: rank-space vectors, group by group ------------------------------------
 

@@ -18,6 +18,7 @@ import torch
 
 from loraplex.kernels.contracts import LoRABackend
 from loraplex.kernels.metadata import LoRAMetadata
+from loraplex.kernels.step_cache import IdentityCache
 from loraplex.kernels.triton.lora_expand import bgmv_expand, sgmv_expand
 from loraplex.kernels.triton.lora_shrink import bgmv_shrink, sgmv_shrink
 
@@ -50,13 +51,13 @@ class TritonLoRABackend(LoRABackend):
         if mode not in ("auto", "bgmv", "sgmv"):
             raise ValueError(f"unknown LoRA kernel mode {mode!r}; choose 'auto', 'bgmv' or 'sgmv'")
         self.mode: LoRAKernelMode = mode
-        # The same metadata object serves every projection of a step: plan it once.
-        self._plan_meta: LoRAMetadata | None = None
-        self._plan: _LaunchPlan | None = None
+        # The same metadata object serves every layer of a step: plan it once.
+        self._plans: IdentityCache[LoRAMetadata, _LaunchPlan] = IdentityCache()
 
     def _launch_plan(self, meta: LoRAMetadata) -> _LaunchPlan:
-        if self._plan_meta is meta and self._plan is not None:
-            return self._plan
+        return self._plans.get(meta, self._plan_for)
+
+    def _plan_for(self, meta: LoRAMetadata) -> _LaunchPlan:
         starts = list(meta.seg_starts_cpu or meta.seg_starts.tolist())
         slots = list(meta.seg_slots_cpu or meta.seg_slots.tolist())
         lengths = [starts[i + 1] - starts[i] for i in range(len(slots))]
@@ -84,7 +85,6 @@ class TritonLoRABackend(LoRABackend):
                     torch.tensor(long_slots, dtype=torch.int32, device=device),
                     max(n for n, long_run in zip(lengths, is_long, strict=True) if long_run),
                 )
-        self._plan_meta, self._plan = meta, plan
         return plan
 
     def shrink(

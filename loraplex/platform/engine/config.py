@@ -15,6 +15,10 @@ from loraplex.kernels.contracts import AttentionBackendName, LinearBackendName, 
 from loraplex.platform.engine.policy import POLICY_NAMES, PolicyName
 from loraplex.platform.engine.preemption import PREEMPTION_MODES, PreemptionMode
 
+DEFAULT_LORA_MEMORY = 1 << 30
+"""``lora_memory`` when unset: 1 GiB of adapter pages (docs/adapters.md works out how many
+adapters of which rank that holds)."""
+
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["auto", "none", "gguf", "gguf_a8", "int8"]
 QUANTIZATIONS: tuple[Quantization, ...] = get_args(Quantization)
@@ -81,12 +85,18 @@ class EngineConfig:
     one, so fair orders them exactly like fcfs."""
     enable_lora: bool = False
     """Serve LoRA adapters (requests may name one)."""
-    max_loras: int = 4
-    """Adapter slots in accelerator memory (distinct adapters in one step)."""
+    max_loras: int | None = None
+    """Optional cap on adapters resident in accelerator memory at once (vLLM's name). None:
+    as many as ``lora_memory`` holds (adapter pages are rank-granular, so that is memory-bound)."""
     max_cpu_loras: int | None = None
-    """Adapters kept loaded in host memory (LRU); default max(2 * max_loras, 8)."""
+    """Adapters kept loaded in host memory (LRU); default max(2 * max_loras, 8), or 256 uncapped."""
     max_lora_rank: int = 64
-    """Largest adapter rank accepted (slot buffers are sized for it)."""
+    """Largest adapter rank accepted (validation: adapters take pages for their own rank)."""
+    lora_page_rank: int = 8
+    """Rank rows per adapter page: an adapter of rank r takes ceil(r / lora_page_rank) pages of
+    each projection group it targets."""
+    lora_memory: int | None = None
+    """Bytes of accelerator memory for adapter pages (default 1 GiB), beside the KV pool."""
     lora_backend: LoRABackendName = "auto"
     """LoRA kernels, chosen like ``attention_backend``."""
     linear_backend: LinearBackendName = "auto"
@@ -142,8 +152,12 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling_policy must be one of {POLICY_NAMES}, got {self.scheduling_policy!r}"
             )
-        if self.max_loras < 1:
-            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_loras is not None and self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1 (or None: as many as fit), got {self.max_loras}")
+        if self.lora_page_rank < 1:
+            raise ValueError(f"lora_page_rank must be >= 1, got {self.lora_page_rank}")
+        if self.lora_memory is not None and self.lora_memory <= 0:
+            raise ValueError(f"lora_memory must be > 0 bytes, got {self.lora_memory}")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.host_kv_cache_bytes < 0 or self.disk_kv_cache_bytes < 0:
@@ -171,7 +185,8 @@ class EngineConfig:
             )
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
-        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+        capped = self.max_loras is not None and self.max_cpu_loras is not None
+        if capped and self.max_cpu_loras < self.max_loras:  # type: ignore[operator]
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
 
     def torch_device(self) -> torch.device:
@@ -181,7 +196,14 @@ class EngineConfig:
 
     @property
     def cpu_lora_capacity(self) -> int:
-        return self.max_cpu_loras if self.max_cpu_loras is not None else max(2 * self.max_loras, 8)
+        if self.max_cpu_loras is not None:
+            return self.max_cpu_loras
+        return 256 if self.max_loras is None else max(2 * self.max_loras, 8)
+
+    @property
+    def lora_memory_bytes(self) -> int:
+        """``lora_memory``, or its default (1 GiB)."""
+        return self.lora_memory if self.lora_memory is not None else DEFAULT_LORA_MEMORY
 
 
 @dataclass(frozen=True)

@@ -2,21 +2,30 @@
 
 Per step:
 - admission (``admit``): a waiting sequence with an adapter is admitted only once it
-  holds a pin on the adapter's device slot; otherwise its weights are prefetched
-  from disk in the background and the sequence waits without blocking others;
-- execution (``step_slots``): each scheduled sequence contributes its slot to the
-  per-token slot list that goes into the step's ``ForwardBatch``; the runtime is the
-  batch's ``LoRAApplier`` and adds every layer's LoRA deltas in one pass;
+  holds a pin on the adapter (resident: its pages in the device page pool); otherwise
+  its weights are prefetched from disk in the background and the sequence waits
+  without blocking others. An adapter becomes resident when its pages fit in
+  ``lora_memory`` (evicting unpinned adapters, least recently used first);
+- execution (``step_slots``): each scheduled sequence contributes its adapter's slot
+  (resident handle) to the per-token slot list that goes into the step's
+  ``ForwardBatch``; the runtime is the batch's ``LoRAApplier``: per projection group it
+  turns the slots into page passes (``_StepPages``) and the backend adds every
+  adapter's delta, whatever its rank, in one ``apply_paged`` call;
 - release: finishing, aborting or preempting a sequence unpins its slot.
 
 Who holds which slot is recorded once, in the adapter manager's slot table (a pin per
 sequence, keyed ``seq-<seq_id>``); the runtime asks it rather than keeping a copy.
 
-No starvation: once an adapter has been blocked (every slot pinned) for
-``drain_after_steps`` steps, one *draining* slot is chosen (fewest pins) and no new
-sequence is admitted onto it. Its running sequences finish in bounded time
-(``max_tokens``), the slot unpins, and the blocked adapter takes it: LoRAX's adapter
-cycling, driven by demand rather than a timer.
+No starvation: once an adapter has been blocked (no room: the pages or slots it needs
+are all pinned) for ``drain_after_steps`` steps, one *draining* adapter is chosen (fewest
+pins) and no new sequence is admitted onto it. Its running sequences finish in bounded
+time (``max_tokens``), it unpins, becomes evictable, and the blocked adapter takes its
+room: LoRAX's adapter cycling, driven by demand rather than a timer.
+
+Memory policy between adapters and the KV cache: they do not share pages (the KV pool
+is sized by ``kv_cache_memory``, the adapter pages by ``lora_memory``); an adapter never
+preempts a running sequence for room, and KV pressure never evicts an adapter a running
+sequence uses.
 """
 
 from __future__ import annotations
@@ -35,8 +44,10 @@ from loraplex.adapters import (
     LoRARequest,
     StagedAdapter,
 )
+from loraplex.adapters.page_pool import PageTable
 from loraplex.kernels.metadata import LoRAMetadata
 from loraplex.kernels.registry import select_lora_backend
+from loraplex.kernels.step_cache import IdentityCache
 from loraplex.platform.engine.config import EngineConfig
 from loraplex.platform.engine.errors import AdapterUnavailableError, ErrorKind, RequestError
 from loraplex.platform.engine.scheduler import AdmitDecision, SchedulerOutput
@@ -69,6 +80,8 @@ class LoRARuntime:
                 max_loras=config.max_loras,
                 max_lora_rank=config.max_lora_rank,
                 max_cpu_loras=config.cpu_lora_capacity,
+                lora_page_rank=config.lora_page_rank,
+                lora_memory=config.lora_memory_bytes,
             ),
             device=device,
             dtype=dtype,
@@ -80,6 +93,9 @@ class LoRARuntime:
         # (int_id, path) of a request naming a registered id from another path -> that path's version.
         self._same_content: dict[tuple[int, str], str] = {}
         self._step = 0
+        self._step_pages: IdentityCache[LoRAMetadata, _StepPages] = IdentityCache(max_entries=4)
+        self._page_tables: dict[int, PageTable] = {}
+        self._pool_generation = self.manager.pool_generation
 
     # -- registry -------------------------------------------------------------------
     def add_lora(self, lora: LoRARequest, owner: str | None = None) -> None:
@@ -201,7 +217,7 @@ class LoRARuntime:
             return AdmitDecision.REJECT
         since = self._blocked.setdefault(aid, self._step)
         overdue = self._step - since >= self.drain_after_steps
-        if overdue and self._draining_slot is None and self.manager.num_free_slots == 0:
+        if overdue and self._draining_slot is None:
             pins = self.manager.pins_by_slot()
             if pins:
                 # Drain the slot with the fewest running users: it empties soonest.
@@ -227,7 +243,17 @@ class LoRARuntime:
         """Each scheduled sequence's adapter slot (-1 = base model); None if no adapter runs."""
         self._step += 1
         slots = [-1 if item.seq.request.lora is None else self._pinned(item.seq) for item in out.scheduled]
-        return None if all(s < 0 for s in slots) else slots
+        if all(s < 0 for s in slots):
+            return None
+        # The pages of every adapter this step uses, read once (the kernels read them per layer).
+        self._page_tables = self.manager.page_tables()
+        generation = self.manager.pool_generation
+        if generation != self._pool_generation:
+            self._pool_generation = generation
+            forget = getattr(self.backend, "forget_weights", None)
+            if forget is not None:
+                forget()  # cached views of the old pool tensors would keep them alive
+        return slots
 
     def _pinned(self, seq: Sequence) -> int:
         slot = self.manager.pinned_slot(self._key(seq))
@@ -237,9 +263,46 @@ class LoRARuntime:
 
     def apply(self, layer_idx: int, group: str, x: torch.Tensor, y: torch.Tensor, meta: LoRAMetadata) -> None:
         """``LoRAApplier``: add the LoRA deltas of ``group`` in layer ``layer_idx`` to ``y``."""
+        passes = self._step_pages.get(meta, self._plan_pages).passes(group)
+        if not passes:
+            return
         a, b, scales, sizes = self.manager.get_buffers(layer_idx, group)  # type: ignore[arg-type]
-        self.backend.apply(y, x, a, b, scales, sizes, meta)
+        self.backend.apply_paged(y, x, a, b, scales, sizes, passes)
+
+    def _plan_pages(self, meta: LoRAMetadata) -> _StepPages:
+        return _StepPages(meta, self._page_tables)
 
     def check_integrity(self) -> None:
         """Adapter slots consistent (every pin on a live slot, counts match)."""
         self.manager.check_integrity()
+
+
+class _StepPages:
+    """One step's page passes per projection group, derived from its slot metadata.
+
+    ``passes(group)[i]`` maps each token to page ``i`` of its adapter's ``group`` pages
+    (-1: the adapter has fewer pages there, does not target the group, or the token runs
+    on the base model). Built per group on first use, from the segments (O(sequences)).
+    """
+
+    def __init__(self, meta: LoRAMetadata, page_tables: dict[int, PageTable]) -> None:
+        self._starts = meta.seg_starts_cpu or tuple(meta.seg_starts.tolist())
+        self._slots = meta.seg_slots_cpu or tuple(meta.seg_slots.tolist())
+        self._device = meta.token_slots.device
+        self._tables = page_tables
+        self._passes: dict[str, tuple[LoRAMetadata, ...]] = {}
+
+    def passes(self, group: str) -> tuple[LoRAMetadata, ...]:
+        found = self._passes.get(group)
+        if found is not None:
+            return found
+        pages = [self._tables[s].get(group, []) if s >= 0 else [] for s in self._slots]  # type: ignore[call-overload]
+        depth = max((len(p) for p in pages), default=0)
+        found = tuple(
+            LoRAMetadata.from_segments(
+                self._starts, [p[i] if len(p) > i else -1 for p in pages], self._device
+            )
+            for i in range(depth)
+        )
+        self._passes[group] = found
+        return found

@@ -39,6 +39,9 @@ FAMILIES = (
     "loraplex_prefix_cache_hits",
     "loraplex_adapters_resident",
     "loraplex_adapter_loads",
+    "loraplex_adapter_evictions",
+    "loraplex_adapter_pool_bytes",
+    "loraplex_adapter_pages_used",
     "loraplex_requests",
     "loraplex_prompt_tokens",
     "loraplex_generation_tokens",
@@ -198,7 +201,9 @@ async def test_metrics_after_a_mixed_load_agree_with_usage_and_responses(
     hits = value(metrics, "loraplex_prefix_cache_hits", tier="device")
     assert hits - value(before, "loraplex_prefix_cache_hits", tier="device") >= 32
     assert value(metrics, "loraplex_prefix_cache_queries") > value(before, "loraplex_prefix_cache_queries")
-    assert value(metrics, "loraplex_adapters_resident", tier="slot") >= 1
+    assert value(metrics, "loraplex_adapters_resident", tier="device") >= 1
+    assert value(metrics, "loraplex_adapter_pool_bytes", kind="used") > 0
+    assert value(metrics, "loraplex_adapter_pages_used", group="qkv") >= 1
     assert value(metrics, "loraplex_adapter_loads") >= 1
     assert value(metrics, "loraplex_quota_backend_up", backend="local") == 1
 

@@ -98,6 +98,34 @@ def test_mixed_batch_all_slots(lora_setup: dict[str, Any]) -> None:
     _check(_llm(lora_setup["base_dir"], max_loras=8), lora_setup, "8 slots")
 
 
+def test_paged_by_default_every_adapter_resident_at_once(lora_setup: dict[str, Any]) -> None:
+    """Engine defaults (no max_loras): ranks 4-64 in pages of 8 rows, all eight adapters in the
+    same steps, no rank padding (an adapter's pages follow its own rank)."""
+    llm = _llm(lora_setup["base_dir"], max_lora_rank=64)
+    _check(llm, lora_setup, "paged, uncapped")
+    stats = llm.llm_engine.lora_manager.manager.stats()
+    assert stats.max_loras is None
+    assert stats.num_on_device == len(ADAPTER_SPECS) and stats.num_evictions == 0
+    # Pages per group: ceil(rank / 8) for each adapter targeting the group (rank_pattern and
+    # all): no padding to max_lora_rank (64), which would be 8 pages per adapter and group.
+    want = {"qkv": 1 + 1 + 4 + 1 + 2 + 1, "o": 1 + 4 + 8, "gate_up": 2 + 4 + 1 + 2, "down": 2 + 4 + 8 + 2}
+    assert stats.pages_used == want
+
+
+def test_paged_evicts_and_reloads_under_a_small_lora_memory(lora_setup: dict[str, Any]) -> None:
+    """A lora_memory of half what the eight adapters take: adapters are evicted (least recently
+    used, unpinned) and reloaded into other pages during the run; tokens stay PEFT's."""
+    probe = _llm(lora_setup["base_dir"])
+    _check(probe, lora_setup, "probe")
+    total = probe.llm_engine.lora_manager.manager.stats().pool_used_bytes
+    del probe
+    llm = _llm(lora_setup["base_dir"], lora_memory=total // 2)
+    _check(llm, lora_setup, "paged, half the memory")
+    stats = llm.llm_engine.lora_manager.manager.stats()
+    assert stats.num_evictions > 0 and stats.num_slot_loads > len(ADAPTER_SPECS)
+    assert stats.pool_bytes <= total // 2
+
+
 def test_slots_swap_when_adapters_exceed_slots(lora_setup: dict[str, Any]) -> None:
     llm = _llm(lora_setup["base_dir"], max_loras=2, max_cpu_loras=3)
     _check(llm, lora_setup, "2 slots")

@@ -148,10 +148,10 @@ class SnapshotCollector(Collector):
         adapters = stats.adapters
         resident = GaugeMetricFamily(
             "loraplex_adapters_resident",
-            "Adapters loaded in device slots / cached in host memory.",
+            "Adapters resident in the device page pool / cached in host memory.",
             labels=["tier"],
         )
-        resident.add_metric(["slot"], 0 if adapters is None else adapters.num_on_device)
+        resident.add_metric(["device"], 0 if adapters is None else adapters.num_on_device)
         resident.add_metric(["host"], 0 if adapters is None else adapters.num_in_host)
         yield resident
         yield _gauge(
@@ -161,7 +161,7 @@ class SnapshotCollector(Collector):
         )
         yield _counter(
             "loraplex_adapter_loads",
-            "Adapters written into a device slot.",
+            "Adapters written into device pages.",
             0 if adapters is None else adapters.num_slot_loads,
         )
         yield _counter(
@@ -169,6 +169,29 @@ class SnapshotCollector(Collector):
             "Adapters read from the store into host memory (host-cache misses).",
             0 if adapters is None else adapters.num_disk_reads,
         )
+        yield _counter(
+            "loraplex_adapter_evictions",
+            "Resident adapters evicted from the device page pool to make room.",
+            0 if adapters is None else adapters.num_evictions,
+        )
+        pool = GaugeMetricFamily(
+            "loraplex_adapter_pool_bytes",
+            "Adapter page pool: bytes of pages in use, bytes allocated (used and free pages), "
+            "and the budget (lora_memory).",
+            labels=["kind"],
+        )
+        pool.add_metric(["used"], 0 if adapters is None else adapters.pool_used_bytes)
+        pool.add_metric(["allocated"], 0 if adapters is None else adapters.pool_bytes)
+        pool.add_metric(["budget"], 0 if adapters is None else adapters.pool_budget_bytes)
+        yield pool
+        pages_family = GaugeMetricFamily(
+            "loraplex_adapter_pages_used",
+            "Adapter pages in use per projection group (each page: lora_page_rank rank rows).",
+            labels=["group"],
+        )
+        for group, num_pages in ({} if adapters is None else adapters.pages_used).items():
+            pages_family.add_metric([group], num_pages)
+        yield pages_family
 
     def _gateway_families(self) -> Iterator[Metric]:
         assert self.gateway is not None
