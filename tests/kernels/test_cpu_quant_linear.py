@@ -155,3 +155,15 @@ def test_interleave_in_place_equals_the_reference(name: str) -> None:
     done = interleave(PackedWeight(plain.format, data, 160), in_place=True)
     assert done.data.data_ptr() == data.data_ptr() and done.format is expected.format
     assert torch.equal(done.data, expected.data)
+
+
+@pytest.mark.parametrize("name", ["q4_1x16", "q8_0x16a8"])
+def test_interleaved_non_finite_activations_stay_non_finite(name: str) -> None:
+    """A NaN or inf in x gives non-finite outputs (the engine's check sees them), not garbage."""
+    gen = torch.Generator().manual_seed(13)
+    packed = random_packed(name, 32, 64, gen)
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(2, 64, generator=gen)
+        x[1, 40] = bad
+        y = qlinear(x, packed, None)
+        assert torch.isfinite(y[0]).all() and not torch.isfinite(y[1]).any()

@@ -92,8 +92,13 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, int32_
     for (int64_t b = 0; b < k / 32; ++b) {
         const float *xb = x + 32 * b;
         float amax = 0.0f;
-        for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(xb[i]));
-        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        int finite = 1;
+        for (int i = 0; i < 32; ++i) {
+            amax = fmaxf(amax, fabsf(xb[i]));
+            finite &= fabsf(xb[i]) <= 3.4028235e38f; /* false for NaN and inf */
+        }
+        /* a NaN or inf makes the block's scale NaN, so the outputs are NaN as in float32 */
+        const float d = finite ? amax / 127.0f : NAN, id = finite && d != 0.0f ? 1.0f / d : 0.0f;
         int32_t s = 0;
         for (int i = 0; i < 32; ++i) {
             const int v = (int)nearbyintf(xb[i] * id); /* round half to even, as torch.round */
@@ -112,8 +117,12 @@ static void quantize_row16(const float *x, int64_t k, int32_t *xp, float *dx, in
     for (int64_t b = 0; b < k / 32; ++b) {
         const float *xb = x + 32 * b;
         float amax = 0.0f;
-        for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(xb[i]));
-        const float d = amax / 32767.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        int finite = 1;
+        for (int i = 0; i < 32; ++i) {
+            amax = fmaxf(amax, fabsf(xb[i]));
+            finite &= fabsf(xb[i]) <= 3.4028235e38f;
+        }
+        const float d = finite ? amax / 32767.0f : NAN, id = finite && d != 0.0f ? 1.0f / d : 0.0f;
         int32_t q[32], s = 0;
         for (int i = 0; i < 32; ++i) {
             q[i] = (int32_t)nearbyintf(xb[i] * id);
