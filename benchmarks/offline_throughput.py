@@ -123,7 +123,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--quantization",
         default="none",
-        choices=["auto", "none", "gguf", "int8"],
+        choices=["auto", "none", "gguf", "gguf_a8", "int8"],
         help="loraplex's weight storage (EngineConfig.quantization); none = the float path HF also runs",
     )
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads for every system")

@@ -50,6 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--formats", default="q4_1,q8_0,f32", help="comma-separated: q4_1, q8_0, f32")
     p.add_argument("--no-llama-cpp", action="store_true", help="loraplex only")
+    p.add_argument(
+        "--quantization",
+        default="gguf",
+        choices=["gguf", "gguf_a8"],
+        help="loraplex's setting for q4_1 / q8_0 (gguf_a8: llama.cpp's int8 activations)",
+    )
     p.add_argument("--rss", action="store_true", help="also measure resident memory after load per format")
     p.add_argument("--rss-only", action="store_true", help="only the resident memory per format")
     p.add_argument("--out", default=str(DEFAULT_OUT))
@@ -85,10 +91,10 @@ def files(formats: list[str]) -> dict[str, Path]:
     return {f: q8_0_file(q4_1) if f == "q8_0" else q4_1 for f in formats}
 
 
-def loraplex_engine(fmt: str, path: Path, threads: int, **kw: Any) -> Any:
+def loraplex_engine(fmt: str, path: Path, threads: int, quantization: str = "gguf", **kw: Any) -> Any:
     from loraplex import LLM
 
-    quant = {"quantization": "none", "dtype": "float32"} if fmt == "f32" else {"quantization": "gguf"}
+    quant = {"quantization": "none", "dtype": "float32"} if fmt == "f32" else {"quantization": quantization}
     return LLM(model=str(path), num_threads=threads, max_num_seqs=1, **quant, **kw)  # type: ignore[arg-type]
 
 
@@ -163,7 +169,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, dict[str, Any]] = {fmt: {"file": paths[fmt].name} for fmt in formats}
     llama_by_file: dict[Path, Any] = {}
     for fmt in [] if args.rss_only else formats:
-        llm = loraplex_engine(fmt, paths[fmt], args.threads, num_kv_blocks=64, enable_prefix_caching=False)
+        llm = loraplex_engine(
+            fmt, paths[fmt], args.threads, args.quantization, num_kv_blocks=64, enable_prefix_caching=False
+        )
         peer = None
         if not args.no_llama_cpp:
             if paths[fmt] not in llama_by_file:

@@ -44,7 +44,23 @@ LoRABackendName = Literal["auto", "torch", "triton", "cpu"]
 LinearBackendName = Literal["auto", "torch", "cpu", "triton"]
 # Weight formats a projection may be kept in (formats/): block formats from GGUF files,
 # float halves, and per-channel int8 made at load time.
-WeightFormatName = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "int8"]
+WeightFormatName = Literal[
+    "f32",
+    "f16",
+    "bf16",
+    "q8_0",
+    "q4_0",
+    "q4_1",
+    "q4_k",
+    "q6_k",
+    "int8",
+    "q8_0x16",
+    "q8_0x16a8",
+    "q4_0x16",
+    "q4_0x16a8",
+    "q4_1x16",
+    "q4_1x16a8",
+]
 
 ATTENTION_BACKEND_NAMES: tuple[AttentionBackendName, ...] = get_args(AttentionBackendName)
 LORA_BACKEND_NAMES: tuple[LoRABackendName, ...] = get_args(LoRABackendName)
@@ -211,6 +227,11 @@ class WeightFormat(abc.ABC):
     def dequantize(self, data: torch.Tensor, in_features: int) -> torch.Tensor:  # [rows, in] float32
         """The float32 weights of ``data`` ([rows, row_bytes] uint8)."""
 
+    def rows(self, data: torch.Tensor, index: torch.Tensor, in_features: int) -> torch.Tensor:
+        """Weight rows ``index`` of ``data`` as float32 (a layout whose byte rows are not its
+        weight rows, such as the interleaved formats, reads through its own order)."""
+        return self.dequantize(data[index], in_features)
+
     def quantize(self, weight: torch.Tensor) -> torch.Tensor:  # [rows, row_bytes] uint8
         """Store ``weight`` ([rows, in_features], float) in this format (tests, load-time int8)."""
         raise NotImplementedError(f"{self.name}: weights are read in this format, not written")
@@ -249,7 +270,7 @@ class PackedWeight:
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:  # [len(index), in_features] float32
         """Some rows as floats (an embedding lookup from a packed table)."""
-        return self.format.dequantize(self.data[index], self.in_features)
+        return self.format.rows(self.data, index, self.in_features)
 
     def to(self, device: torch.device) -> PackedWeight:
         return PackedWeight(self.format, self.data.to(device), self.in_features)
@@ -264,14 +285,26 @@ class LinearBackend(abc.ABC):
 
     A backend may keep weights in its own layout: the model passes each weight through
     ``prepare`` once at load time and hands the result back to ``__call__``. Packed
-    weights (``PackedWeight``) pass through ``prepare`` unchanged; every backend computes
-    them (the portable one by dequantizing, slowly: the reference).
+    weights (``PackedWeight``) go through ``prepare_packed`` instead (the same blocks, maybe
+    in another order); every backend computes them (the portable one by dequantizing,
+    slowly: the reference).
     """
 
     name: str
 
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
         """The form of ``weight`` ([out_features, in_features]) that ``__call__`` reads."""
+        return weight
+
+    def rows(self, weight: PackedWeight, index: torch.Tensor) -> torch.Tensor:  # [len(index), in] float32
+        """Rows ``index`` of a packed weight as floats (an embedding lookup)."""
+        return weight.rows(index)
+
+    def prepare_packed(self, weight: PackedWeight, int8_activations: bool = False) -> PackedWeight:
+        """The layout of a packed weight that ``__call__`` reads best: the same blocks, the same
+        bytes (the CPU backend interleaves Q8_0 / Q4 rows for its integer dot products, in
+        place: ``weight`` is not to be used afterwards); ``int8_activations`` asks for
+        llama.cpp's int8 activations where a layout has them."""
         return weight
 
     @abc.abstractmethod

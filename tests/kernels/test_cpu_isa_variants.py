@@ -131,3 +131,30 @@ def test_quant_linear(variant: tuple[str, int, bool, int, bool], name: str) -> N
         y = qlinear(x, packed, b, plan)
         scale = expected.abs().max().item()
         torch.testing.assert_close(y.double(), expected, atol=1e-5 * scale * k**0.5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["q8_0x16", "q4_0x16", "q4_1x16", "q8_0x16a8", "q4_0x16a8", "q4_1x16a8"])
+def test_interleaved_quant_linear(variant: tuple[str, int, bool, int, bool], name: str) -> None:
+    """The interleaved formats' integer dot products (GCC vectors without VNNI) and panels."""
+    from quant_testlib import random_packed
+
+    from loraplex.kernels.cpu.quant_linear import qlinear
+    from loraplex.kernels.formats.interleaved import Interleaved, quantize_activations
+
+    gen = torch.Generator().manual_seed(len(name))
+    for m, n, k, plan in [
+        (1, 16, 96, "direct"),
+        (3, 48, 576, "auto"),
+        (4, 32, 64, "direct"),
+        (13, 80, 96, "panels"),
+        (13, 32, 64, "auto"),
+    ]:
+        packed = random_packed(name, n, k, gen)
+        assert isinstance(packed.format, Interleaved)
+        x = torch.randn(m, k, generator=gen)
+        b = torch.randn(n, generator=gen)
+        xs = quantize_activations(x, packed.format.activation_bits) if plan != "panels" else x
+        expected = xs.double() @ packed.dequantize().double().t() + b.double()
+        y = qlinear(x, packed, b, plan)
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(y.double(), expected, atol=1e-5 * scale * k**0.5, rtol=1e-5)

@@ -63,3 +63,34 @@ def test_rows_and_shape_checks() -> None:
         FORMATS["q8_0"].row_bytes(33)
     with pytest.raises(ValueError, match="take"):
         PackedWeight(FORMATS["q8_0"], packed.data, 64)
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1"])
+def test_interleaved_layout_round_trips(name: str) -> None:
+    """The 16-row interleaved layouts: same bytes, the same floats, rows read through the groups."""
+    from loraplex.kernels.formats.interleaved import Interleaved
+
+    base = FORMATS[name]  # type: ignore[index]
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(48, 96, generator=gen)
+    raw = base.quantize(w)
+    for suffix in ("x16", "x16a8"):
+        fmt = FORMATS[f"{name}{suffix}"]  # type: ignore[index]
+        assert isinstance(fmt, Interleaved) and fmt.block_bytes == base.block_bytes
+        data = fmt.interleave(raw, 96)
+        assert data.shape == raw.shape and not torch.equal(data, raw)
+        assert torch.equal(fmt.deinterleave(data, 96), raw)
+        packed = PackedWeight(fmt, data, 96)
+        assert torch.equal(packed.dequantize(), PackedWeight(base, raw, 96).dequantize())
+        index = torch.tensor([0, 17, 47, 3, 17])
+        assert torch.equal(packed.rows(index), PackedWeight(base, raw, 96).rows(index))
+        # byte layout of group 0, block 0: the 16 rows' d, then chunk 0 = 4 bytes of each row
+        assert torch.equal(
+            data[0, :32].view(torch.float16), raw[:16, :2].contiguous().view(torch.float16)[:, 0]
+        )
+        head = 4 if name == "q4_1" else 2
+        chunk0 = data.reshape(-1)[16 * head : 16 * head + 64].reshape(16, 4)  # group 0, block 0
+        expected = raw[:16, head : head + 4] ^ (0x80 if name == "q8_0" else 0)
+        assert torch.equal(chunk0, expected)
+    with pytest.raises(ValueError, match="multiple"):
+        FORMATS[f"{name}x16"].interleave(raw[:40], 96)  # type: ignore[index]

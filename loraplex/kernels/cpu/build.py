@@ -45,6 +45,7 @@ SOURCES = (
     "pointwise.c",
     "kv_write.c",
     "quant_linear.c",
+    "quant_x16.c",
 )  # compiled; every *.c and *.h here goes into the cache key
 CFLAGS = (
     "-O3",

@@ -116,6 +116,17 @@ class CpuLinearBackend(LinearBackend):
             return weight
         return pack_weight(weight)
 
+    def rows(self, weight: PackedWeight, index: torch.Tensor) -> torch.Tensor:
+        return quant_linear.rows(weight, index)
+
+    def prepare_packed(self, weight: PackedWeight, int8_activations: bool = False) -> PackedWeight:
+        """Q8_0 / Q4_0 / Q4_1 rows interleaved 16 at a time (``formats/interleaved.py``), which
+        the C kernel computes with integer dot products at decode steps (int16 activations, or
+        llama.cpp's int8 ones with ``int8_activations``); other formats as they are."""
+        if weight.data.device.type != "cpu" or quant_linear.c_kernel() is None:
+            return weight
+        return quant_linear.interleave(weight, int8_activations, in_place=True)
+
     def __call__(
         self,
         x: torch.Tensor,

@@ -51,6 +51,8 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 int64_t loraplex_linear_panel_width(void);
+int64_t loraplex_qx16_f32(const float *x, int64_t x_stride, const uint8_t *w, const float *bias, float *y,
+                          int64_t y_stride, int64_t m, int64_t n, int64_t k, int num_threads, int format, int plan);
 int64_t loraplex_linear_f32(const float *x, int64_t x_stride, const float *wp, const float *bias, float *y,
                             int64_t y_stride, int64_t m, int64_t n, int64_t k, int num_threads);
 
@@ -447,6 +449,8 @@ int64_t loraplex_qlinear_direct_max_m(void) { return QL_DIRECT_MAX_M; }
 int64_t loraplex_qlinear_f32(const float *x, int64_t x_stride, const uint8_t *w, const float *bias, float *y,
                              int64_t y_stride, int64_t m, int64_t n, int64_t k, int num_threads, int format,
                              int64_t row_bytes, int plan) {
+    if (format >= 10) /* the row-interleaved formats: quant_x16.c */
+        return loraplex_qx16_f32(x, x_stride, w, bias, y, y_stride, m, n, k, num_threads, format, plan);
     group_fn group;
     row_fn decode;
     format_fns(format, &group, &decode);

@@ -20,7 +20,7 @@ DEFAULT_LORA_MEMORY = 1 << 30
 adapters of which rank that holds)."""
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
-Quantization = Literal["auto", "none", "gguf", "int8"]
+Quantization = Literal["auto", "none", "gguf", "gguf_a8", "int8"]
 QUANTIZATIONS: tuple[Quantization, ...] = get_args(Quantization)
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -56,7 +56,9 @@ class EngineConfig:
     """How the base model's projections are stored: gguf keeps a GGUF file's own blocks (Q8_0,
     Q4_0, Q4_1, Q4_K, Q6_K, F16, BF16) and computes from them; int8 quantizes any float
     checkpoint per channel at load; none de-quantises to dtype (the HF-exact path); auto = gguf
-    for a GGUF model, else none."""
+    for a GGUF model, else none. gguf_a8 is gguf with llama.cpp's int8 activations at decode
+    steps (faster on CPU; greedy tokens may differ from HF's at ordinary gaps: gguf's int16
+    activations keep them)."""
     block_size: int = 16
     """Tokens per KV block."""
     max_num_seqs: int = 128

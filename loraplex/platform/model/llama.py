@@ -57,12 +57,13 @@ class DecoderLayer(nn.Module):
         self.linear: LinearBackend = PortableLinearBackend()
         self.pointwise: PointwiseBackend = PortablePointwiseBackend()
 
-    def use_linear(self, linear: LinearBackend) -> None:
+    def use_linear(self, linear: LinearBackend, int8_activations: bool = False) -> None:
         """Compute the projections with ``linear``, its own weight layout replacing ours
-        (packed weights stay as they are: every backend reads them)."""
+        (packed weights: the same blocks in the layout it reads best)."""
         for name in PROJECTIONS:
             weight = getattr(self, f"{name}_weight")
             if isinstance(weight, PackedWeight):
+                setattr(self, f"{name}_weight", linear.prepare_packed(weight, int8_activations))
                 continue
             setattr(self, f"{name}_weight", nn.Parameter(linear.prepare(weight.data), requires_grad=False))
         self.linear = linear
@@ -178,14 +179,21 @@ class LlamaForCausalLM(nn.Module):
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         """The embedding rows of ``input_ids`` (decoded from blocks when the table is packed)."""
         if isinstance(self.embed, PackedWeight):
-            return self.embed.rows(input_ids).to(self.dtype)
+            return self.linear.rows(self.embed, input_ids).to(self.dtype)
         return F.embedding(input_ids, self.embed)
 
-    def use_linear(self, linear: LinearBackend) -> None:
-        """Compute every projection and the LM head with ``linear`` (call once, after loading)."""
+    def use_linear(self, linear: LinearBackend, int8_activations: bool = False) -> None:
+        """Compute every projection and the LM head with ``linear`` (call once, after loading);
+        ``int8_activations``: llama.cpp's int8 activations where a packed layout has them."""
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
-            layer.use_linear(linear)
+            layer.use_linear(linear, int8_activations)
+        if isinstance(self.embed, PackedWeight):  # its lookup reads through the layout (rows)
+            self.embed = linear.prepare_packed(self.embed, int8_activations)
+        if isinstance(self.lm_head, PackedWeight):
+            self.lm_head = linear.prepare_packed(self.lm_head, int8_activations)
+        if isinstance(self._logits_weight, PackedWeight):
+            self._logits_weight = linear.prepare_packed(self._logits_weight, int8_activations)
         if isinstance(self.lm_head, nn.Parameter):
             self.lm_head = nn.Parameter(linear.prepare(self.lm_head.data), requires_grad=False)
             self._logits_weight = None

@@ -83,11 +83,11 @@ def load_model(
     """Build our model for ``model_dir`` and fill it with its weights (cast to ``dtype``);
     ``linear`` computes its projections (torch's ``F.linear`` when None), ``pointwise``
     its norms, rotary embedding and activation (torch ops when None). ``quantization``
-    ("none", "gguf" with ``gguf_path``, "int8") keeps the projections packed."""
+    ("none", "gguf" or "gguf_a8" with ``gguf_path``, "int8") keeps the projections packed."""
     hf_config = load_hf_config(model_dir)
     arch = ModelArch.from_hf_config(hf_config)
     packed: dict[str, PackedWeight] = {}
-    if quantization == "gguf":
+    if quantization in ("gguf", "gguf_a8"):
         if gguf_path is None:
             raise ValueError("quantization='gguf' needs the model's .gguf file")
         packed = read_gguf_weights(gguf_path, arch)
@@ -157,7 +157,7 @@ def load_model(
         raise KeyError(f"weights do not fit the model: missing {missing}, unexpected {list(unexpected)}")
     model.eval()
     if linear is not None:
-        model.use_linear(linear)
+        model.use_linear(linear, int8_activations=quantization == "gguf_a8")
     if pointwise is not None:
         model.use_pointwise(pointwise)
     return model, arch, hf_config

@@ -7,6 +7,7 @@ are stored there, or quantized to per-channel int8 at load time.
 |---|---|---|
 | ``none`` | floats in ``dtype`` (HF-exact path) | floats |
 | ``gguf`` | the file's own blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, F16, BF16) | its blocks, rows decoded |
+| ``gguf_a8`` | as ``gguf``; int8 activations at decode steps (llama.cpp's arithmetic) | as ``gguf`` |
 | ``int8`` | per-channel int8 made from the floats | floats |
 
 ``auto`` is ``gguf`` for a GGUF model and ``none`` otherwise. Norms stay float (they are
@@ -39,7 +40,7 @@ from loraplex.platform.model.arch import ModelArch
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "gguf", "int8")  # EngineConfig.quantization
+QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "gguf", "gguf_a8", "int8")  # EngineConfig.quantization
 
 # GGML tensor type name -> our format
 _GGML_FORMATS: dict[str, WeightFormatName] = {
@@ -69,16 +70,16 @@ HF_NAMES = {
 _PERMUTED_ARCHS = ("llama",)  # llama.cpp's converter permutes q/k rows for these
 
 
-def resolve_quantization(setting: str, gguf_path: Path | None) -> Literal["none", "gguf", "int8"]:
+def resolve_quantization(setting: str, gguf_path: Path | None) -> Literal["none", "gguf", "gguf_a8", "int8"]:
     """What ``setting`` means for a model from ``gguf_path`` (None: a Hugging Face directory)."""
     if setting == "auto":
         return "gguf" if gguf_path is not None else "none"
-    if setting == "gguf" and gguf_path is None:
+    if setting in ("gguf", "gguf_a8") and gguf_path is None:
         raise ValueError(
-            "quantization='gguf' keeps a GGUF file's blocks: the model is a Hugging Face directory "
+            f"quantization={setting!r} keeps a GGUF file's blocks: the model is a Hugging Face directory "
             "(use quantization='int8' or 'none', or pass the .gguf file as the model)"
         )
-    if setting not in ("none", "gguf", "int8"):
+    if setting not in ("none", "gguf", "gguf_a8", "int8"):
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {setting!r}")
     return setting  # type: ignore[return-value]
 

@@ -1,0 +1,462 @@
+/*
+ * Projections from the row-interleaved block formats (``formats/interleaved.py``: Q8_0 / Q4_0 /
+ * Q4_1 blocks of 16 weight rows stored side by side) with integer activations, laid out so
+ * that one vector lane is one weight row.
+ *
+ * Layout of a group of 16 rows (rows g*16 .. g*16+15), block b (32 weights) of each:
+ *     Q8_0x16: d[16] f16 | 8 chunks of [16 rows x 4 bytes] (q + 128, unsigned)     544 bytes
+ *     Q4_0x16: d[16] f16 | 4 chunks of [16 rows x 4 bytes of qs]                    288 bytes
+ *     Q4_1x16: d[16] f16 | m[16] f16 | 4 chunks of [16 rows x 4 bytes of qs]        320 bytes
+ * A chunk is one 64-byte vector: lane r holds 4 consecutive bytes of row r. In a Q4 chunk c,
+ * the low nibbles are weights 4c .. 4c+3 of the block, the high nibbles 16+4c .. 16+4c+3
+ * (ggml's nibble order).
+ *
+ *     every row of x is quantized per 32-block: q = round(x / dx), dx = amax / 32767 (int16,
+ *     format ids 10-12) or amax / 127 (int8, llama.cpp's Q8 activations, ids 13-15), and the
+ *     block's sum of q;
+ *     for each group of 16 weight rows (OpenMP), for each tile of up to 8 rows of x, each block:
+ *         isum[lane r] = sum_i wq[r][i] * xq[i]      (VNNI: vpdpwssd, 2 weights x 16 rows, or
+ *                                                     vpdpbusd, 4 x 16, per instruction)
+ *         y[r] += d[r] * dx * (isum[r] - offset * sum(xq))  (+ m[r] * dx * sum(xq) for Q4_1)
+ *     where offset is 128 for Q8_0 (its weights are stored + 128) and 8 for Q4_0. The weights
+ *     need a mask and a shift (Q4 nibbles; Q8_0 bytes in 16-bit lanes); a group stays in L1
+ *     for all tiles of x, so a prefill streams the weights once too.
+ * The "panels" plan (tests, comparison) decodes each group to floats into a panel, exactly,
+ * and runs the float panel kernel on it, as quant_linear.c's panel plan.
+ *
+ * Without AVX-512 VNNI the same loops run on GCC vectors (shifted lanes, multiply, add): the
+ * AVX2 and generic builds compute the same integers.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vec_tiles.h"
+
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+enum { X_Q8_0 = 10, X_Q4_0 = 11, X_Q4_1 = 12 }; /* + 3: int8 activations */
+#define QX_TILE 8 /* rows of x per register tile of the dot products */
+#define GROUP 16
+
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+int64_t loraplex_linear_panel_width(void);
+int64_t loraplex_linear_f32(const float *x, int64_t x_stride, const float *wp, const float *bias, float *y,
+                            int64_t y_stride, int64_t m, int64_t n, int64_t k, int num_threads);
+
+static inline int64_t x_block_bytes(const int fmt) { return fmt == X_Q8_0 ? 544 : fmt == X_Q4_0 ? 288 : 320; }
+static inline int x_head_bytes(const int fmt) { return fmt == X_Q4_1 ? 64 : 32; }
+
+/* 16 float16 values (one per row) as floats. */
+static inline v16 f16x16(const uint8_t *p) {
+#if defined(__AVX512F__)
+    const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    v16 v;
+    memcpy(&v, &f, sizeof v);
+    return v;
+#elif defined(__F16C__)
+    float tmp[16];
+    _mm256_storeu_ps(tmp, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)));
+    _mm256_storeu_ps(tmp + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16))));
+    return vload(tmp);
+#else
+    float tmp[16];
+    for (int i = 0; i < 16; ++i) {
+        uint16_t h;
+        memcpy(&h, p + 2 * i, 2);
+        const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
+        uint32_t bits;
+        if (exp == 0) {
+            const float f = (float)mant * (1.0f / 16777216.0f);
+            memcpy(&bits, &f, 4);
+            bits |= sign;
+        } else if (exp == 31) {
+            bits = sign | 0x7F800000u | (mant << 13);
+        } else {
+            bits = sign | ((exp + 112) << 23) | (mant << 13);
+        }
+        memcpy(&tmp[i], &bits, 4);
+    }
+    return vload(tmp);
+#endif
+}
+
+/* One row of x per 32-block: q (int8, the row's order), dx and the sum of q. */
+static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, int32_t *sx) {
+    for (int64_t b = 0; b < k / 32; ++b) {
+        const float *xb = x + 32 * b;
+        float amax = 0.0f;
+        int finite = 1;
+        for (int i = 0; i < 32; ++i) {
+            amax = fmaxf(amax, fabsf(xb[i]));
+            finite &= fabsf(xb[i]) <= 3.4028235e38f; /* false for NaN and inf */
+        }
+        /* a NaN or inf makes the block's scale NaN, so the outputs are NaN as in float32 */
+        const float d = finite ? amax / 127.0f : NAN, id = finite && d != 0.0f ? 1.0f / d : 0.0f;
+        int32_t s = 0;
+        for (int i = 0; i < 32; ++i) {
+            const int v = (int)nearbyintf(xb[i] * id); /* round half to even, as torch.round */
+            q[32 * b + i] = (int8_t)v;
+            s += v;
+        }
+        dx[b] = d;
+        sx[b] = s;
+    }
+}
+
+/* One row of x per 32-block as int16 pairs for vpdpwssd: q = round(x / dx), dx = amax / 32767;
+ * xp[16 * b + 2 * c] packs (q[4c], q[4c + 2]), xp[16 * b + 2 * c + 1] (q[4c + 1], q[4c + 3]), c = 0..7:
+ * the weights a chunk's 16-bit lanes hold after masking (see dot_group). */
+static void quantize_row16(const float *x, int64_t k, int32_t *xp, float *dx, int32_t *sx) {
+    for (int64_t b = 0; b < k / 32; ++b) {
+        const float *xb = x + 32 * b;
+        float amax = 0.0f;
+        int finite = 1;
+        for (int i = 0; i < 32; ++i) {
+            amax = fmaxf(amax, fabsf(xb[i]));
+            finite &= fabsf(xb[i]) <= 3.4028235e38f;
+        }
+        const float d = finite ? amax / 32767.0f : NAN, id = finite && d != 0.0f ? 1.0f / d : 0.0f;
+        int32_t q[32], s = 0;
+        for (int i = 0; i < 32; ++i) {
+            q[i] = (int32_t)nearbyintf(xb[i] * id);
+            s += q[i];
+        }
+        for (int c = 0; c < 8; ++c) {
+            xp[16 * b + 2 * c] = (int32_t)(((uint32_t)q[4 * c] & 0xFFFF) | ((uint32_t)q[4 * c + 2] << 16));
+            xp[16 * b + 2 * c + 1] = (int32_t)(((uint32_t)q[4 * c + 1] & 0xFFFF) | ((uint32_t)q[4 * c + 3] << 16));
+        }
+        dx[b] = d;
+        sx[b] = s;
+    }
+}
+
+/* isum += (lane's low int16 pair member) * x_lo + (high) * x_hi, pairs of x packed in x32;
+ * the weights' 16-bit lanes are non-negative here (masked nibbles or bytes + 128). */
+static inline i32x16 dot2(i32x16 isum, const i32x16 w, const int32_t x32) {
+#if defined(__AVX512VNNI__)
+    __m512i a, wv, r;
+    memcpy(&a, &isum, 64);
+    memcpy(&wv, &w, 64);
+    r = _mm512_dpwssd_epi32(a, wv, _mm512_set1_epi32(x32));
+    memcpy(&isum, &r, 64);
+    return isum;
+#else
+    const int32_t lo = (int16_t)(x32 & 0xFFFF), hi = x32 >> 16;
+    return isum + (w & 0xFFFF) * lo + (i32x16)((u32x16)w >> 16) * hi;
+#endif
+}
+
+/* isum += (4 unsigned bytes of each lane of w) . (the 4 signed bytes of x32), per lane. */
+static inline i32x16 dot4(i32x16 isum, const i32x16 w, const int32_t x32) {
+#if defined(__AVX512VNNI__)
+    __m512i a, r;
+    memcpy(&a, &isum, 64);
+    __m512i wv;
+    memcpy(&wv, &w, 64);
+    r = _mm512_dpbusd_epi32(a, wv, _mm512_set1_epi32(x32));
+    memcpy(&isum, &r, 64);
+    return isum;
+#else
+    const u32x16 u = (u32x16)w;
+    for (int p = 0; p < 4; ++p) {
+        const int32_t xp = (int8_t)(uint8_t)((uint32_t)x32 >> (8 * p));
+        isum += (i32x16)((u >> (8 * p)) & 0xFF) * xp;
+    }
+    return isum;
+#endif
+}
+
+static inline i32x16 load_i32x16(const uint8_t *p) {
+    i32x16 v;
+    memcpy(&v, p, 64);
+    return v;
+}
+
+static inline v16 to_float(const i32x16 v) { return __builtin_convertvector(v, v16); }
+
+/* y[t, g*16 .. +16] for rows t < tm of x (quantized) and group g; tm a constant at each call. */
+static inline __attribute__((always_inline)) void dot_group(const int fmt, const int bits, const uint8_t *wg,
+                                                            int64_t nb, const int8_t *xq, int64_t k, const float *dx,
+                                                            const int32_t *sx, const float *bias, float *y,
+                                                            int64_t y_stride, const int tm) {
+    const int64_t bb = x_block_bytes(fmt);
+    const int hb = x_head_bytes(fmt);
+    v16 acc[QX_TILE];
+    for (int t = 0; t < tm; ++t) acc[t] = vsplat(0.0f);
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *blk = wg + b * bb, *qs = blk + hb;
+        /* two chains per row of x for one or two rows (the adds' latency), one for more */
+        i32x16 s0[QX_TILE], s1_[QX_TILE];
+#define s1 (tm > 2 ? s0 : s1_)
+        for (int t = 0; t < tm; ++t) s0[t] = s1_[t] = (i32x16){0};
+        if (bits == 16) { /* xq holds int32 pairs: 16 per block per row of x (quantize_row16) */
+            const int32_t *xp = (const int32_t *)xq;
+            for (int c = 0; c < (fmt == X_Q8_0 ? 8 : 4); ++c) {
+                const i32x16 w = load_i32x16(qs + 64 * c);
+                for (int t = 0; t < tm; ++t) {
+                    const int32_t *xb = xp + t * (k / 2) + 16 * b;
+                    if (fmt == X_Q8_0) {
+                        s0[t] = dot2(s0[t], w & 0x00FF00FF, xb[2 * c]);
+                        s1[t] = dot2(s1[t], (i32x16)(((u32x16)w >> 8) & 0x00FF00FF), xb[2 * c + 1]);
+                    } else {
+                        s0[t] = dot2(s0[t], w & 0x000F000F, xb[2 * c]);
+                        s1[t] = dot2(s1[t], (i32x16)(((u32x16)w >> 8) & 0x000F000F), xb[2 * c + 1]);
+                        s0[t] = dot2(s0[t], (i32x16)(((u32x16)w >> 4) & 0x000F000F), xb[2 * c + 8]);
+                        s1[t] = dot2(s1[t], (i32x16)(((u32x16)w >> 12) & 0x000F000F), xb[2 * c + 9]);
+                    }
+                }
+            }
+        } else if (fmt == X_Q8_0) {
+            for (int c = 0; c < 8; c += 2) {
+                const i32x16 w0 = load_i32x16(qs + 64 * c), w1 = load_i32x16(qs + 64 * (c + 1));
+                for (int t = 0; t < tm; ++t) {
+                    const int32_t *x32 = (const int32_t *)(xq + t * k + 32 * b);
+                    s0[t] = dot4(s0[t], w0, x32[c]);
+                    s1[t] = dot4(s1[t], w1, x32[c + 1]);
+                }
+            }
+        } else {
+            for (int c = 0; c < 4; ++c) {
+                const i32x16 w = load_i32x16(qs + 64 * c);
+                const i32x16 lo = w & 0x0F0F0F0F, hi = (i32x16)(((u32x16)w >> 4) & 0x0F0F0F0F);
+                for (int t = 0; t < tm; ++t) {
+                    const int32_t *x32 = (const int32_t *)(xq + t * k + 32 * b);
+                    s0[t] = dot4(s0[t], lo, x32[c]);
+                    s1[t] = dot4(s1[t], hi, x32[4 + c]);
+                }
+            }
+        }
+        const v16 d = f16x16(blk);
+        const int offset = fmt == X_Q8_0 ? 128 : fmt == X_Q4_0 ? 8 : 0;
+        for (int t = 0; t < tm; ++t) {
+            const float dxb = dx[t * (k / 32) + b];
+            const int32_t sxb = sx[t * (k / 32) + b];
+            const i32x16 isum = (tm > 2 ? s0[t] : s0[t] + s1_[t]) - offset * sxb;
+            acc[t] += to_float(isum) * (d * dxb);
+            if (fmt == X_Q4_1) acc[t] += f16x16(blk + 32) * (dxb * (float)sxb);
+        }
+#undef s1
+    }
+    for (int t = 0; t < tm; ++t) {
+        if (bias != NULL) acc[t] += vload(bias);
+        vstore(y + t * y_stride, acc[t]);
+    }
+}
+
+/* Group g's 16 rows as floats into panel columns (panel[d * width + c + r] = W[g*16 + r, d]). */
+static inline __attribute__((always_inline)) void decode_group(const int fmt, const uint8_t *wg, int64_t nb,
+                                                               float *panel, int64_t width) {
+    const int64_t bb = x_block_bytes(fmt);
+    const int hb = x_head_bytes(fmt);
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *blk = wg + b * bb, *qs = blk + hb;
+        const v16 d = f16x16(blk);
+        float *out = panel + 32 * b * width;
+        if (fmt == X_Q8_0) {
+            for (int c = 0; c < 8; ++c) {
+                const u32x16 w = (u32x16)load_i32x16(qs + 64 * c);
+                for (int p = 0; p < 4; ++p) {
+                    const i32x16 q = (i32x16)((w >> (8 * p)) & 0xFF) - 128;
+                    vstore(out + (4 * c + p) * width, to_float(q) * d);
+                }
+            }
+        } else {
+            const v16 m = fmt == X_Q4_1 ? f16x16(blk + 32) : d * -8.0f;
+            for (int c = 0; c < 4; ++c) {
+                const u32x16 w = (u32x16)load_i32x16(qs + 64 * c);
+                for (int p = 0; p < 4; ++p) {
+                    const i32x16 lo = (i32x16)((w >> (8 * p)) & 0xF), hi = (i32x16)((w >> (8 * p + 4)) & 0xF);
+                    vstore(out + (4 * c + p) * width, to_float(lo) * d + m);
+                    vstore(out + (16 + 4 * c + p) * width, to_float(hi) * d + m);
+                }
+            }
+        }
+    }
+}
+
+typedef void (*dot_fn)(const uint8_t *, int64_t, const int8_t *, int64_t, const float *, const int32_t *,
+                       const float *, float *, int64_t, int64_t);
+typedef struct {
+    dot_fn dot8, dot16;
+} dot_fns;
+typedef void (*dec_fn)(const uint8_t *, int64_t, float *, int64_t);
+
+/* One function per format (a constant inside: see quant_linear.c on OpenMP's outlined bodies). */
+#define QX_DOT(F, BITS)                                                                                             \
+    static void dot##BITS##_##F(const uint8_t *wg, int64_t nb, const int8_t *xq, int64_t k, const float *dx,       \
+                                const int32_t *sx, const float *bias, float *y, int64_t ys, int64_t m) {           \
+        /* every tile of rows against this group: its weights stay in L1 */                                     \
+        const int64_t xrow = BITS == 8 ? k : 2 * k;                                                                 \
+        for (int64_t t0 = 0; t0 < m; t0 += QX_TILE) {                                                               \
+            const int8_t *xt = xq + t0 * xrow;                                                                      \
+            const float *dt = dx + t0 * (k / 32);                                                                   \
+            const int32_t *st = sx + t0 * (k / 32);                                                                 \
+            float *yt = y + t0 * ys;                                                                                \
+            switch (m - t0 < QX_TILE ? m - t0 : QX_TILE) {                                                          \
+                case 8: dot_group(F, BITS, wg, nb, xt, k, dt, st, bias, yt, ys, 8); break;                          \
+                case 7: dot_group(F, BITS, wg, nb, xt, k, dt, st, bias, yt, ys, 7); break;                          \
+                case 6: dot_group(F, BITS, wg, nb, xt, k, dt, st, bias, yt, ys, 6); break;                          \
+                case 5: dot_group(F, BITS, wg, nb, xt, k, dt, st, bias, yt, ys, 5); break;                          \
+                case 4: dot_group(F, BITS, wg, nb, xt, k, dt, st, bias, yt, ys, 4); break;                          \
+                case 3: dot_group(F, BITS, wg, nb, xt, k, dt, st, bias, yt, ys, 3); break;                          \
+                case 2: dot_group(F, BITS, wg, nb, xt, k, dt, st, bias, yt, ys, 2); break;                          \
+                default: dot_group(F, BITS, wg, nb, xt, k, dt, st, bias, yt, ys, 1); break;                         \
+            }                                                                                                       \
+        }                                                                                                           \
+    }
+#define QX_FORMAT(F)                                                                                                \
+    QX_DOT(F, 8)                                                                                                    \
+    QX_DOT(F, 16)                                                                                                   \
+    static void dec_##F(const uint8_t *wg, int64_t nb, float *panel, int64_t width) {                              \
+        decode_group(F, wg, nb, panel, width);                                                                      \
+    }
+QX_FORMAT(X_Q8_0)
+QX_FORMAT(X_Q4_0)
+QX_FORMAT(X_Q4_1)
+#undef QX_FORMAT
+#undef QX_DOT
+
+/* 1 when this build has the VNNI dot product (else the GCC-vector one). */
+int64_t loraplex_qx16_has_vnni(void) {
+#if defined(__AVX512VNNI__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* y[m, n] = x[m, k] @ W^T + bias for W [n / 16 groups] in an interleaved format; n % 16 == 0.
+ * plan: 0 or 1 = integer dot products (any m), 2 = float panels (exact; kept for tests and comparison).
+ * Returns 0, -1 for a bad format or shape, -2 when a panel buffer could not be allocated. */
+int64_t loraplex_qx16_f32(const float *x, int64_t x_stride, const uint8_t *w, const float *bias, float *y,
+                          int64_t y_stride, int64_t m, int64_t n, int64_t k, int num_threads, int format, int plan) {
+    dot_fn dot;
+    dec_fn dec;
+    /* format ids 10-12: int16 activations; 13-15: the same layouts with int8 activations */
+    const int bits = format >= X_Q8_0 + 3 ? 8 : 16;
+    switch (bits == 8 ? format - 3 : format) {
+        case X_Q8_0: dot = bits == 8 ? dot8_X_Q8_0 : dot16_X_Q8_0; dec = dec_X_Q8_0; format = X_Q8_0; break;
+        case X_Q4_0: dot = bits == 8 ? dot8_X_Q4_0 : dot16_X_Q4_0; dec = dec_X_Q4_0; format = X_Q4_0; break;
+        case X_Q4_1: dot = bits == 8 ? dot8_X_Q4_1 : dot16_X_Q4_1; dec = dec_X_Q4_1; format = X_Q4_1; break;
+        default: return -1;
+    }
+    if (n % GROUP != 0 || k % 32 != 0) return -1;
+    const int64_t nb = k / 32, groups = n / GROUP, group_bytes = nb * x_block_bytes(format);
+    if (plan != 2) {
+        /* every row of x quantized first (int8 rows, or int16 pairs), then each group of weights
+         * against all of them */
+        int8_t *xq = malloc((size_t)(m * 2 * k + 64));
+        float *dx = malloc(sizeof(float) * (size_t)(m * nb));
+        int32_t *sx = malloc(sizeof(int32_t) * (size_t)(m * nb));
+        const int failed = xq == NULL || dx == NULL || sx == NULL;
+        if (!failed) {
+#pragma omp parallel num_threads(num_threads)
+            {
+#pragma omp for schedule(static)
+                for (int64_t t = 0; t < m; ++t) {
+                    if (bits == 8)
+                        quantize_row(x + t * x_stride, k, xq + t * k, dx + t * nb, sx + t * nb);
+                    else
+                        quantize_row16(x + t * x_stride, k, (int32_t *)xq + t * (k / 2), dx + t * nb, sx + t * nb);
+                }
+#pragma omp for schedule(static)
+                for (int64_t g = 0; g < groups; ++g)
+                    dot(w + g * group_bytes, nb, xq, k, dx, sx, bias != NULL ? bias + g * GROUP : NULL, y + g * GROUP,
+                        y_stride, m);
+            }
+        }
+        free(xq);
+        free(dx);
+        free(sx);
+        return failed ? -2 : 0;
+    }
+    const int64_t width = loraplex_linear_panel_width(), num_panels = (n + width - 1) / width;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *panel = aligned_alloc(64, (size_t)((k * width * 4 + 63) / 64 * 64));
+        if (panel == NULL) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < num_panels; ++p) {
+            if (panel == NULL) continue;
+            const int64_t c0 = p * width, cols = n - c0 < width ? n - c0 : width;
+            for (int64_t c = 0; c < cols; c += GROUP) dec(w + (c0 + c) / GROUP * group_bytes, nb, panel + c, width);
+            if (cols < width) /* the last panel's columns past n read as zero */
+                for (int64_t d = 0; d < k; ++d) memset(panel + d * width + cols, 0, sizeof(float) * (size_t)(width - cols));
+            loraplex_linear_f32(x, x_stride, panel, bias != NULL ? bias + c0 : NULL, y + c0, y_stride, m, cols, k, 1);
+        }
+        free(panel);
+    }
+    return failed ? -2 : 0;
+}
+
+/* Weight rows index[0 .. count) of W (an interleaved format, k weights a row) as floats into
+ * out[count, k]: an embedding lookup from the tied table. Returns 0, -1 for a bad format. */
+int64_t loraplex_qx16_rows(const uint8_t *w, const int64_t *index, int64_t count, int64_t k, int format, float *out) {
+    if (format >= X_Q8_0 + 3) format -= 3;
+    if (format < X_Q8_0 || format > X_Q4_1 || k % 32 != 0) return -1;
+    const int64_t nb = k / 32, bb = x_block_bytes(format), hb = x_head_bytes(format);
+    for (int64_t i = 0; i < count; ++i) {
+        const int64_t lane = index[i] % GROUP;
+        const uint8_t *wg = w + index[i] / GROUP * nb * bb;
+        float *row = out + i * k;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *blk = wg + b * bb, *qs = blk + hb;
+            float tmp[16];
+            vstore(tmp, f16x16(blk));
+            const float d = tmp[lane];
+            if (format == X_Q8_0) {
+                for (int j = 0; j < 32; ++j) row[32 * b + j] = d * (float)((int)qs[64 * (j / 4) + 4 * lane + j % 4] - 128);
+            } else {
+                float m = -8.0f * d;
+                if (format == X_Q4_1) {
+                    vstore(tmp, f16x16(blk + 32));
+                    m = tmp[lane];
+                }
+                for (int j = 0; j < 16; ++j) {
+                    const uint8_t q = qs[64 * (j / 4) + 4 * lane + j % 4];
+                    row[32 * b + j] = d * (float)(q & 0xF) + m;
+                    row[32 * b + 16 + j] = d * (float)(q >> 4) + m;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* W [n, k / 32 blocks] in the GGUF layout of `format`'s base (Q8_0 / Q4_0 / Q4_1) rearranged
+ * into `format`'s interleaved layout in place, one group of 16 rows at a time (a group's bytes
+ * are the same span in both layouts): no second copy of the weight. Returns 0, -1 for a bad
+ * format or shape, -2 without memory for one group. */
+int64_t loraplex_qx16_interleave(uint8_t *w, int64_t n, int64_t k, int format) {
+    if (format >= X_Q8_0 + 3) format -= 3;
+    if (format < X_Q8_0 || format > X_Q4_1 || k % 32 != 0 || n % GROUP != 0) return -1;
+    const int64_t nb = k / 32, bb = format == X_Q8_0 ? 34 : format == X_Q4_0 ? 18 : 20;
+    const int64_t head = format == X_Q4_1 ? 4 : 2, qbytes = bb - head, row_bytes = nb * bb;
+    uint8_t *tmp = malloc((size_t)(GROUP * row_bytes));
+    if (tmp == NULL) return -2;
+    for (int64_t g = 0; g < n / GROUP; ++g) {
+        uint8_t *span = w + g * GROUP * row_bytes;
+        memcpy(tmp, span, (size_t)(GROUP * row_bytes));
+        for (int64_t b = 0; b < nb; ++b) {
+            uint8_t *out = span + b * GROUP * bb;
+            for (int r = 0; r < GROUP; ++r) {
+                const uint8_t *blk = tmp + r * row_bytes + b * bb;
+                for (int64_t h = 0; h < head; h += 2) memcpy(out + GROUP * h + 2 * r, blk + h, 2);
+                for (int64_t q = 0; q < qbytes; ++q) {
+                    const uint8_t v = blk[head + q];
+                    out[GROUP * head + (q / 4) * 64 + 4 * r + q % 4] = format == X_Q8_0 ? (uint8_t)(v ^ 0x80) : v;
+                }
+            }
+        }
+    }
+    free(tmp);
+    return 0;
+}
