@@ -81,7 +81,9 @@ def _kv_fingerprint(
     """
     layout = f"kv-layout-v1|{dtype}|block_size={block_size}|[num_blocks, block_size, kv_heads, head_dim]"
     if quantization != "none":  # other weights' KV (unchanged for "none", so old disk tiers still match)
-        layout += f"|weights={quantization}"
+        # "-act16": gguf's projections quantize activations to int16 since quant_x16.c, so KV
+        # written by the earlier fp32-activation kernels (or by gguf_a8) is other numbers.
+        layout += f"|weights={quantization}" + ("-act16" if quantization == "gguf" else "")
     return hashlib.sha256(model_config_json.encode() + b"\0" + layout.encode()).digest()
 
 
