@@ -37,6 +37,7 @@ ValidationReason = Literal[
     "archive_too_large",  # member or total size, or member count, over the limit
     "bad_archive",  # unreadable or unsupported archive, or ambiguous layout
     "changed_on_disk",  # stored files no longer match the version hash
+    "exceeds_lora_memory",  # its pages alone are more than the adapter page budget (lora_memory)
 ]
 
 

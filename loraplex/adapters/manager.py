@@ -42,7 +42,7 @@ from types import TracebackType
 import torch
 
 from loraplex.adapters.config import AdapterManagerConfig
-from loraplex.adapters.errors import NoFreeSlotError
+from loraplex.adapters.errors import AdapterValidationError, NoFreeSlotError
 from loraplex.adapters.host_cache import HostAdapterCache
 from loraplex.adapters.identity import AdapterIdentity
 from loraplex.adapters.page_pool import LoRAPagePool, PageTable, pages_needed
@@ -177,6 +177,14 @@ class AdapterManager:
                 if existing is not None:
                     self.discard_staged(staged)
                     return self._info(existing)
+                need = pages_needed(parsed.weights, self._pool.page_rank)
+                if self._pool.need_nbytes(need) > self._pool.budget_bytes:
+                    raise AdapterValidationError(
+                        "exceeds_lora_memory",
+                        f"its pages ({need} of {self._pool.page_rank} rank rows) take "
+                        f"{self._pool.need_nbytes(need)} bytes, more than lora_memory "
+                        f"({self._pool.budget_bytes} bytes) holds; raise lora_memory",
+                    )
                 weights = self._maybe_pin(parsed.weights)
                 entry = AdapterEntry(
                     identity,

@@ -258,6 +258,20 @@ def test_paged_random_workload_keeps_pages_and_weights(
     manager.check_integrity()
 
 
+def test_an_adapter_larger_than_lora_memory_is_refused_at_registration(
+    adapters: dict[int, Path], make_manager: Any
+) -> None:
+    """Its pages alone would never fit: a clear validation error now, not a request that waits forever."""
+    probe = make_manager(max_loras=None, lora_page_rank=4)
+    one_page_each = sum(probe._pool.page_nbytes(g) for g in GROUPS)
+    manager = make_manager(max_loras=None, lora_page_rank=4, lora_memory=one_page_each)
+    _add(manager, adapters, 1)  # rank 3: one page per group, fits exactly
+    with pytest.raises(AdapterValidationError, match=r"exceeds_lora_memory.*raise lora_memory"):
+        _add(manager, adapters, 3)  # rank 5: two pages per group
+    assert [a.adapter_id for a in manager.list_adapters()] == [1]
+    manager.check_integrity()
+
+
 def test_remove_while_in_use_drains_on_old_weights(adapters: dict[int, Path], make_manager: Any) -> None:
     manager = make_manager(max_loras=2)
     _add(manager, adapters, 1, 2)

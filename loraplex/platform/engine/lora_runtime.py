@@ -19,8 +19,10 @@ sequence, keyed ``seq-<seq_id>``); the runtime asks it rather than keeping a cop
 No starvation: once an adapter has been blocked (no room: the pages or slots it needs
 are all pinned) for ``drain_after_steps`` steps, one *draining* adapter is chosen (fewest
 pins) and no new sequence is admitted onto it. Its running sequences finish in bounded
-time (``max_tokens``), it unpins, becomes evictable, and the blocked adapter takes its
-room: LoRAX's adapter cycling, driven by demand rather than a timer.
+time (``max_tokens``), it unpins and becomes evictable; if that is not room enough (pages
+are memory: a rank-64 adapter may need several small ones' pages), the next one drains,
+and so on, until the blocked adapter fits: LoRAX's adapter cycling, driven by demand
+rather than a timer.
 
 Memory policy between adapters and the KV cache: they do not share pages (the KV pool
 is sized by ``kv_cache_memory``, the adapter pages by ``lora_memory``); an adapter never
@@ -88,8 +90,10 @@ class LoRARuntime:
             dtype=dtype,
             weight_layout=self.backend.weight_layout(dtype, device),
         )
-        self._blocked: dict[int, int] = {}  # adapter id -> step it was first blocked at
-        self._draining_slot: int | None = None
+        # Blocked adapter id -> (step first blocked, step last refused): an entry not refused
+        # for a few steps (its requests ended another way) is dropped in step_slots.
+        self._blocked: dict[int, tuple[int, int]] = {}
+        self._draining: set[int] = set()  # adapter ids no new sequence is admitted onto
         self._removed: set[int] = set()  # ids removed at run time, for clear errors
         # (int_id, path) of a request naming a registered id from another path -> that path's version.
         self._same_content: dict[tuple[int, str], str] = {}
@@ -191,21 +195,13 @@ class LoRARuntime:
             return AdmitDecision.OK
         aid = lora.int_id
         try:
-            slot = self.manager.slot_of(aid)
-            if (
-                slot is not None
-                and slot == self._draining_slot
-                and self._blocked
-                and aid not in self._blocked
-            ):
-                return AdmitDecision.WAIT  # let the draining slot empty for a blocked adapter
+            if aid in self._draining and self._blocked and aid not in self._blocked:
+                return AdmitDecision.WAIT  # let the draining adapter empty for a blocked one
             if self.manager.can_acquire(aid):
                 self.manager.acquire(aid, self._key(seq))
-                if aid in self._blocked:
-                    # The blocked adapter got its slot; pick a new draining slot only
-                    # if another adapter is still blocked.
-                    del self._blocked[aid]
-                    self._draining_slot = None
+                if self._blocked.pop(aid, None) is not None:
+                    # The blocked adapter got its room; drain again only for another one.
+                    self._draining.clear()
                 return AdmitDecision.OK
             self.manager.prefetch(aid)
         except AdapterError as exc:
@@ -216,13 +212,19 @@ class LoRARuntime:
             seq.request.error = RequestError(ErrorKind.ADAPTER_UNAVAILABLE, message)
             logger.warning("request %s rejected: %s", seq.request.request_id, exc)
             return AdmitDecision.REJECT
-        since = self._blocked.setdefault(aid, self._step)
-        overdue = self._step - since >= self.drain_after_steps
-        if overdue and self._draining_slot is None:
-            pins = self.manager.pins_by_slot()
-            if pins:
-                # Drain the slot with the fewest running users: it empties soonest.
-                self._draining_slot = min(pins, key=lambda s: (pins[s], s))
+        since, _ = self._blocked.get(aid, (self._step, self._step))
+        self._blocked[aid] = (since, self._step)
+        if self._step - since >= self.drain_after_steps:
+            pins: dict[int, int] = {}
+            for adapter_id in self.manager.pins().values():
+                pins[adapter_id] = pins.get(adapter_id, 0) + 1
+            if not any(pins.get(a, 0) for a in self._draining):
+                # Nothing is draining, or what drained has emptied (it is evictable now) and
+                # there is still no room: drain one more, the one with the fewest running
+                # users (it empties soonest). Memory may need several adapters' pages.
+                candidates = {a: n for a, n in pins.items() if a != aid and a not in self._draining}
+                if candidates:
+                    self._draining.add(min(candidates, key=lambda a: (candidates[a], a)))
         return AdmitDecision.WAIT
 
     def release(self, seq: Sequence) -> None:
@@ -243,6 +245,11 @@ class LoRARuntime:
     def step_slots(self, out: SchedulerOutput) -> list[int] | None:
         """Each scheduled sequence's adapter slot (-1 = base model); None if no adapter runs."""
         self._step += 1
+        stale = [a for a, (_, last) in self._blocked.items() if self._step - last > 2]
+        for adapter_id in stale:
+            del self._blocked[adapter_id]
+        if not self._blocked:
+            self._draining.clear()
         slots = [-1 if item.seq.request.lora is None else self._pinned(item.seq) for item in out.scheduled]
         if all(s < 0 for s in slots):
             return None

@@ -54,7 +54,7 @@ def fine_switching() -> Iterator[None]:
         sys.setswitchinterval(before)
 
 
-class _WideWindows(dict[int, int]):
+class _WideWindows(dict[int, tuple[int, int]]):
     """The LoRA runtime's blocked-adapter map with its check-then-act windows widened: a
     membership test that succeeds yields the GIL for 2 ms before the caller acts on it.
 
