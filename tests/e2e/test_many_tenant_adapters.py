@@ -161,7 +161,12 @@ def test_200_tenants_each_complete_with_their_own_adapter_concurrently(
 
     async def run() -> tuple[list[httpx.Response], httpx.Response, dict[str, float]]:
         times: dict[str, float] = {}
-        limits = httpx.Limits(max_connections=NUM_TENANTS + 8, max_keepalive_connections=NUM_TENANTS + 8)
+        # keepalive_expiry below uvicorn's 5 s keep-alive timeout: a pooled connection idle for
+        # longer may be closed by the server just as a request goes out on it (a ReadError that
+        # is the client's race, not the gateway's; it hit under a loaded machine).
+        limits = httpx.Limits(
+            max_connections=NUM_TENANTS + 8, max_keepalive_connections=NUM_TENANTS + 8, keepalive_expiry=2.0
+        )
         async with httpx.AsyncClient(base_url=gateway.url, timeout=300, limits=limits) as client:
             t0 = time.monotonic()
             keys = [await create_tenant(client, name) for name in names]
