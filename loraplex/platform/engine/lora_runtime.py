@@ -65,6 +65,10 @@ logger = logging.getLogger(__name__)
 class LoRARuntime:
     """Owns the ``AdapterManager`` on the engine's device and serves the LoRA hook."""
 
+    blocked_expiry_steps = 64
+    """A blocked adapter not refused for this many steps is forgotten (its requests were
+    aborted or finished another way), so its draining adapters admit again."""
+
     drain_after_steps = 8
     """Grace before draining a slot for a blocked adapter: short waits cost nothing,
     while draining at once would stall requests for resident adapters."""
@@ -91,7 +95,7 @@ class LoRARuntime:
             weight_layout=self.backend.weight_layout(dtype, device),
         )
         # Blocked adapter id -> (step first blocked, step last refused): an entry not refused
-        # for a few steps (its requests ended another way) is dropped in step_slots.
+        # for blocked_expiry_steps (its requests ended another way) is dropped in step_slots.
         self._blocked: dict[int, tuple[int, int]] = {}
         self._draining: set[int] = set()  # adapter ids no new sequence is admitted onto
         self._removed: set[int] = set()  # ids removed at run time, for clear errors
@@ -245,7 +249,9 @@ class LoRARuntime:
     def step_slots(self, out: SchedulerOutput) -> list[int] | None:
         """Each scheduled sequence's adapter slot (-1 = base model); None if no adapter runs."""
         self._step += 1
-        stale = [a for a, (_, last) in self._blocked.items() if self._step - last > 2]
+        # A blocked adapter is refused only when admission reaches its request (not while the
+        # step's seats are full), so allow long gaps; past this one its requests ended otherwise.
+        stale = [a for a, (_, last) in self._blocked.items() if self._step - last > self.blocked_expiry_steps]
         for adapter_id in stale:
             del self._blocked[adapter_id]
         if not self._blocked:
