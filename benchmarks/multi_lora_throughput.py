@@ -954,6 +954,7 @@ def run_many(args: argparse.Namespace, argv: list[str] | None, model_dir: Path) 
                 "lora": runtime.backend.name,
                 "max_loras": llm.llm_engine.config.max_loras,
                 "max_cpu_loras": llm.llm_engine.config.cpu_lora_capacity,
+                "cpu_lora_memory": llm.llm_engine.config.cpu_lora_memory_bytes,
                 "max_lora_rank": llm.llm_engine.config.max_lora_rank,
             }
             print(f"resolved: {info['resolved']}", flush=True)

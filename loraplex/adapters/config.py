@@ -20,8 +20,11 @@ class AdapterManagerConfig:
     """Rank rows per adapter page: an adapter of rank r takes ceil(r / lora_page_rank) pages."""
     lora_memory: int = 1 << 30
     """Bytes of accelerator memory for adapter pages (all groups together)."""
-    max_cpu_loras: int = 16
-    """Validated adapters kept in host memory (LRU); the rest are re-read from disk."""
+    max_cpu_loras: int | None = 16
+    """Most validated adapters kept in host memory (LRU; None: no count cap); the rest are
+    re-read from the store."""
+    cpu_lora_memory: int | None = None
+    """Most bytes of adapter weights kept in host memory (None: no byte cap)."""
     store_dir: Path | None = None
     """Disk tier folder for extracted/copied adapters; a temporary folder when None."""
     copy_directories: bool = True
@@ -34,12 +37,15 @@ class AdapterManagerConfig:
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_lora_rank", "max_cpu_loras", "num_loader_threads", "lora_page_rank"):
             value = getattr(self, name)
-            if name == "max_loras" and value is None:
+            if name in ("max_loras", "max_cpu_loras") and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         memory = self.lora_memory
         if isinstance(memory, bool) or not isinstance(memory, int) or memory < 1:
             raise ValueError(f"lora_memory must be a positive number of bytes, got {self.lora_memory!r}")
+        host = self.cpu_lora_memory
+        if host is not None and (isinstance(host, bool) or not isinstance(host, int) or host < 1):
+            raise ValueError(f"cpu_lora_memory must be a positive number of bytes, got {host!r}")
         if self.max_lora_rank > 1024:
             raise ValueError(f"max_lora_rank {self.max_lora_rank} is implausibly large (limit 1024)")

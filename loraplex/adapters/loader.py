@@ -83,10 +83,14 @@ def parse_adapter(
     max_rank: int,
     dtype: torch.dtype,
     source: str,
+    check_values: bool = True,
 ) -> ParsedAdapter:
-    """Validate both files against ``spec``; the weights come back scaled, in ``dtype``."""
+    """Validate both files against ``spec``; the weights come back scaled, in ``dtype``.
+    ``check_values``: see ``parse_weights`` (False only for bytes validated before)."""
     settings = parse_lora_config(files.config, f"{source}/{CONFIG_NAME}")
-    weights = load_weights(files.weights, settings, spec, max_rank, dtype, f"{source}/{WEIGHTS_NAME}")
+    weights = load_weights(
+        files.weights, settings, spec, max_rank, dtype, f"{source}/{WEIGHTS_NAME}", check_values
+    )
     version = content_version(json.loads(files.config), files.weights)
     logger.debug(
         "validated adapter %s: %d modules, max rank %d, version %s",
@@ -114,3 +118,29 @@ def read_adapter(
             "re-add the adapter to serve the new files",
         )
     return parsed
+
+
+def reread_adapter(
+    folder: Path, spec: BaseModelSpec, max_rank: int, dtype: torch.dtype, version: str
+) -> ParsedAdapter:
+    """Read back an adapter registered as ``version`` (a host-cache miss).
+
+    The content hash is checked *before* parsing: bytes that hash to ``version`` are the
+    bytes whose values were validated at registration, so the value checks (a few
+    milliseconds of tensor passes per adapter, on the loader thread beside the engine) are
+    not repeated. Anything else is ``changed_on_disk``.
+    """
+    files = read_adapter_files(folder, spec, max_rank)
+    try:
+        found = content_version(json.loads(files.config), files.weights)
+    except ValueError as exc:  # not JSON any more: certainly not the registered content
+        raise AdapterValidationError(
+            "changed_on_disk", f"{folder}: {CONFIG_NAME} is no longer valid JSON ({exc})"
+        ) from exc
+    if found != version:
+        raise AdapterValidationError(
+            "changed_on_disk",
+            f"{folder}: content is version {found[:12]}, registered as {version[:12]}; "
+            "re-add the adapter to serve the new files",
+        )
+    return parse_adapter(files, spec, max_rank, dtype, str(folder), check_values=False)

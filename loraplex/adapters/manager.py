@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,7 +85,12 @@ class AdapterStats:
     """Resident adapters evicted to make room since start-up."""
     num_in_host: int
     """Registered adapters whose weights are in host memory."""
-    host_capacity: int
+    host_capacity: int | None
+    """``max_cpu_loras``: the most adapters the host LRU holds (None: bytes alone bound it)."""
+    host_bytes: int
+    """Bytes of adapter weights in the host LRU."""
+    host_budget_bytes: int | None
+    """``cpu_lora_memory``: the most bytes the host LRU holds (None: no byte cap)."""
     num_slot_loads: int
     """Adapters written into a device slot since start-up."""
     num_disk_reads: int
@@ -116,7 +122,7 @@ class AdapterManager:
         )
         if self.config.store_dir is not None:
             self._store.open()  # leftovers of a crash
-        self._host = HostAdapterCache(self.config.max_cpu_loras)
+        self._host = HostAdapterCache(self.config.max_cpu_loras, self.config.cpu_lora_memory)
         self._slots = SlotTable(self.config.max_loras)
         self._pool = LoRAPagePool(
             spec,
@@ -302,13 +308,55 @@ class AdapterManager:
             if error is not None:
                 raise error
             if version not in self._loads:
-                if self._executor is None:
-                    self._executor = ThreadPoolExecutor(
-                        self.config.num_loader_threads, thread_name_prefix="adapter-loader"
-                    )
-                self._loads[version] = self._executor.submit(self._read_from_disk, entry)
-                logger.debug("prefetching adapter %d from %s", adapter_id, entry.folder)
+                self._submit(entry)
             return False
+
+    def prefetch_ahead(self, adapter_ids: Iterable[int], max_adapters: int = 32) -> None:
+        """Read ahead: the adapters of the next requests to admit, in that order.
+
+        Starts background store reads for the first ``max_adapters`` of ``adapter_ids`` that
+        are neither resident nor in host memory, within half the host cache (so what is read
+        ahead does not push out what was just read), and cancels reads still queued for any
+        other adapter: a request that was admitted, aborted or overtaken no longer needs
+        one, and a newcomer's read must not wait behind it. Unknown ids are skipped
+        (admission reports them). Never raises for a failed read (``prefetch`` does).
+        """
+        with self._lock:
+            self._collect_loads()
+            host_room = self._host.max_bytes // 2 if self._host.max_bytes is not None else None
+            if self._host.capacity is not None:
+                max_adapters = min(max_adapters, max(1, self._host.capacity // 2))
+            wanted: dict[str, AdapterEntry] = {}
+            nbytes = 0
+            for adapter_id in adapter_ids:
+                if len(wanted) >= max_adapters:
+                    break
+                entry = self._registry.get(adapter_id)
+                if entry is None or self._slots.slot_of(adapter_id) is not None:
+                    continue
+                version = entry.identity.version
+                if version in wanted or version in self._host:
+                    continue
+                if wanted and host_room is not None and nbytes + entry.host_nbytes > host_room:
+                    break
+                wanted[version] = entry
+                nbytes += entry.host_nbytes
+            cancelled = [v for v, f in self._loads.items() if v not in wanted and f.cancel()]
+            for version in cancelled:
+                del self._loads[version]
+            for version, entry in wanted.items():
+                if version not in self._loads and version not in self._load_errors:
+                    self._submit(entry)
+            if cancelled:
+                logger.debug("cancelled %d queued adapter reads nobody waits for", len(cancelled))
+
+    def _submit(self, entry: AdapterEntry) -> None:
+        """Queue a background store read of ``entry`` (caller holds the lock)."""
+        if self._executor is None:
+            threads = self.config.num_loader_threads
+            self._executor = ThreadPoolExecutor(threads, thread_name_prefix="adapter-loader")
+        self._loads[entry.identity.version] = self._executor.submit(self._read_from_disk, entry)
+        logger.debug("prefetching adapter %d from %s", entry.identity.adapter_id, entry.folder)
 
     def acquire(self, adapter_id: int, request_id: str) -> int:
         """Pin ``adapter_id``'s slot for ``request_id``, loading it first if needed; return the slot.
@@ -425,6 +473,8 @@ class AdapterManager:
                 num_evictions=self._num_evictions,
                 num_in_host=in_host,
                 host_capacity=self.config.max_cpu_loras,
+                host_bytes=self._host.nbytes,
+                host_budget_bytes=self.config.cpu_lora_memory,
                 num_slot_loads=self._num_slot_loads,
                 num_disk_reads=self._num_disk_reads,
                 num_loading=len(self._loads),
@@ -474,8 +524,7 @@ class AdapterManager:
             stray = set(self._host.versions()) - live_versions
             if stray:
                 errors.append(f"host cache holds versions of no registered adapter: {sorted(stray)}")
-            if len(self._host) > self._host.capacity:
-                errors.append(f"host cache holds {len(self._host)} > {self._host.capacity} adapters")
+            errors += self._host.check()
             users: dict[Path, int] = {}
             for e in self._registry.entries():
                 if e.owned:

@@ -174,8 +174,13 @@ def parse_weights(
     max_rank: int,
     dtype: torch.dtype,
     source: str,
+    check_values: bool = True,
 ) -> AdapterWeights:
-    """Validate ``tensors`` (a PEFT state dict) and return them scaled, in ``dtype``, on the CPU."""
+    """Validate ``tensors`` (a PEFT state dict) and return them scaled, in ``dtype``, on the CPU.
+
+    ``check_values=False`` skips the value checks (finite, magnitude), which cost most of a
+    parse: only for bytes whose content hash matches a version these checks passed before
+    (a store re-read); names, shapes and ranks are still checked, they build the modules."""
     if not tensors:
         raise _fail("missing_tensor", source, "the safetensors file holds no tensors")
     modules: dict[ModuleKey, LoRAModuleWeights] = {}
@@ -218,6 +223,10 @@ def parse_weights(
                 "or raise max_lora_rank",
             )
         a32, b32 = a.to(torch.float32), b.to(torch.float32)
+        if not check_values:
+            lora_b = (b32 * scaling).to(dtype).contiguous()
+            modules[(layer, module)] = LoRAModuleWeights(a32.to(dtype).contiguous(), lora_b, scaling)
+            continue
         for kind, t in (("lora_A", a32), ("lora_B", b32)):
             if not bool(torch.isfinite(t).all()):
                 raise _fail("non_finite", source, f"{where} {kind} contains NaN or Inf")
@@ -248,10 +257,11 @@ def load_weights(
     max_rank: int,
     dtype: torch.dtype,
     source: str,
+    check_values: bool = True,
 ) -> AdapterWeights:
     """Parse safetensors ``data`` (no pickle anywhere) and validate it with ``parse_weights``."""
     try:
         tensors = load_safetensors(data)
     except (SafetensorError, ValueError, RuntimeError) as exc:
         raise _fail("bad_weights", source, f"not a valid safetensors file ({exc})") from exc
-    return parse_weights(tensors, settings, spec, max_rank, dtype, source)
+    return parse_weights(tensors, settings, spec, max_rank, dtype, source, check_values)

@@ -39,7 +39,13 @@ import torch
 from loraplex.adapters.archive import ArchiveLimits, extract_adapter_archive, is_archive
 from loraplex.adapters.errors import AdapterValidationError
 from loraplex.adapters.layout import CONFIG_NAME, WEIGHTS_NAME
-from loraplex.adapters.loader import ParsedAdapter, parse_adapter, read_adapter, read_adapter_files
+from loraplex.adapters.loader import (
+    ParsedAdapter,
+    parse_adapter,
+    read_adapter,
+    read_adapter_files,
+    reread_adapter,
+)
 from loraplex.adapters.spec import BaseModelSpec
 
 logger = logging.getLogger(__name__)
@@ -215,8 +221,9 @@ class AdapterStore:
     def load(
         self, staged_folder: Path, spec: BaseModelSpec, max_rank: int, dtype: torch.dtype, version: str
     ) -> ParsedAdapter:
-        """Re-read a staged adapter (host-cache miss), checking it still is ``version``."""
-        return read_adapter(staged_folder, spec, max_rank, dtype, expected_version=version)
+        """Re-read a staged adapter (host-cache miss), checking it still is ``version`` (its
+        values were validated when it was staged, so only the content hash is re-checked)."""
+        return reread_adapter(staged_folder, spec, max_rank, dtype, version)
 
     def release(self, folder: Path) -> None:
         """Drop one user of a copied folder; delete it when none is left."""

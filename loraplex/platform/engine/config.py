@@ -19,6 +19,10 @@ DEFAULT_LORA_MEMORY = 1 << 30
 """``lora_memory`` when unset: 1 GiB of adapter pages (docs/adapters.md works out how many
 adapters of which rank that holds)."""
 
+DEFAULT_CPU_LORA_MEMORY = 2 << 30
+"""``cpu_lora_memory`` when unset: 2 GiB of host memory for validated adapters (a cap, not a
+reservation: only adapters in use fill it)."""
+
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["auto", "none", "gguf", "gguf_a8", "int8"]
 QUANTIZATIONS: tuple[Quantization, ...] = get_args(Quantization)
@@ -89,7 +93,11 @@ class EngineConfig:
     """Optional cap on adapters resident in accelerator memory at once (vLLM's name). None:
     as many as ``lora_memory`` holds (adapter pages are rank-granular, so that is memory-bound)."""
     max_cpu_loras: int | None = None
-    """Adapters kept loaded in host memory (LRU); default max(2 * max_loras, 8), or 256 uncapped."""
+    """Most adapters kept loaded in host memory (LRU, vLLM's name); default max(2 * max_loras, 8)
+    when ``max_loras`` is set, else no count cap (``cpu_lora_memory`` bounds the host LRU)."""
+    cpu_lora_memory: int | None = None
+    """Bytes of host memory for the LRU of validated adapters (default 2 GiB: ~1,100 rank-8 q/v
+    adapters of SmolLM2); misses re-read the store."""
     max_lora_rank: int = 64
     """Largest adapter rank accepted (validation: adapters take pages for their own rank)."""
     lora_page_rank: int = 8
@@ -156,6 +164,8 @@ class EngineConfig:
             raise ValueError(f"max_loras must be >= 1 (or None: as many as fit), got {self.max_loras}")
         if self.lora_page_rank < 1:
             raise ValueError(f"lora_page_rank must be >= 1, got {self.lora_page_rank}")
+        if self.cpu_lora_memory is not None and self.cpu_lora_memory <= 0:
+            raise ValueError(f"cpu_lora_memory must be > 0 bytes, got {self.cpu_lora_memory}")
         if self.lora_memory is not None and self.lora_memory <= 0:
             raise ValueError(f"lora_memory must be > 0 bytes, got {self.lora_memory}")
         if self.max_lora_rank < 1:
@@ -195,10 +205,16 @@ class EngineConfig:
         return torch.device(self.device)
 
     @property
-    def cpu_lora_capacity(self) -> int:
+    def cpu_lora_capacity(self) -> int | None:
+        """``max_cpu_loras``, or its default (None: bytes alone bound the host LRU)."""
         if self.max_cpu_loras is not None:
             return self.max_cpu_loras
-        return 256 if self.max_loras is None else max(2 * self.max_loras, 8)
+        return None if self.max_loras is None else max(2 * self.max_loras, 8)
+
+    @property
+    def cpu_lora_memory_bytes(self) -> int:
+        """``cpu_lora_memory``, or its default (2 GiB)."""
+        return self.cpu_lora_memory if self.cpu_lora_memory is not None else DEFAULT_CPU_LORA_MEMORY
 
     @property
     def lora_memory_bytes(self) -> int:

@@ -168,11 +168,11 @@ class LLMEngine:
             watermark_blocks=max(1, num_blocks // 100) if num_blocks > 100 else 0,
         )
         self.lora_manager: LoRARuntime | None = None
-        admit_hook = release_hook = fork_hook = None
+        admit_hook = release_hook = fork_hook = lookahead_hook = None
         if config.enable_lora:
             self.lora_manager = LoRARuntime(config, self.hf_config, device, dtype)
             admit_hook, release_hook = self.lora_manager.admit, self.lora_manager.release
-            fork_hook = self.lora_manager.on_fork
+            fork_hook, lookahead_hook = self.lora_manager.on_fork, self.lora_manager.lookahead
         # The device pool's blocks and the host/disk tiers below it, wired by TieredKV itself.
         self.kv = TieredKV.create(
             kv_cache,
@@ -185,7 +185,13 @@ class LLMEngine:
         self.block_manager = self.kv.block_manager  # what steps allocate from (owned by self.kv)
         self.preemption = PreemptionPolicy(config.preemption_mode, per_block, can_swap=self.kv.can_swap)
         self.scheduler = Scheduler(
-            limits, self.kv, admit_hook, release_hook, self.preemption, fork_hook=fork_hook
+            limits,
+            self.kv,
+            admit_hook,
+            release_hook,
+            self.preemption,
+            fork_hook=fork_hook,
+            lookahead_hook=lookahead_hook,
         )
         self.requests: dict[str, Request] = {}
         self.maintenance: collections.deque[SlicedJob[Any]] = collections.deque()

@@ -54,7 +54,7 @@ from loraplex.kernels.step_cache import IdentityCache
 from loraplex.platform.engine.config import EngineConfig
 from loraplex.platform.engine.errors import AdapterUnavailableError, ErrorKind, RequestError
 from loraplex.platform.engine.scheduler import AdmitDecision, SchedulerOutput
-from loraplex.platform.engine.sequence import Sequence
+from loraplex.platform.engine.sequence import SeqStatus, Sequence
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -68,6 +68,10 @@ class LoRARuntime:
     blocked_expiry_steps = 64
     """A blocked adapter not refused for this many steps is forgotten (its requests were
     aborted or finished another way), so its draining adapters admit again."""
+
+    lookahead_adapters = 32
+    """Distinct adapters of the next waiting requests read ahead from the store each step
+    (within half the host cache), so a request rarely waits for its adapter's read."""
 
     drain_after_steps = 8
     """Grace before draining a slot for a blocked adapter: short waits cost nothing,
@@ -87,6 +91,7 @@ class LoRARuntime:
                 max_loras=config.max_loras,
                 max_lora_rank=config.max_lora_rank,
                 max_cpu_loras=config.cpu_lora_capacity,
+                cpu_lora_memory=config.cpu_lora_memory_bytes,
                 lora_page_rank=config.lora_page_rank,
                 lora_memory=config.lora_memory_bytes,
             ),
@@ -230,6 +235,21 @@ class LoRARuntime:
                 if candidates:
                     self._draining.add(min(candidates, key=lambda a: (candidates[a], a)))
         return AdmitDecision.WAIT
+
+    def lookahead(self, waiting: list[Sequence]) -> None:
+        """After admission: read ahead the adapters of the next waiting sequences (in the order
+        admission will try them) while this step runs; queued reads nobody needs are dropped."""
+        ids: list[int] = []
+        seen: set[int] = set()
+        for seq in waiting:
+            lora = seq.request.lora
+            if lora is None or lora.int_id in seen or seq.status is not SeqStatus.WAITING:
+                continue
+            seen.add(lora.int_id)
+            ids.append(lora.int_id)
+            if len(ids) >= self.lookahead_adapters:
+                break
+        self.manager.prefetch_ahead(ids, self.lookahead_adapters)
 
     def release(self, seq: Sequence) -> None:
         self.manager.release(self._key(seq))

@@ -116,7 +116,11 @@ class Scheduler:
         release_hook: Callable[[Sequence], None] | None = None,
         preemption: PreemptionPolicy | None = None,
         fork_hook: Callable[[Sequence, Sequence], None] | None = None,
+        lookahead_hook: Callable[[list[Sequence]], None] | None = None,
     ) -> None:
+        """``lookahead_hook`` sees, after each step's admission, the sequences still waiting in
+        the order admission will try them, so the adapter runtime can read the next ones'
+        adapters in the background while this step runs."""
         self.limits = limits
         self.policy: SchedulingPolicy = make_policy(limits.policy)
         self.kv = cache.block_manager
@@ -130,6 +134,7 @@ class Scheduler:
         self._admit_hook = admit_hook
         self._release_hook = release_hook
         self._fork_hook = fork_hook
+        self._lookahead_hook = lookahead_hook
         self.num_preemptions = 0
         self.num_planning_failures = 0
 
@@ -245,6 +250,8 @@ class Scheduler:
         while out.is_empty and not out.aborted and self.tier_io.wait_for_a_transfer(self.waiting):
             out = self._schedule_once()  # everyone left was waiting for blocks from host/disk
         self.policy.on_scheduled((item.seq, item.num_new_tokens) for item in out.scheduled)
+        if self._lookahead_hook is not None and self.waiting:
+            self._lookahead_hook(self.policy.admission_order(self.waiting))
         return out
 
     def _schedule_once(self) -> SchedulerOutput:

@@ -86,3 +86,51 @@ def test_no_starvation_under_constant_load(
         engine.abort_request(rid)
     engine.check_integrity()
     assert engine.lora_manager.num_pins == 0
+
+
+def test_adapters_of_waiting_requests_are_read_ahead(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A request whose adapter is only in the store has it read in the background while it
+    still queues behind a full batch, not only once admission reaches it."""
+    import time
+
+    from helpers import make_peft_adapter
+
+    loras = []
+    for i in range(5):
+        make_peft_adapter(
+            tiny_dirs["gqa_tied"], tmp_path / f"r{i}", seed=600 + i, spec=dict(r=4, target_modules=["q_proj"])
+        )
+        loras.append(LoRARequest(f"ahead-{i}", 40 + i, str(tmp_path / f"r{i}")))
+    probe = LLM(model=str(tiny_dirs["gqa_tied"]), dtype="float32", enable_lora=True, max_lora_rank=8)
+    probe.llm_engine.add_lora(loras[0])
+    one = probe.llm_engine.lora_manager.manager.stats().host_bytes
+    llm = LLM(
+        model=str(tiny_dirs["gqa_tied"]),
+        dtype="float32",
+        enable_lora=True,
+        max_lora_rank=8,
+        num_kv_blocks=512,
+        max_num_seqs=1,
+        cpu_lora_memory=int(2.5 * one),  # the host LRU keeps the last two registered
+    )
+    engine = llm.llm_engine
+    for lora in loras:
+        engine.add_lora(lora)
+    manager = engine.lora_manager.manager
+    assert manager.stats().num_in_host == 2  # adapters 0..2 are in the store only
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    engine.add_request("first", [5, 6, 7], params, lora_request=loras[4])
+    engine.add_request("next", [5, 6, 7], params, lora_request=loras[0])
+    engine.step()  # "first" runs alone; admission never reaches "next" (max_num_seqs=1)
+    stats = manager.stats()
+    assert stats.num_loading + stats.num_disk_reads == 1, "the waiting request's adapter was not read ahead"
+    assert "next" in engine.requests and manager.slot_of(loras[0].int_id) is None
+    deadline = time.monotonic() + 30
+    while not manager.prefetch(loras[0].int_id):  # True once the read landed in host memory
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    reads = manager.stats().num_disk_reads
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_integrity()
+    assert manager.stats().num_disk_reads == reads  # admission found it in host memory
