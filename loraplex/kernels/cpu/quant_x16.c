@@ -147,6 +147,28 @@ static inline i32x16 dot2(i32x16 isum, const i32x16 w, const int32_t x32) {
     r = _mm512_dpwssd_epi32(a, wv, _mm512_set1_epi32(x32));
     memcpy(&isum, &r, 64);
     return isum;
+#elif defined(__AVX512BW__)
+    /* vpmaddwd: the same pair products summed into 32 bits, then an add */
+    __m512i a, wv;
+    memcpy(&a, &isum, 64);
+    memcpy(&wv, &w, 64);
+    a = _mm512_add_epi32(a, _mm512_madd_epi16(wv, _mm512_set1_epi32(x32)));
+    memcpy(&isum, &a, 64);
+    return isum;
+#elif defined(__AVX2__)
+    /* two 8-lane halves; the lanes' int16 members are non-negative (<= 255), so the signed
+     * vpmaddwd is exact, and a lane's two products fit int32 */
+    __m256i a0, a1, w0, w1;
+    memcpy(&a0, &isum, 32);
+    memcpy(&a1, (const char *)&isum + 32, 32);
+    memcpy(&w0, &w, 32);
+    memcpy(&w1, (const char *)&w + 32, 32);
+    const __m256i xv = _mm256_set1_epi32(x32);
+    a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(w0, xv));
+    a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(w1, xv));
+    memcpy(&isum, &a0, 32);
+    memcpy((char *)&isum + 32, &a1, 32);
+    return isum;
 #else
     const int32_t lo = (int16_t)(x32 & 0xFFFF), hi = x32 >> 16;
     return isum + (w & 0xFFFF) * lo + (i32x16)((u32x16)w >> 16) * hi;
@@ -181,11 +203,96 @@ static inline i32x16 load_i32x16(const uint8_t *p) {
 
 static inline v16 to_float(const i32x16 v) { return __builtin_convertvector(v, v16); }
 
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__) && !defined(__AVX512F__)
+#define QX_AVX2 1
+/* AVX2 (no AVX-512): the int16-activation dot products on 8 lanes (half a group: rows
+ * 8h .. 8h+7, bytes 32h .. 32h+31 of each chunk) with vpmaddwd, up to 4 rows of x per call:
+ * the 512-bit GCC vectors of dot_group would need 32 ymm registers for a tile and spill. */
+static inline __attribute__((always_inline)) void dot16_half_avx2(const int fmt, const uint8_t *wg, int64_t nb,
+                                                                  const int32_t *xp, int64_t k, const float *dx,
+                                                                  const int32_t *sx, const float *bias, float *y,
+                                                                  int64_t y_stride, const int tm, const int half) {
+    const int64_t bb = x_block_bytes(fmt);
+    const int hb = x_head_bytes(fmt);
+    const __m256i mask = _mm256_set1_epi32(fmt == X_Q8_0 ? 0x00FF00FF : 0x000F000F);
+    const int offset = fmt == X_Q8_0 ? 128 : fmt == X_Q4_0 ? 8 : 0;
+    __m256 acc[4];
+    _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *blk = wg + b * bb, *qs = blk + hb + 32 * half;
+        __m256i s[4];
+        _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) s[t] = _mm256_setzero_si256();
+        _Pragma("GCC unroll 1") for (int c = 0; c < (fmt == X_Q8_0 ? 8 : 4); ++c) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(qs + 64 * c));
+            const __m256i q0 = _mm256_and_si256(w, mask), q1 = _mm256_and_si256(_mm256_srli_epi32(w, 8), mask);
+            _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) {
+                const int32_t *xb = xp + t * (k / 2) + 16 * b;
+                s[t] = _mm256_add_epi32(s[t], _mm256_madd_epi16(q0, _mm256_set1_epi32(xb[2 * c])));
+                s[t] = _mm256_add_epi32(s[t], _mm256_madd_epi16(q1, _mm256_set1_epi32(xb[2 * c + 1])));
+            }
+            if (fmt != X_Q8_0) { /* the high nibbles: weights 16 + 4c .. */
+                const __m256i q2 = _mm256_and_si256(_mm256_srli_epi32(w, 4), mask);
+                const __m256i q3 = _mm256_and_si256(_mm256_srli_epi32(w, 12), mask);
+                _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) {
+                    const int32_t *xb = xp + t * (k / 2) + 16 * b;
+                    s[t] = _mm256_add_epi32(s[t], _mm256_madd_epi16(q2, _mm256_set1_epi32(xb[2 * c + 8])));
+                    s[t] = _mm256_add_epi32(s[t], _mm256_madd_epi16(q3, _mm256_set1_epi32(xb[2 * c + 9])));
+                }
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * half)));
+        _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) {
+            const float dxb = dx[t * (k / 32) + b];
+            const int32_t sxb = sx[t * (k / 32) + b];
+            const __m256i isum = _mm256_sub_epi32(s[t], _mm256_set1_epi32(offset * sxb));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(dxb)), acc[t]);
+            if (fmt == X_Q4_1) {
+                const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * half)));
+                acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(dxb * (float)sxb), acc[t]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) {
+        if (bias != NULL) acc[t] = _mm256_add_ps(acc[t], _mm256_loadu_ps(bias + 8 * half));
+        _mm256_storeu_ps(y + t * y_stride + 8 * half, acc[t]);
+    }
+}
+
+/* A tile of up to 4 rows of x against one group: both halves. */
+static inline __attribute__((always_inline)) void dot16_avx2(const int fmt, const uint8_t *wg, int64_t nb,
+                                                             const int32_t *xp, int64_t k, const float *dx,
+                                                             const int32_t *sx, const float *bias, float *y,
+                                                             int64_t y_stride, const int tm) {
+    dot16_half_avx2(fmt, wg, nb, xp, k, dx, sx, bias, y, y_stride, tm, 0);
+    dot16_half_avx2(fmt, wg, nb, xp, k, dx, sx, bias, y, y_stride, tm, 1);
+}
+#else
+#define QX_AVX2 0
+#endif
+
 /* y[t, g*16 .. +16] for rows t < tm of x (quantized) and group g; tm a constant at each call. */
 static inline __attribute__((always_inline)) void dot_group(const int fmt, const int bits, const uint8_t *wg,
                                                             int64_t nb, const int8_t *xq, int64_t k, const float *dx,
                                                             const int32_t *sx, const float *bias, float *y,
                                                             int64_t y_stride, const int tm) {
+#if QX_AVX2
+    if (bits == 16) { /* tiles of up to 4 rows on 8-lane halves (see dot16_avx2) */
+        const int32_t *xp = (const int32_t *)xq;
+        for (int t0 = 0; t0 < tm; t0 += 4) {
+            const int32_t *xt = xp + t0 * (k / 2);
+            const float *dt = dx + t0 * (k / 32);
+            const int32_t *st = sx + t0 * (k / 32);
+            float *yt = y + t0 * y_stride;
+            switch (tm - t0 < 4 ? tm - t0 : 4) {
+                case 4: dot16_avx2(fmt, wg, nb, xt, k, dt, st, bias, yt, y_stride, 4); break;
+                case 3: dot16_avx2(fmt, wg, nb, xt, k, dt, st, bias, yt, y_stride, 3); break;
+                case 2: dot16_avx2(fmt, wg, nb, xt, k, dt, st, bias, yt, y_stride, 2); break;
+                default: dot16_avx2(fmt, wg, nb, xt, k, dt, st, bias, yt, y_stride, 1); break;
+            }
+        }
+        return;
+    }
+#endif
     const int64_t bb = x_block_bytes(fmt);
     const int hb = x_head_bytes(fmt);
     v16 acc[QX_TILE];
