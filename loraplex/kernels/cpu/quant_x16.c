@@ -266,9 +266,14 @@ static inline __attribute__((always_inline)) void dot16_avx2(const int fmt, cons
     dot16_half_avx2(fmt, wg, nb, xp, k, dx, sx, bias, y, y_stride, tm, 0);
     dot16_half_avx2(fmt, wg, nb, xp, k, dx, sx, bias, y, y_stride, tm, 1);
 }
+/* GCC's -O3 schedules the unrolled tiles' products far ahead of their adds and spills them
+ * (~900 ymm stack moves in dot16_X_Q4_1); -O2 keeps them in registers. */
+#define QX_ATTR_16 __attribute__((optimize("O2")))
 #else
 #define QX_AVX2 0
+#define QX_ATTR_16
 #endif
+#define QX_ATTR_8
 
 /* y[t, g*16 .. +16] for rows t < tm of x (quantized) and group g; tm a constant at each call. */
 static inline __attribute__((always_inline)) void dot_group(const int fmt, const int bits, const uint8_t *wg,
@@ -397,7 +402,7 @@ typedef void (*dec_fn)(const uint8_t *, int64_t, float *, int64_t);
 
 /* One function per format (a constant inside: see quant_linear.c on OpenMP's outlined bodies). */
 #define QX_DOT(F, BITS)                                                                                             \
-    static void dot##BITS##_##F(const uint8_t *wg, int64_t nb, const int8_t *xq, int64_t k, const float *dx,       \
+    static QX_ATTR_##BITS void dot##BITS##_##F(const uint8_t *wg, int64_t nb, const int8_t *xq, int64_t k, const float *dx,       \
                                 const int32_t *sx, const float *bias, float *y, int64_t ys, int64_t m) {           \
         /* every tile of rows against this group: its weights stay in L1 */                                     \
         const int64_t xrow = BITS == 8 ? k : 2 * k;                                                                 \
