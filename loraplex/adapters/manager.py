@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -349,6 +349,18 @@ class AdapterManager:
                     self._submit(entry)
             if cancelled:
                 logger.debug("cancelled %d queued adapter reads nobody waits for", len(cancelled))
+
+    def wait_for_a_read(self, timeout: float) -> bool:
+        """Block (without the manager lock) until a background store read in flight finishes,
+        at most ``timeout`` seconds; True if one did. Reads that finished earlier are moved to
+        the host cache first, so a True always means news (a caller may loop on it)."""
+        with self._lock:
+            self._collect_loads()
+            pending = list(self._loads.values())
+        if not pending:
+            return False
+        done, _ = wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+        return bool(done)
 
     def _submit(self, entry: AdapterEntry) -> None:
         """Queue a background store read of ``entry`` (caller holds the lock)."""

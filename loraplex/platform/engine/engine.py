@@ -168,11 +168,12 @@ class LLMEngine:
             watermark_blocks=max(1, num_blocks // 100) if num_blocks > 100 else 0,
         )
         self.lora_manager: LoRARuntime | None = None
-        admit_hook = release_hook = fork_hook = lookahead_hook = None
+        admit_hook = release_hook = fork_hook = lookahead_hook = idle_wait_hook = None
         if config.enable_lora:
             self.lora_manager = LoRARuntime(config, self.hf_config, device, dtype)
             admit_hook, release_hook = self.lora_manager.admit, self.lora_manager.release
             fork_hook, lookahead_hook = self.lora_manager.on_fork, self.lora_manager.lookahead
+            idle_wait_hook = self.lora_manager.wait_for_a_read
         # The device pool's blocks and the host/disk tiers below it, wired by TieredKV itself.
         self.kv = TieredKV.create(
             kv_cache,
@@ -192,6 +193,7 @@ class LLMEngine:
             self.preemption,
             fork_hook=fork_hook,
             lookahead_hook=lookahead_hook,
+            idle_wait_hook=idle_wait_hook,
         )
         self.requests: dict[str, Request] = {}
         self.maintenance: collections.deque[SlicedJob[Any]] = collections.deque()

@@ -251,6 +251,14 @@ class LoRARuntime:
                 break
         self.manager.prefetch_ahead(ids, self.lookahead_adapters)
 
+    idle_wait_s = 0.05
+    """How long an idle step waits for an adapter read before returning (empty) to its caller."""
+
+    def wait_for_a_read(self) -> bool:
+        """The step would be empty: block (up to ``idle_wait_s``) until a background adapter
+        read finishes; True if one did."""
+        return self.manager.wait_for_a_read(self.idle_wait_s)
+
     def release(self, seq: Sequence) -> None:
         self.manager.release(self._key(seq))
 

@@ -117,10 +117,13 @@ class Scheduler:
         preemption: PreemptionPolicy | None = None,
         fork_hook: Callable[[Sequence, Sequence], None] | None = None,
         lookahead_hook: Callable[[list[Sequence]], None] | None = None,
+        idle_wait_hook: Callable[[], bool] | None = None,
     ) -> None:
         """``lookahead_hook`` sees, after each step's admission, the sequences still waiting in
         the order admission will try them, so the adapter runtime can read the next ones'
-        adapters in the background while this step runs."""
+        adapters in the background while this step runs. ``idle_wait_hook`` is called when a
+        step would be empty while sequences wait: it blocks until something they wait for
+        (an adapter read) may have arrived, True then (admission is tried again)."""
         self.limits = limits
         self.policy: SchedulingPolicy = make_policy(limits.policy)
         self.kv = cache.block_manager
@@ -135,6 +138,7 @@ class Scheduler:
         self._release_hook = release_hook
         self._fork_hook = fork_hook
         self._lookahead_hook = lookahead_hook
+        self._idle_wait_hook = idle_wait_hook
         self.num_preemptions = 0
         self.num_planning_failures = 0
 
@@ -247,12 +251,21 @@ class Scheduler:
         """Plan one step. Blocks on lower-tier reads only when nothing else could run."""
         self.tier_io.finish_orphans()
         out = self._schedule_once()
-        while out.is_empty and not out.aborted and self.tier_io.wait_for_a_transfer(self.waiting):
-            out = self._schedule_once()  # everyone left was waiting for blocks from host/disk
+        while out.is_empty and not out.aborted and self._wait_while_idle():
+            out = self._schedule_once()  # everyone left was waiting for blocks or adapters
         self.policy.on_scheduled((item.seq, item.num_new_tokens) for item in out.scheduled)
         if self._lookahead_hook is not None and self.waiting:
             self._lookahead_hook(self.policy.admission_order(self.waiting))
         return out
+
+    def _wait_while_idle(self) -> bool:
+        """Nothing could run: block on what the waiting sequences wait for (blocks coming up
+        from host/disk, adapters read from the store) rather than spin. An engine loop that
+        spins would also starve the loader thread of the GIL (a read of a few milliseconds
+        then takes seconds: each of its GIL hand-backs waits a switch interval)."""
+        if self.tier_io.wait_for_a_transfer(self.waiting):
+            return True
+        return bool(self.waiting) and self._idle_wait_hook is not None and self._idle_wait_hook()
 
     def _schedule_once(self) -> SchedulerOutput:
         out = SchedulerOutput()

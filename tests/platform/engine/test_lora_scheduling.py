@@ -134,3 +134,37 @@ def test_adapters_of_waiting_requests_are_read_ahead(tiny_dirs: dict[str, Path],
         engine.step()
         engine.check_integrity()
     assert manager.stats().num_disk_reads == reads  # admission found it in host memory
+
+
+def test_an_idle_step_waits_for_the_adapter_read(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A lone request whose adapter is only in the store: the step blocks on the background
+    read instead of returning empty (a caller spinning on empty steps would starve the loader
+    thread of the GIL), and the same step runs the request."""
+    from helpers import make_peft_adapter
+
+    loras = []
+    for i in range(2):
+        make_peft_adapter(
+            tiny_dirs["gqa_tied"], tmp_path / f"w{i}", seed=700 + i, spec=dict(r=4, target_modules=["q_proj"])
+        )
+        loras.append(LoRARequest(f"idle-{i}", 60 + i, str(tmp_path / f"w{i}")))
+    llm = LLM(
+        model=str(tiny_dirs["gqa_tied"]),
+        dtype="float32",
+        enable_lora=True,
+        max_lora_rank=8,
+        num_kv_blocks=64,
+        max_cpu_loras=1,  # registering the second pushes the first out of host memory
+    )
+    engine = llm.llm_engine
+    for lora in loras:
+        engine.add_lora(lora)
+    assert engine.lora_tiers()[loras[0].int_id] == "disk"
+    engine.lora_manager.idle_wait_s = 30.0  # generous: the read takes milliseconds
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    engine.add_request("cold", [5, 6, 7], params, lora_request=loras[0])
+    outs = engine.step()
+    assert [o.request_id for o in outs] == ["cold"] and len(outs[0].outputs[0].token_ids) == 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
