@@ -72,7 +72,7 @@ def page_segments(passes: tuple[LoRAMetadata, ...]) -> tuple[list[int], list[tup
     pass gives a run page i of the same adapter), then neighbours with equal page lists
     merge. O(segments * passes) on the host copies, no device sync when they are present.
     """
-    views = []
+    views: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     for meta in passes:
         starts = meta.seg_starts_cpu or tuple(meta.seg_starts.tolist())
         slots = meta.seg_slots_cpu or tuple(meta.seg_slots.tolist())
@@ -196,13 +196,14 @@ class TritonLoRABackend(LoRABackend):
         rows = [list(p) + [-1] * (max_pages - len(p)) for p in pages]
         none = [-1] * max_pages
 
-        def token_table(keep: list[bool]) -> torch.Tensor:
-            table = torch.tensor([r if k else none for r, k in zip(rows, keep, strict=True)], dtype=torch.int32)
-            return table.repeat_interleave(torch.tensor(lengths), dim=0).to(device)
+        def table(keep: list[bool]) -> torch.Tensor:  # [num_segments, max_pages], -1 where not kept
+            return torch.tensor([r if k else none for r, k in zip(rows, keep, strict=True)], dtype=torch.int32)
+
+        def token_table(keep: list[bool]) -> torch.Tensor:  # a segment's row for each of its tokens
+            return table(keep).repeat_interleave(torch.tensor(lengths), dim=0).to(device)
 
         def segment_table(keep: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
-            table = torch.tensor([r if k else none for r, k in zip(rows, keep, strict=True)], dtype=torch.int32)
-            return torch.tensor(starts, dtype=torch.int32, device=device), table.to(device)
+            return torch.tensor(starts, dtype=torch.int32, device=device), table(keep).to(device)
 
         has_pages = [bool(p) for p in pages]
         if self.mode == "bgmv":
