@@ -323,13 +323,17 @@ def _page_pool(
     for rank, adapter_pages in zip(ranks, pages, strict=True):
         for i, page in enumerate(adapter_pages):
             rows = min(page_rank, rank - i * page_rank)
-            lora_a[:, page, :rows] = torch.randn(num_slices, rows, in_features, device=device) / in_features**0.5
+            lora_a[:, page, :rows] = (
+                torch.randn(num_slices, rows, in_features, device=device) / in_features**0.5
+            )
             lora_b[:, page, :, :rows] = torch.randn(num_slices, max_out, rows, device=device) / rank**0.5
             scales[page] = 1.0
     return pages, (lora_a.to(dtype), lora_b.to(dtype), scales)
 
 
-def _page_passes(adapters: list[int], pages: list[list[int]], device: torch.device) -> tuple[LoRAMetadata, ...]:
+def _page_passes(
+    adapters: list[int], pages: list[list[int]], device: torch.device
+) -> tuple[LoRAMetadata, ...]:
     """Per pass i, each token's page i of its adapter (-1: none), as the engine builds them."""
     depth = max(len(pages[a]) for a in adapters if a >= 0)
     return tuple(

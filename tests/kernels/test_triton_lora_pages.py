@@ -22,7 +22,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_testlib import (  # noqa: E402
+from kernel_testlib import (
     LoRAWeights,
     assert_close,
     kernel_device,
@@ -31,15 +31,15 @@ from kernel_testlib import (  # noqa: E402
     naive_lora_shrink,
 )
 
-from loraplex.kernels.contracts import LoRABackend  # noqa: E402
-from loraplex.kernels.metadata import LoRAMetadata  # noqa: E402
-from loraplex.kernels.portable.lora import PortableLoRABackend  # noqa: E402
-from loraplex.kernels.triton.lora_backend import (  # noqa: E402
+from loraplex.kernels.contracts import LoRABackend
+from loraplex.kernels.metadata import LoRAMetadata
+from loraplex.kernels.portable.lora import PortableLoRABackend
+from loraplex.kernels.triton.lora_backend import (
     LoRAKernelMode,
     TritonLoRABackend,
     page_segments,
 )
-from loraplex.kernels.triton.lora_shrink import bgmv_shrink_paged, sgmv_shrink_paged  # noqa: E402
+from loraplex.kernels.triton.lora_shrink import bgmv_shrink_paged, sgmv_shrink_paged
 
 DEVICE = kernel_device()
 PAGE_RANK = 8
@@ -170,7 +170,9 @@ def test_paged_shrink_split_k(family: str) -> None:
     expected = torch.cat([naive_lora_shrink(x, w, slots) for slots in pass_slots], dim=2)
     for split_k in (1, 2):
         if family == "bgmv":
-            out = bgmv_shrink_paged(x, w.lora_a, table.repeat_interleave(lengths, 0).to(DEVICE), split_k=split_k)
+            out = bgmv_shrink_paged(
+                x, w.lora_a, table.repeat_interleave(lengths, 0).to(DEVICE), split_k=split_k
+            )
         else:
             seg_starts = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
             out = sgmv_shrink_paged(
@@ -200,7 +202,9 @@ def _count_launches(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     for name in _LAUNCHERS:
         launcher = getattr(module, name)
 
-        def counted(*args: Any, _launcher: Callable[..., Any] = launcher, _name: str = name, **kw: Any) -> Any:
+        def counted(
+            *args: Any, _launcher: Callable[..., Any] = launcher, _name: str = name, **kw: Any
+        ) -> Any:
             counts[_name] += 1
             return _launcher(*args, **kw)
 

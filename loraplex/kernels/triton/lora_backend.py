@@ -197,7 +197,9 @@ class TritonLoRABackend(LoRABackend):
         none = [-1] * max_pages
 
         def table(keep: list[bool]) -> torch.Tensor:  # [num_segments, max_pages], -1 where not kept
-            return torch.tensor([r if k else none for r, k in zip(rows, keep, strict=True)], dtype=torch.int32)
+            return torch.tensor(
+                [r if k else none for r, k in zip(rows, keep, strict=True)], dtype=torch.int32
+            )
 
         def token_table(keep: list[bool]) -> torch.Tensor:  # a segment's row for each of its tokens
             return table(keep).repeat_interleave(torch.tensor(lengths), dim=0).to(device)
