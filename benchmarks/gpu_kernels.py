@@ -8,7 +8,8 @@ Run on one GPU (sized for an H200; about 3-5 minutes, well under 8)::
 
 1. Correctness, bf16 and fp16 (bf16 only in --cpu-smoke): every Triton kernel (paged decode plain and split-K,
    extend attention, write_kv, copy_blocks, copy_blocks_between, BGMV/SGMV shrink and
-   expand, both backends) against its portable (torch) reference on the same device.
+   expand, both backends, ``apply_paged`` over mixed-rank pages) against its portable
+   (torch) reference on the same device.
 2. Decode attention: achieved bandwidth (K/V bytes read / time) as a percentage of a
    measured device-to-device copy, batch 1/16/64 x context 512/4k/32k, Llama-3-8B
    heads (32 query / 8 KV, head_dim 128, bf16, block 16); the split-K heuristic's
@@ -16,7 +17,9 @@ Run on one GPU (sized for an H200; about 3-5 minutes, well under 8)::
    ``F.scaled_dot_product_attention``.
 3. LoRA: ``TritonLoRABackend.apply`` (shrink + expand, rank 16, fused q/k/v of
    Llama-3-8B) vs the base projection's matmul, for 1/16/64 distinct adapters, on a
-   decode batch (64 tokens) and a prefill batch (4096 tokens).
+   decode batch (64 tokens) and a prefill batch (4096 tokens); then paged adapters
+   (pages of 8 rows, 16 adapters of ranks 8-64, so up to 8 page passes):
+   ``apply_paged`` with every pass in one launch pair per kernel family vs the per-pass loop.
 
 ``--cpu-smoke`` runs section 1 at tiny sizes and sections 2-3 at toy sizes on the CPU
 (timings meaningless), so every code path of this script is exercised without a GPU.
@@ -44,6 +47,7 @@ if "--cpu-smoke" in sys.argv:
 import torch
 import torch.nn.functional as F
 
+from loraplex.kernels.contracts import LoRABackend
 from loraplex.kernels.metadata import PAD_BLOCK_ID, AttentionMetadata, LoRAMetadata
 from loraplex.kernels.portable import cache_ops as portable_cache_ops
 from loraplex.kernels.portable import extend_attention as portable_extend
@@ -291,6 +295,78 @@ def check_lora(checks: Checks, dtype: torch.dtype, device: torch.device, tiny: b
         TritonLoRABackend().apply(y_t, x, lora_a, lora_b, scales, slice_sizes, meta)
         torch_backend.apply(y_r, x, lora_a, lora_b, scales, slice_sizes, meta)
         checks.close(f"TritonLoRABackend.apply {name}", dtype, y_t, y_r)
+    check_lora_paged(checks, dtype, device, tiny, in_features, slice_sizes, decode, prefill)
+
+
+def _page_pool(
+    ranks: list[int],
+    page_rank: int,
+    in_features: int,
+    slice_sizes: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[list[list[int]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Adapters of ``ranks`` in pages of ``page_rank`` rows, pages shuffled over a pool with one
+    free page (scale 0): each adapter's page ids, and the pool's (lora_a, lora_b, scales)."""
+    depths = [-(-r // page_rank) for r in ranks]
+    num_pages = sum(depths) + 1
+    order = torch.randperm(num_pages).tolist()
+    pages: list[list[int]] = []
+    used = 0
+    for depth in depths:
+        pages.append(order[used : used + depth])
+        used += depth
+    num_slices, max_out = len(slice_sizes), max(slice_sizes)
+    lora_a = torch.zeros(num_slices, num_pages, page_rank, in_features, device=device)
+    lora_b = torch.zeros(num_slices, num_pages, max_out, page_rank, device=device)
+    scales = torch.zeros(num_pages, device=device)
+    for rank, adapter_pages in zip(ranks, pages, strict=True):
+        for i, page in enumerate(adapter_pages):
+            rows = min(page_rank, rank - i * page_rank)
+            lora_a[:, page, :rows] = (
+                torch.randn(num_slices, rows, in_features, device=device) / in_features**0.5
+            )
+            lora_b[:, page, :, :rows] = torch.randn(num_slices, max_out, rows, device=device) / rank**0.5
+            scales[page] = 1.0
+    return pages, (lora_a.to(dtype), lora_b.to(dtype), scales)
+
+
+def _page_passes(
+    adapters: list[int], pages: list[list[int]], device: torch.device
+) -> tuple[LoRAMetadata, ...]:
+    """Per pass i, each token's page i of its adapter (-1: none), as the engine builds them."""
+    depth = max(len(pages[a]) for a in adapters if a >= 0)
+    return tuple(
+        LoRAMetadata.from_token_slots(
+            [pages[a][i] if a >= 0 and len(pages[a]) > i else -1 for a in adapters], device
+        )
+        for i in range(depth)
+    )
+
+
+def check_lora_paged(
+    checks: Checks,
+    dtype: torch.dtype,
+    device: torch.device,
+    tiny: bool,
+    in_features: int,
+    slice_sizes: tuple[int, ...],
+    decode: list[int],
+    prefill: list[int],
+) -> None:
+    """``TritonLoRABackend.apply_paged`` (every page pass in one launch pair per kernel family)
+    against the portable backend's per-pass loop: adapters 0-2 of ranks 24/16/4 (tiny) or
+    64/16/8, in pages of 8."""
+    ranks = [24, 16, 4] if tiny else [64, 16, 8]
+    pages, (lora_a, lora_b, scales) = _page_pool(ranks, 8, in_features, slice_sizes, dtype, device)
+    for name, adapters in (("decode", decode), ("prefill", prefill), ("mixed", decode + prefill)):
+        passes = _page_passes(adapters, pages, device)
+        x = torch.randn(len(adapters), in_features, device=device).to(dtype)
+        y = torch.randn(len(adapters), sum(slice_sizes), device=device).to(dtype)
+        y_t, y_r = y.clone(), y.clone()
+        TritonLoRABackend().apply_paged(y_t, x, lora_a, lora_b, scales, slice_sizes, passes)
+        PortableLoRABackend().apply_paged(y_r, x, lora_a, lora_b, scales, slice_sizes, passes)
+        checks.close(f"TritonLoRABackend.apply_paged {name}", dtype, y_t, y_r)
 
 
 # -- timings ------------------------------------------------------------------------------
@@ -398,6 +474,42 @@ def time_lora(timer: Timer, device: torch.device, tiny: bool) -> list[dict[str, 
     ]
 
 
+def time_lora_paged(timer: Timer, device: torch.device, tiny: bool) -> list[dict[str, Any]]:
+    """Paged LoRA (pages of 8 rows, fused q/k/v): ``apply_paged`` with every pass in one launch
+    pair per family vs the per-pass loop (``LoRABackend.apply_paged``), 16 adapters of ranks
+    8/16/32/64 (1-8 passes), decode and prefill."""
+    hidden, slice_sizes = (96, (48, 16, 16)) if tiny else (4096, (4096, 1024, 1024))
+    dtype, num_adapters = torch.bfloat16, 16
+    ranks = [(8, 16, 32, 64)[i % 4] for i in range(num_adapters)]
+    pages, (lora_a, lora_b, scales) = _page_pool(ranks, 8, hidden, slice_sizes, dtype, device)
+    backend = TritonLoRABackend()
+    rows = []
+    for phase, num_tokens in {"decode": 4 if tiny else 64, "prefill": 32 if tiny else 4096}.items():
+        if phase == "decode":
+            adapters = [t % num_adapters for t in range(num_tokens)]
+        else:
+            per_adapter = -(-num_tokens // num_adapters)
+            adapters = [min(t // per_adapter, num_adapters - 1) for t in range(num_tokens)]
+        passes = _page_passes(adapters, pages, device)
+        x = torch.randn(num_tokens, hidden, device=device).to(dtype)
+        y = torch.zeros(num_tokens, sum(slice_sizes), device=device, dtype=dtype)
+        args = (y, x, lora_a, lora_b, scales, slice_sizes, passes)
+        fused_ms = timer(lambda args=args: backend.apply_paged(*args))
+        loop_ms = timer(lambda args=args: LoRABackend.apply_paged(backend, *args))
+        rows.append(
+            {
+                "phase": phase,
+                "tokens": num_tokens,
+                "adapters": num_adapters,
+                "passes": len(passes),
+                "fused_ms": fused_ms,
+                "per_pass_ms": loop_ms,
+                "per_pass_over_fused": loop_ms / fused_ms,
+            }
+        )
+    return rows
+
+
 # -- main ----------------------------------------------------------------------------------
 
 
@@ -461,6 +573,12 @@ def main() -> int:
         for r in lora_rows:
             print(f"{r['phase']:8} {r['tokens']:6d} {r['adapters']:8d} {r['lora_ms']:9.3f} "
                   f"{r['base_matmul_ms']:10.3f} {r['lora_over_base']:9.3f}")  # fmt: skip
+        paged_rows = time_lora_paged(timer, device, tiny)
+        results["lora_paged"] = paged_rows
+        print(f"\n{'paged':8} {'tokens':>6} {'passes':>6} {'fused ms':>9} {'per-pass ms':>11} {'speedup':>7}")
+        for r in paged_rows:
+            print(f"{r['phase']:8} {r['tokens']:6d} {r['passes']:6d} {r['fused_ms']:9.3f} "
+                  f"{r['per_pass_ms']:11.3f} {r['per_pass_over_fused']:7.2f}")  # fmt: skip
     results["elapsed_s"] = time.perf_counter() - started
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / ("gpu_kernels_cpu_smoke.json" if tiny else "gpu_kernels.json")

@@ -189,7 +189,7 @@ class LoRABackend(abc.ABC):
         passes deep and adapters of different ranks share one call with no rank padding.
 
         LoRA is a sum over rank rows, so the delta is the sum of the passes' deltas. This
-        default runs ``apply`` per pass; a backend may fuse the passes (the CPU one does).
+        default runs ``apply`` per pass; a backend may fuse the passes (the CPU and Triton ones do).
         """
         for meta in passes:
             self.apply(y, x, lora_a, lora_b, scales, slice_sizes, meta)

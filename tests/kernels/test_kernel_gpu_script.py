@@ -34,8 +34,10 @@ def test_gpu_script_cpu_smoke(tmp_path: Path) -> None:
     for kernel in (
         "paged_decode", "extend_attention", "write_kv", "copy_blocks", "copy_blocks_between",
         "bgmv_shrink", "sgmv_shrink", "bgmv_expand", "sgmv_expand",
-        "TritonAttentionBackend.forward", "TritonLoRABackend.apply",
+        "TritonAttentionBackend.forward", "TritonLoRABackend.apply", "TritonLoRABackend.apply_paged",
     ):  # fmt: skip
         assert kernel in names, f"no correctness check for {kernel}"
     assert {row["dtype"] for row in checks} == {"bfloat16"}
     assert len(results["decode"]) == 2 and len(results["lora"]) == 6
+    assert [row["phase"] for row in results["lora_paged"]] == ["decode", "prefill"]
+    assert all(row["passes"] == 8 for row in results["lora_paged"])

@@ -44,6 +44,13 @@ def pow2_at_least(value: int, minimum: int = 16) -> int:
     return max(minimum, triton.next_power_of_2(max(1, value)))
 
 
+def check_page_table(pages: torch.Tensor, rows: int, what: str) -> None:
+    """Assert a paged LoRA kernel's page table: ``[rows, max_pages]`` int32, rows contiguous."""
+    assert pages.dim() == 2 and pages.shape[0] == rows, f"{what} {tuple(pages.shape)} is not [{rows}, P]"
+    assert pages.dtype == torch.int32 and pages.shape[1] >= 1, f"{what} must be int32 with >= 1 column"
+    assert pages.stride(1) == 1, f"{what} rows must be contiguous"
+
+
 @functools.lru_cache(maxsize=8)
 def num_sms(device_index: int) -> int:
     """Streaming multiprocessors of a CUDA device (1 when interpreting on the CPU)."""
