@@ -293,10 +293,11 @@ class AdapterManager:
             weights = self._host.get(entry.identity.version)
             return weights is not None and self._could_make_room(self._pages_needed(entry, weights))
 
-    def prefetch(self, adapter_id: int) -> bool:
+    def prefetch(self, adapter_id: int, start: bool = True) -> bool:
         """Start reading ``adapter_id`` from disk into host memory; True if already there.
 
         A failed background read is raised here (once), e.g. ``changed_on_disk``.
+        ``start=False`` only checks (and raises a failed read): ``prefetch_ahead`` reads.
         """
         with self._lock:
             self._collect_loads()
@@ -307,7 +308,7 @@ class AdapterManager:
             error = self._load_errors.pop(version, None)
             if error is not None:
                 raise error
-            if version not in self._loads:
+            if start and version not in self._loads:
                 self._submit(entry)
             return False
 

@@ -212,7 +212,10 @@ class LoRARuntime:
                     # The blocked adapter got its room; drain again only for another one.
                     self._draining.clear()
                 return AdmitDecision.OK
-            self.manager.prefetch(aid)
+            # Not read here: the scheduler's lookahead starts the reads for the waiting
+            # sequences in admission order, bounded by the host cache (reading for every
+            # sequence admission reaches would push earlier reads out before they are used).
+            self.manager.prefetch(aid, start=False)
         except AdapterError as exc:
             if aid in self._removed:
                 message = f"adapter {lora.name!r} (id {aid}) was removed while this request waited"

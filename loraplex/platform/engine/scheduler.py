@@ -254,8 +254,6 @@ class Scheduler:
         while out.is_empty and not out.aborted and self._wait_while_idle():
             out = self._schedule_once()  # everyone left was waiting for blocks or adapters
         self.policy.on_scheduled((item.seq, item.num_new_tokens) for item in out.scheduled)
-        if self._lookahead_hook is not None and self.waiting:
-            self._lookahead_hook(self.policy.admission_order(self.waiting))
         return out
 
     def _wait_while_idle(self) -> bool:
@@ -298,8 +296,9 @@ class Scheduler:
         #    Memory is strictly in the policy's order (a sequence that does not fit stops
         #    admission), but a sequence whose adapter has no slot yet is skipped so it never
         #    blocks requests for resident adapters or the base model.
+        order = self.policy.admission_order(self.waiting) if self.waiting else []
         if not out.preempted:
-            for seq in self.policy.admission_order(self.waiting):
+            for seq in order:
                 if budget <= 0:
                     break
                 width = 1 if seq.request.forked else seq.request.params.n
@@ -315,6 +314,10 @@ class Scheduler:
                 if isinstance(admitted, ScheduledSeq):
                     scheduled[seq.seq_id] = admitted
                     budget -= admitted.num_new_tokens
+        # 3. Read ahead for the sequences still waiting, in the order admission tries them
+        #    (before an idle step waits: the reads it waits for must have been started).
+        if self._lookahead_hook is not None and order:
+            self._lookahead_hook(order)
 
         # Decodes (one query token) first: backends batch them with one kernel.
         items = list(scheduled.values())
