@@ -315,9 +315,10 @@ class AdapterManager:
     def prefetch_ahead(self, adapter_ids: Iterable[int], max_adapters: int = 32) -> None:
         """Read ahead: the adapters of the next requests to admit, in that order.
 
-        Starts background store reads for the first ``max_adapters`` of ``adapter_ids`` that
-        are neither resident nor in host memory, within half the host cache (so what is read
-        ahead does not push out what was just read), and cancels reads still queued for any
+        Takes the first ``max_adapters`` of ``adapter_ids`` that are not resident, within half
+        the host cache (those already in host memory count: what is read ahead must not push
+        out what was read ahead before it is used), starts background store reads for those
+        not in host memory, and cancels reads still queued for any
         other adapter: a request that was admitted, aborted or overtaken no longer needs
         one, and a newcomer's read must not wait behind it. Unknown ids are skipped
         (admission reports them). Never raises for a failed read (``prefetch`` does).
@@ -327,21 +328,26 @@ class AdapterManager:
             host_room = self._host.max_bytes // 2 if self._host.max_bytes is not None else None
             if self._host.capacity is not None:
                 max_adapters = min(max_adapters, max(1, self._host.capacity // 2))
-            wanted: dict[str, AdapterEntry] = {}
+            wanted: dict[str, AdapterEntry] = {}  # to read
+            counted: set[str] = set()  # every version within the bounds, in host or not
             nbytes = 0
             for adapter_id in adapter_ids:
-                if len(wanted) >= max_adapters:
+                if len(counted) >= max_adapters:
                     break
                 entry = self._registry.get(adapter_id)
                 if entry is None or self._slots.slot_of(adapter_id) is not None:
                     continue
                 version = entry.identity.version
-                if version in wanted or version in self._host:
+                if version in counted:
                     continue
-                if wanted and host_room is not None and nbytes + entry.host_nbytes > host_room:
+                if counted and host_room is not None and nbytes + entry.host_nbytes > host_room:
                     break
-                wanted[version] = entry
+                counted.add(version)
                 nbytes += entry.host_nbytes
+                # Already read ahead: keep it the most recently used, so reads for later
+                # requests push out something else (the bounds count it either way).
+                if self._host.get(version) is None:
+                    wanted[version] = entry
             cancelled = [v for v, f in self._loads.items() if v not in wanted and f.cancel()]
             for version in cancelled:
                 del self._loads[version]
