@@ -129,3 +129,21 @@ def test_read_ahead_follows_the_queue_and_cancels_stale_reads(
         assert manager.can_acquire(i)  # read into host memory, nothing synchronous left
     assert not manager.can_acquire(3)
     manager.check_integrity()
+
+
+def test_read_ahead_counts_what_is_already_read(adapters: dict[int, Path], make_manager: Any) -> None:
+    """Adapters read ahead but not yet used count against the bounds: reading on past them
+    would push them out of the host cache before their requests run (a read storm)."""
+    manager = make_manager(max_loras=None, max_cpu_loras=4)  # read-ahead: 2 adapters
+    _add(manager, adapters, 1, 2, 3, 4, 5, 6)
+    for i in (1, 2, 3, 4):
+        manager._host.discard(manager.get_adapter(i).version)
+    reads = manager.stats().num_disk_reads
+    for _ in range(5):  # every step, the same queue: adapters 1 and 2 first
+        manager.prefetch_ahead([1, 2, 3, 4])
+        while manager.stats().num_loading:
+            assert manager.wait_for_a_read(30) or not manager.stats().num_loading
+    manager.prefetch_ahead([1, 2, 3, 4])  # collects the last read
+    assert manager.stats().num_disk_reads == reads + 2  # 1 and 2, once each; not 3 and 4
+    assert manager.can_acquire(1) and manager.can_acquire(2) and not manager.can_acquire(3)
+    manager.check_integrity()
