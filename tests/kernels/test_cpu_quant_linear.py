@@ -105,6 +105,24 @@ def test_interleaved_model_shapes(name: str) -> None:
         check_interleaved(name, m, n, k, "auto", bias=False, seed=n)
 
 
+@pytest.mark.parametrize("name", ["q4_1x16", "q8_0x16", "q4_1x16a8", "q8_0x16a8"])
+def test_auto_plan_by_rows(name: str) -> None:
+    """"auto" is the integer plan up to ``x16_direct_max_m()`` rows of int16 x (any number with
+    VNNI) and the exact panels past it; int8 x stays integer at every number of rows."""
+    from loraplex.kernels.cpu.quant_linear import x16_direct_max_m
+
+    limit = x16_direct_max_m()
+    gen = torch.Generator().manual_seed(5)
+    packed = random_packed(name, 48, 576, gen)
+    for m in (1, 32, 33, 70):
+        x = torch.randn(m, 576, generator=gen)
+        integer = name.endswith("a8") or limit is None or m <= limit
+        expected = qlinear(x, packed, None, "direct" if integer else "panels")
+        assert torch.equal(qlinear(x, packed, None, "auto"), expected), (name, m, limit)
+    if limit is not None:
+        assert limit == 32
+
+
 def test_int16_activations_stay_close_to_float() -> None:
     """gguf's int16 activations: within ~1e-4 of the float product (what keeps HF's tokens)."""
     gen = torch.Generator().manual_seed(3)

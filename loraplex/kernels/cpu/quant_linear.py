@@ -11,7 +11,11 @@ Formats the library lacks (``c_id`` 0) and other dtypes fall back to the torch r
 The 16-row interleaved formats (``interleave``; ``quant_x16.c``) take another plan at any
 number of rows: each row of x quantized per 32-block to int16 (or int8), integer dot products
 against the blocks (AVX-512 VNNI ``vpdpwssd`` / ``vpdpbusd``, 16 weight rows per vector), one
-float scale per block ("panels" decodes them to float panels as above, exactly).
+float scale per block ("panels" decodes them to float panels as above, exactly). Without
+VNNI, "auto" gives int16 activations only up to ``x16_direct_max_m()`` rows: past that the
+work is compute-bound and one ``vpmaddwd`` + add per 16 multiply-adds is no faster than an FMA
+per 8, so the exact panels run; int8 activations (``vpmaddubsw``, 32 a instruction) stay
+integer at every m.
 """
 
 from __future__ import annotations
@@ -52,6 +56,14 @@ def c_kernel() -> Any | None:
 def direct_max_m() -> int:
     """Most rows of x the in-register plan takes under "auto" (0 when unavailable)."""
     return limit("loraplex_qlinear_direct_max_m")
+
+
+def x16_direct_max_m() -> int | None:
+    """Most rows of x the int16-activation interleaved formats compute with integer dot
+    products under "auto" (None: any number, the VNNI build; 0 when unavailable)."""
+    if not c_kernel():
+        return 0
+    return None if limit("loraplex_qx16_has_vnni") else limit("loraplex_qx16_direct_max_m_no_vnni")
 
 
 INTERLEAVE_ARGTYPES = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int)

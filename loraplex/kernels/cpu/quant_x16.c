@@ -34,6 +34,12 @@
 
 #include "vec_tiles.h"
 
+#if defined(_OPENMP)
+#include <omp.h>
+#else
+static inline int omp_get_thread_num(void) { return 0; }
+#endif
+
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -41,12 +47,15 @@
 enum { X_Q8_0 = 10, X_Q4_0 = 11, X_Q4_1 = 12 }; /* + 3: int8 activations */
 #define QX_TILE 8 /* rows of x per register tile of the dot products */
 #define GROUP 16
+#define QX_PRIVATE_X_M 4 /* rows of x each thread quantizes for itself (no barrier) */
+#define QX16_DIRECT_MAX_M_NO_VNNI 32 /* "auto": rows of x past it run the float panels (int16 x, no VNNI) */
 
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 
 int64_t loraplex_linear_panel_width(void);
+int64_t loraplex_qx16_has_vnni(void);
 int64_t loraplex_linear_f32(const float *x, int64_t x_stride, const float *wp, const float *bias, float *y,
                             int64_t y_stride, int64_t m, int64_t n, int64_t k, int num_threads);
 
@@ -88,13 +97,14 @@ static inline v16 f16x16(const uint8_t *p) {
 }
 
 /* One row of x per 32-block: q (int8, the row's order), dx and the sum of q. */
-static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, int32_t *sx) {
+static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, int32_t *sx, float *ms) {
     for (int64_t b = 0; b < k / 32; ++b) {
         const float *xb = x + 32 * b;
         float amax = 0.0f;
         int finite = 1;
         for (int i = 0; i < 32; ++i) {
-            amax = fmaxf(amax, fabsf(xb[i]));
+            const float a = fabsf(xb[i]);
+            amax = a > amax ? a : amax; /* not fmaxf: a libm call per value; NaN is caught below */
             finite &= fabsf(xb[i]) <= 3.4028235e38f; /* false for NaN and inf */
         }
         /* a NaN or inf makes the block's scale NaN, so the outputs are NaN as in float32 */
@@ -107,22 +117,26 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *dx, int32_
         }
         dx[b] = d;
         sx[b] = s;
+        ms[b] = d * (float)s; /* Q4_1's min term: m * dx * sum(q) */
     }
 }
 
-/* One row of x per 32-block as int16 pairs for vpdpwssd: q = round(x / dx), dx = amax / 32767;
+/* One row of x per 32-block as int16 pairs for vpdpwssd: q = round(x / dx), dx = amax / qmax (32767;
+ * 127 for int8 activations computed by the int16 kernels: the same q as quantize_row);
  * xp[16 * b + 2 * c] packs (q[4c], q[4c + 2]), xp[16 * b + 2 * c + 1] (q[4c + 1], q[4c + 3]), c = 0..7:
  * the weights a chunk's 16-bit lanes hold after masking (see dot_group). */
-static void quantize_row16(const float *x, int64_t k, int32_t *xp, float *dx, int32_t *sx) {
+static void quantize_row16(const float *x, int64_t k, int32_t *xp, float *dx, int32_t *sx, float *ms,
+                           const float qmax) {
     for (int64_t b = 0; b < k / 32; ++b) {
         const float *xb = x + 32 * b;
         float amax = 0.0f;
         int finite = 1;
         for (int i = 0; i < 32; ++i) {
-            amax = fmaxf(amax, fabsf(xb[i]));
+            const float a = fabsf(xb[i]);
+            amax = a > amax ? a : amax; /* not fmaxf: a libm call per value; NaN is caught below */
             finite &= fabsf(xb[i]) <= 3.4028235e38f;
         }
-        const float d = finite ? amax / 32767.0f : NAN, id = finite && d != 0.0f ? 1.0f / d : 0.0f;
+        const float d = finite ? amax / qmax : NAN, id = finite && d != 0.0f ? 1.0f / d : 0.0f;
         int32_t q[32], s = 0;
         for (int i = 0; i < 32; ++i) {
             q[i] = (int32_t)nearbyintf(xb[i] * id);
@@ -134,6 +148,7 @@ static void quantize_row16(const float *x, int64_t k, int32_t *xp, float *dx, in
         }
         dx[b] = d;
         sx[b] = s;
+        ms[b] = d * (float)s; /* Q4_1's min term: m * dx * sum(q) */
     }
 }
 
@@ -210,7 +225,7 @@ static inline v16 to_float(const i32x16 v) { return __builtin_convertvector(v, v
  * the 512-bit GCC vectors of dot_group would need 32 ymm registers for a tile and spill. */
 static inline __attribute__((always_inline)) void dot16_half_avx2(const int fmt, const uint8_t *wg, int64_t nb,
                                                                   const int32_t *xp, int64_t k, const float *dx,
-                                                                  const int32_t *sx, const float *bias, float *y,
+                                                                  const int32_t *sx, const float *ms, const float *bias, float *y,
                                                                   int64_t y_stride, const int tm, const int half) {
     const int64_t bb = x_block_bytes(fmt);
     const int hb = x_head_bytes(fmt);
@@ -248,7 +263,57 @@ static inline __attribute__((always_inline)) void dot16_half_avx2(const int fmt,
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(dxb)), acc[t]);
             if (fmt == X_Q4_1) {
                 const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * half)));
-                acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(dxb * (float)sxb), acc[t]);
+                acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(ms[t * (k / 32) + b]), acc[t]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) {
+        if (bias != NULL) acc[t] = _mm256_add_ps(acc[t], _mm256_loadu_ps(bias + 8 * half));
+        _mm256_storeu_ps(y + t * y_stride + 8 * half, acc[t]);
+    }
+}
+
+/* AVX2, int8 activations, Q4_0 / Q4_1 (Q8_0's a8 runs dot16_avx2 on int8-valued pairs: see
+ * loraplex_qx16_f32): vpmaddubsw multiplies a lane's 4 unsigned nibbles by 4 signed bytes of x
+ * into two int16 pair sums, 32 multiply-adds an instruction. A pair sum is at most
+ * 2 * 15 * 127 = 3810, so a block's 8 of them add up in int16 (<= 30480) and one vpmaddwd by
+ * ones widens them per block. */
+static inline __attribute__((always_inline)) void dot8_half_avx2(const int fmt, const uint8_t *wg, int64_t nb,
+                                                                 const int8_t *xq, int64_t k, const float *dx,
+                                                                 const int32_t *sx, const float *ms, const float *bias, float *y,
+                                                                 int64_t y_stride, const int tm, const int half) {
+    const int64_t bb = x_block_bytes(fmt);
+    const int hb = x_head_bytes(fmt);
+    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const int offset = fmt == X_Q4_0 ? 8 : 0;
+    __m256 acc[4];
+    _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *blk = wg + b * bb, *qs = blk + hb + 32 * half;
+        __m256i s[4];
+        _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) s[t] = _mm256_setzero_si256();
+        _Pragma("GCC unroll 4") for (int c = 0; c < 4; ++c) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(qs + 64 * c));
+            const __m256i lo = _mm256_and_si256(w, mask), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
+            _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) {
+                const int32_t *x32 = (const int32_t *)(xq + t * k + 32 * b);
+                s[t] = _mm256_add_epi16(s[t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x32[c])));
+                s[t] = _mm256_add_epi16(s[t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x32[4 + c])));
+                /* keep the sum in order: GCC reassociates the integer adds into a tree of all
+                 * the block's products, which needs 32 live registers and spills */
+                __asm__("" : "+x"(s[t]));
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * half)));
+        _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) {
+            const float dxb = dx[t * (k / 32) + b];
+            const int32_t sxb = sx[t * (k / 32) + b];
+            __m256i isum = _mm256_madd_epi16(s[t], ones);
+            if (offset) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(offset * sxb));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(dxb)), acc[t]);
+            if (fmt == X_Q4_1) {
+                const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * half)));
+                acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(ms[t * (k / 32) + b]), acc[t]);
             }
         }
     }
@@ -261,24 +326,25 @@ static inline __attribute__((always_inline)) void dot16_half_avx2(const int fmt,
 /* A tile of up to 4 rows of x against one group: both halves. */
 static inline __attribute__((always_inline)) void dot16_avx2(const int fmt, const uint8_t *wg, int64_t nb,
                                                              const int32_t *xp, int64_t k, const float *dx,
-                                                             const int32_t *sx, const float *bias, float *y,
+                                                             const int32_t *sx, const float *ms, const float *bias, float *y,
                                                              int64_t y_stride, const int tm) {
-    dot16_half_avx2(fmt, wg, nb, xp, k, dx, sx, bias, y, y_stride, tm, 0);
-    dot16_half_avx2(fmt, wg, nb, xp, k, dx, sx, bias, y, y_stride, tm, 1);
+    dot16_half_avx2(fmt, wg, nb, xp, k, dx, sx, ms, bias, y, y_stride, tm, 0);
+    dot16_half_avx2(fmt, wg, nb, xp, k, dx, sx, ms, bias, y, y_stride, tm, 1);
 }
 /* GCC's -O3 schedules the unrolled tiles' products far ahead of their adds and spills them
  * (~900 ymm stack moves in dot16_X_Q4_1); -O2 keeps them in registers. */
 #define QX_ATTR_16 __attribute__((optimize("O2")))
+#define QX_ATTR_8 QX_ATTR_16
 #else
 #define QX_AVX2 0
 #define QX_ATTR_16
-#endif
 #define QX_ATTR_8
+#endif
 
 /* y[t, g*16 .. +16] for rows t < tm of x (quantized) and group g; tm a constant at each call. */
 static inline __attribute__((always_inline)) void dot_group(const int fmt, const int bits, const uint8_t *wg,
                                                             int64_t nb, const int8_t *xq, int64_t k, const float *dx,
-                                                            const int32_t *sx, const float *bias, float *y,
+                                                            const int32_t *sx, const float *ms, const float *bias, float *y,
                                                             int64_t y_stride, const int tm) {
 #if QX_AVX2
     if (bits == 16) { /* tiles of up to 4 rows on 8-lane halves (see dot16_avx2) */
@@ -287,12 +353,32 @@ static inline __attribute__((always_inline)) void dot_group(const int fmt, const
             const int32_t *xt = xp + t0 * (k / 2);
             const float *dt = dx + t0 * (k / 32);
             const int32_t *st = sx + t0 * (k / 32);
+            const float *mt = ms + t0 * (k / 32);
             float *yt = y + t0 * y_stride;
             switch (tm - t0 < 4 ? tm - t0 : 4) {
-                case 4: dot16_avx2(fmt, wg, nb, xt, k, dt, st, bias, yt, y_stride, 4); break;
-                case 3: dot16_avx2(fmt, wg, nb, xt, k, dt, st, bias, yt, y_stride, 3); break;
-                case 2: dot16_avx2(fmt, wg, nb, xt, k, dt, st, bias, yt, y_stride, 2); break;
-                default: dot16_avx2(fmt, wg, nb, xt, k, dt, st, bias, yt, y_stride, 1); break;
+                case 4: dot16_avx2(fmt, wg, nb, xt, k, dt, st, mt, bias, yt, y_stride, 4); break;
+                case 3: dot16_avx2(fmt, wg, nb, xt, k, dt, st, mt, bias, yt, y_stride, 3); break;
+                case 2: dot16_avx2(fmt, wg, nb, xt, k, dt, st, mt, bias, yt, y_stride, 2); break;
+                default: dot16_avx2(fmt, wg, nb, xt, k, dt, st, mt, bias, yt, y_stride, 1); break;
+            }
+        }
+        return;
+    }
+    if (bits == 8 && fmt != X_Q8_0) { /* Q4 with int8 activations: vpmaddubsw, both halves */
+        for (int t0 = 0; t0 < tm; t0 += 4) {
+            const int8_t *xt = xq + t0 * k;
+            const float *dt = dx + t0 * (k / 32);
+            const int32_t *st = sx + t0 * (k / 32);
+            const float *mt = ms + t0 * (k / 32);
+            float *yt = y + t0 * y_stride;
+            const int n = tm - t0 < 4 ? tm - t0 : 4;
+            for (int half = 0; half < 2; ++half) {
+                switch (n) {
+                    case 4: dot8_half_avx2(fmt, wg, nb, xt, k, dt, st, mt, bias, yt, y_stride, 4, half); break;
+                    case 3: dot8_half_avx2(fmt, wg, nb, xt, k, dt, st, mt, bias, yt, y_stride, 3, half); break;
+                    case 2: dot8_half_avx2(fmt, wg, nb, xt, k, dt, st, mt, bias, yt, y_stride, 2, half); break;
+                    default: dot8_half_avx2(fmt, wg, nb, xt, k, dt, st, mt, bias, yt, y_stride, 1, half); break;
+                }
             }
         }
         return;
@@ -352,7 +438,7 @@ static inline __attribute__((always_inline)) void dot_group(const int fmt, const
             const int32_t sxb = sx[t * (k / 32) + b];
             const i32x16 isum = (tm > 2 ? s0[t] : s0[t] + s1_[t]) - offset * sxb;
             acc[t] += to_float(isum) * (d * dxb);
-            if (fmt == X_Q4_1) acc[t] += f16x16(blk + 32) * (dxb * (float)sxb);
+            if (fmt == X_Q4_1) acc[t] += f16x16(blk + 32) * ms[t * (k / 32) + b];
         }
 #undef s1
     }
@@ -394,7 +480,7 @@ static inline __attribute__((always_inline)) void decode_group(const int fmt, co
 }
 
 typedef void (*dot_fn)(const uint8_t *, int64_t, const int8_t *, int64_t, const float *, const int32_t *,
-                       const float *, float *, int64_t, int64_t);
+                       const float *, const float *, float *, int64_t, int64_t);
 typedef struct {
     dot_fn dot8, dot16;
 } dot_fns;
@@ -403,23 +489,24 @@ typedef void (*dec_fn)(const uint8_t *, int64_t, float *, int64_t);
 /* One function per format (a constant inside: see quant_linear.c on OpenMP's outlined bodies). */
 #define QX_DOT(F, BITS)                                                                                             \
     static QX_ATTR_##BITS void dot##BITS##_##F(const uint8_t *wg, int64_t nb, const int8_t *xq, int64_t k, const float *dx,       \
-                                const int32_t *sx, const float *bias, float *y, int64_t ys, int64_t m) {           \
+                                const int32_t *sx, const float *ms, const float *bias, float *y, int64_t ys, int64_t m) {           \
         /* every tile of rows against this group: its weights stay in L1 */                                     \
         const int64_t xrow = BITS == 8 ? k : 2 * k;                                                                 \
         for (int64_t t0 = 0; t0 < m; t0 += QX_TILE) {                                                               \
             const int8_t *xt = xq + t0 * xrow;                                                                      \
             const float *dt = dx + t0 * (k / 32);                                                                   \
-            const int32_t *st = sx + t0 * (k / 32);                                                                 \
+            const int32_t *st = sx + t0 * (k / 32);                                                               \
+            const float *mt = ms + t0 * (k / 32);                                                                 \
             float *yt = y + t0 * ys;                                                                                \
             switch (m - t0 < QX_TILE ? m - t0 : QX_TILE) {                                                          \
-                case 8: dot_group(F, BITS, wg, nb, xt, k, dt, st, bias, yt, ys, 8); break;                          \
-                case 7: dot_group(F, BITS, wg, nb, xt, k, dt, st, bias, yt, ys, 7); break;                          \
-                case 6: dot_group(F, BITS, wg, nb, xt, k, dt, st, bias, yt, ys, 6); break;                          \
-                case 5: dot_group(F, BITS, wg, nb, xt, k, dt, st, bias, yt, ys, 5); break;                          \
-                case 4: dot_group(F, BITS, wg, nb, xt, k, dt, st, bias, yt, ys, 4); break;                          \
-                case 3: dot_group(F, BITS, wg, nb, xt, k, dt, st, bias, yt, ys, 3); break;                          \
-                case 2: dot_group(F, BITS, wg, nb, xt, k, dt, st, bias, yt, ys, 2); break;                          \
-                default: dot_group(F, BITS, wg, nb, xt, k, dt, st, bias, yt, ys, 1); break;                         \
+                case 8: dot_group(F, BITS, wg, nb, xt, k, dt, st, mt, bias, yt, ys, 8); break;                          \
+                case 7: dot_group(F, BITS, wg, nb, xt, k, dt, st, mt, bias, yt, ys, 7); break;                          \
+                case 6: dot_group(F, BITS, wg, nb, xt, k, dt, st, mt, bias, yt, ys, 6); break;                          \
+                case 5: dot_group(F, BITS, wg, nb, xt, k, dt, st, mt, bias, yt, ys, 5); break;                          \
+                case 4: dot_group(F, BITS, wg, nb, xt, k, dt, st, mt, bias, yt, ys, 4); break;                          \
+                case 3: dot_group(F, BITS, wg, nb, xt, k, dt, st, mt, bias, yt, ys, 3); break;                          \
+                case 2: dot_group(F, BITS, wg, nb, xt, k, dt, st, mt, bias, yt, ys, 2); break;                          \
+                default: dot_group(F, BITS, wg, nb, xt, k, dt, st, mt, bias, yt, ys, 1); break;                         \
             }                                                                                                       \
         }                                                                                                           \
     }
@@ -444,6 +531,9 @@ int64_t loraplex_qx16_has_vnni(void) {
 #endif
 }
 
+/* Rows of x past which "auto" runs int16 activations as float panels without VNNI. */
+int64_t loraplex_qx16_direct_max_m_no_vnni(void) { return QX16_DIRECT_MAX_M_NO_VNNI; }
+
 /* y[m, n] = x[m, k] @ W^T + bias for W [n / 16 groups] in an interleaved format; n % 16 == 0.
  * plan: 0 or 1 = integer dot products (any m), 2 = float panels (exact; kept for tests and comparison).
  * Returns 0, -1 for a bad format or shape, -2 when a panel buffer could not be allocated. */
@@ -452,41 +542,70 @@ int64_t loraplex_qx16_f32(const float *x, int64_t x_stride, const uint8_t *w, co
     dot_fn dot;
     dec_fn dec;
     /* format ids 10-12: int16 activations; 13-15: the same layouts with int8 activations */
-    const int bits = format >= X_Q8_0 + 3 ? 8 : 16;
-    switch (bits == 8 ? format - 3 : format) {
+    const int int8_x = format >= X_Q8_0 + 3;
+    int bits = int8_x ? 8 : 16;
+    /* int8-valued x in int16 pairs (the same integer sums): on AVX2 vpmaddubsw would need
+     * llama.cpp's sign trick for Q8_0's signed weights, no fewer instructions than vpmaddwd */
+    const float qmax = bits == 8 ? 127.0f : 32767.0f;
+    if (QX_AVX2 && format == X_Q8_0 + 3) bits = 16;
+    switch (format >= X_Q8_0 + 3 ? format - 3 : format) {
         case X_Q8_0: dot = bits == 8 ? dot8_X_Q8_0 : dot16_X_Q8_0; dec = dec_X_Q8_0; format = X_Q8_0; break;
         case X_Q4_0: dot = bits == 8 ? dot8_X_Q4_0 : dot16_X_Q4_0; dec = dec_X_Q4_0; format = X_Q4_0; break;
         case X_Q4_1: dot = bits == 8 ? dot8_X_Q4_1 : dot16_X_Q4_1; dec = dec_X_Q4_1; format = X_Q4_1; break;
         default: return -1;
     }
     if (n % GROUP != 0 || k % 32 != 0) return -1;
+    /* int16 activations without VNNI do one vpmaddwd and one add per 16 multiply-adds, an FMA
+     * does 8: past a few dozen rows (compute-bound) the exact float panels are as fast or faster */
+    if (plan == 0 && !int8_x && !loraplex_qx16_has_vnni() && m > QX16_DIRECT_MAX_M_NO_VNNI) plan = 2;
     const int64_t nb = k / 32, groups = n / GROUP, group_bytes = nb * x_block_bytes(format);
     if (plan != 2) {
         /* every row of x quantized first (int8 rows, or int16 pairs), then each group of weights
-         * against all of them */
-        int8_t *xq = malloc((size_t)(m * 2 * k + 64));
-        float *dx = malloc(sizeof(float) * (size_t)(m * nb));
-        int32_t *sx = malloc(sizeof(int32_t) * (size_t)(m * nb));
-        const int failed = xq == NULL || dx == NULL || sx == NULL;
+         * against all of them. A decode step's few rows are quantized by every thread for
+         * itself: a barrier between the two loops costs more than quantizing k values twice. */
+        const int private_x = m <= QX_PRIVATE_X_M;
+        const int64_t copies = private_x ? num_threads : 1, xq_bytes = m * 2 * k + 64;
+        int8_t *xq = malloc((size_t)(copies * xq_bytes));
+        float *dx = malloc(sizeof(float) * (size_t)(copies * m * nb));
+        int32_t *sx = malloc(sizeof(int32_t) * (size_t)(copies * m * nb));
+        float *ms = malloc(sizeof(float) * (size_t)(copies * m * nb));
+        const int failed = xq == NULL || dx == NULL || sx == NULL || ms == NULL;
         if (!failed) {
 #pragma omp parallel num_threads(num_threads)
             {
+                const int64_t c = private_x ? omp_get_thread_num() : 0;
+                int8_t *xqc = xq + c * xq_bytes;
+                float *dxc = dx + c * m * nb;
+                int32_t *sxc = sx + c * m * nb;
+                float *msc = ms + c * m * nb;
+                if (private_x) {
+                    for (int64_t t = 0; t < m; ++t) {
+                        if (bits == 8)
+                            quantize_row(x + t * x_stride, k, xqc + t * k, dxc + t * nb, sxc + t * nb, msc + t * nb);
+                        else
+                            quantize_row16(x + t * x_stride, k, (int32_t *)xqc + t * (k / 2), dxc + t * nb, sxc + t * nb, msc + t * nb,
+                                           qmax);
+                    }
+                } else {
 #pragma omp for schedule(static)
-                for (int64_t t = 0; t < m; ++t) {
-                    if (bits == 8)
-                        quantize_row(x + t * x_stride, k, xq + t * k, dx + t * nb, sx + t * nb);
-                    else
-                        quantize_row16(x + t * x_stride, k, (int32_t *)xq + t * (k / 2), dx + t * nb, sx + t * nb);
+                    for (int64_t t = 0; t < m; ++t) {
+                        if (bits == 8)
+                            quantize_row(x + t * x_stride, k, xq + t * k, dx + t * nb, sx + t * nb, ms + t * nb);
+                        else
+                            quantize_row16(x + t * x_stride, k, (int32_t *)xq + t * (k / 2), dx + t * nb, sx + t * nb, ms + t * nb,
+                                           qmax);
+                    }
                 }
 #pragma omp for schedule(static)
                 for (int64_t g = 0; g < groups; ++g)
-                    dot(w + g * group_bytes, nb, xq, k, dx, sx, bias != NULL ? bias + g * GROUP : NULL, y + g * GROUP,
-                        y_stride, m);
+                    dot(w + g * group_bytes, nb, xqc, k, dxc, sxc, msc, bias != NULL ? bias + g * GROUP : NULL,
+                        y + g * GROUP, y_stride, m);
             }
         }
         free(xq);
         free(dx);
         free(sx);
+        free(ms);
         return failed ? -2 : 0;
     }
     const int64_t width = loraplex_linear_panel_width(), num_panels = (n + width - 1) / width;

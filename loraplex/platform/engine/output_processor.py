@@ -74,7 +74,10 @@ class OutputProcessor:
             seqs.append(seq)
         if not seqs:
             return []
-        row_logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+        if rows == list(range(logits.shape[0])):
+            row_logits = logits  # the usual case: one row per sequence, in order (no copy)
+        else:
+            row_logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
         self._ban_early_stops(row_logits, seqs)
         failed = self._fail_non_finite(row_logits, seqs)
         if failed:

@@ -290,3 +290,18 @@ def test_stop_string_included_when_asked(tokenizer) -> None:  # type: ignore[no-
         if d.append(t):
             break
     assert d.text == "one two th"
+
+
+def test_greedy_tokens_first_maximum_as_torch() -> None:
+    """numpy's argmax on the CPU: the first maximum of each row, as torch's argmax."""
+    from loraplex.platform.engine.sampler import greedy_tokens
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 1000, generator=gen)
+    logits[1, 7] = logits[1, 900] = 50.0  # a tie: the first one wins
+    logits[2] = -1.0  # all equal
+    for rows in (logits, logits[::2], logits[:, 10:]):  # strided views too
+        got = greedy_tokens(rows)
+        assert got.dtype == torch.int64
+        assert torch.equal(got, rows.argmax(dim=-1))
+    assert greedy_tokens(logits)[1] == 7 and greedy_tokens(logits)[2] == 0
