@@ -107,8 +107,8 @@ def test_interleaved_model_shapes(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["q4_1x16", "q8_0x16", "q4_1x16a8", "q8_0x16a8"])
 def test_auto_plan_by_rows(name: str) -> None:
-    """"auto" is the integer plan up to ``x16_direct_max_m()`` rows of int16 x (any number with
-    VNNI) and the exact panels past it; int8 x stays integer at every number of rows."""
+    """The "auto" plan is the integer one up to ``x16_direct_max_m()`` rows of int16 x (any number
+    with VNNI) and the exact panels past it; int8 x stays integer at every number of rows."""
     from loraplex.kernels.cpu.quant_linear import x16_direct_max_m
 
     limit = x16_direct_max_m()
