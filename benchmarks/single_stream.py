@@ -125,13 +125,32 @@ def rss_bytes() -> int:
     return 0
 
 
+def live_tensor_bytes() -> int:
+    """Bytes of the distinct CPU tensor storages alive now (weights, KV, buffers)."""
+    import gc
+
+    import torch
+
+    seen: set[int] = set()
+    total = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in seen and storage.nbytes():
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+
 def measure_rss(fmt: str, threads: int) -> None:
-    """Child process: resident bytes a load adds, after the imports, the C kernels and the GGUF
-    conversion (cached) are done. A warm-up engine would be wrong here: the engine keeps freed
-    heap (host_memory.py), so a second load would reuse the first one's pages."""
+    """Child process: resident bytes a load adds, after the imports, the C kernels, the GGUF
+    conversion (cached) and one tokenizer (~100 MB of the process for SmolLM2's 49,152-token
+    BPE, whatever the weight format) are done. A warm-up engine would be wrong here: the
+    engine keeps freed heap (host_memory.py), so a second load would reuse the first one's
+    pages. Also reports the tensors the load added (weights + the 16-block KV cache)."""
     import gguf  # noqa: F401
     import transformers  # noqa: F401
-    from transformers import AutoConfig, AutoTokenizer  # noqa: F401
+    from transformers import AutoConfig, AutoTokenizer
 
     from loraplex import LLM  # noqa: F401
     from loraplex.kernels.cpu.build import load_library
@@ -139,11 +158,22 @@ def measure_rss(fmt: str, threads: int) -> None:
 
     path = files([fmt])[fmt]
     load_library()
-    resolve_model_dir(str(path))
+    model_dir = resolve_model_dir(str(path))
+    AutoConfig.from_pretrained(str(model_dir))
+    start = rss_bytes()
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     before = rss_bytes()
+    tensors_before = live_tensor_bytes()
     llm = loraplex_engine(fmt, path, threads, num_kv_blocks=16)
     after = rss_bytes()
-    print(json.dumps({"rss_added": after - before, "file": path.stat().st_size, "engine": id(llm) > 0}))
+    report = {
+        "rss_added": after - before,
+        "tokenizer_rss": before - start,
+        "tensor_bytes": live_tensor_bytes() - tensors_before,
+        "file": path.stat().st_size,
+        "engine": id(llm) > 0 and id(tokenizer) > 0,
+    }
+    print(json.dumps(report))
 
 
 def rss_per_format(formats: list[str], threads: int) -> dict[str, dict[str, int]]:
@@ -211,9 +241,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.rss or args.rss_only:
         for fmt, rss in rss_per_format(formats, args.threads).items():
             results[fmt]["rss_added_bytes"] = rss["rss_added"]
+            results[fmt]["tensor_bytes"] = rss["tensor_bytes"]
+            results[fmt]["tokenizer_rss_bytes"] = rss["tokenizer_rss"]
             results[fmt]["file_bytes"] = rss["file"]
 
-    headers = ["format", "file", "loraplex tok/s", "llama.cpp tok/s", "ratio", "RSS added MB", "file MB"]
+    headers = [
+        "format",
+        "file",
+        "loraplex tok/s",
+        "llama.cpp tok/s",
+        "ratio",
+        "RSS added MB",
+        "tensors added MB",
+        "file MB",
+    ]
     rows = [
         [
             fmt,
@@ -222,6 +263,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             r.get("llama_cpp_tok_s", float("nan")),
             r.get("ratio", float("nan")),
             r.get("rss_added_bytes", 0) / 1e6,
+            r.get("tensor_bytes", 0) / 1e6,
             r.get("file_bytes", 0) / 1e6,
         ]
         for fmt, r in results.items()
