@@ -68,7 +68,10 @@ def check_interleaved(name: str, m: int, n: int, k: int, plan: str, bias: bool, 
     x[0, :32] = 0.0  # an all-zero block (scale 0)
     b = torch.randn(n, generator=gen) if bias else None
     y = qlinear(x, packed, b, plan)
-    integer = plan != "panels"  # auto and direct: integer dot products at any m
+    from loraplex.kernels.cpu.quant_linear import x16_direct_max_m
+
+    limit_m = x16_direct_max_m(fmt)  # "auto" past it: the exact panels
+    integer = plan == "direct" or (plan == "auto" and (limit_m is None or m <= limit_m))
     xs = quantize_activations(x, fmt.activation_bits) if integer else x
     expected = xs.double() @ packed.dequantize().double().t()
     if b is not None:
@@ -107,20 +110,24 @@ def test_interleaved_model_shapes(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["q4_1x16", "q8_0x16", "q4_1x16a8", "q8_0x16a8"])
 def test_auto_plan_by_rows(name: str) -> None:
-    """The "auto" plan is the integer one up to ``x16_direct_max_m()`` rows of int16 x (any number
-    with VNNI) and the exact panels past it; int8 x stays integer at every number of rows."""
+    """The "auto" plan is the integer one up to ``x16_direct_max_m`` rows (any number with VNNI,
+    and for Q4 blocks with int8 x) and the exact panels past it."""
+    from loraplex.kernels.cpu.build import limit
     from loraplex.kernels.cpu.quant_linear import x16_direct_max_m
 
-    limit = x16_direct_max_m()
     gen = torch.Generator().manual_seed(5)
     packed = random_packed(name, 48, 576, gen)
+    limit_m = x16_direct_max_m(packed.format)
+    vnni = bool(limit("loraplex_qx16_has_vnni"))
+    if vnni or name == "q4_1x16a8":
+        assert limit_m is None
+    elif name != "q8_0x16a8":  # Q8_0 with int8 x: the int16 kernel on AVX2, vpmaddubsw elsewhere
+        assert limit_m == 32
     for m in (1, 32, 33, 70):
         x = torch.randn(m, 576, generator=gen)
-        integer = name.endswith("a8") or limit is None or m <= limit
+        integer = limit_m is None or m <= limit_m
         expected = qlinear(x, packed, None, "direct" if integer else "panels")
-        assert torch.equal(qlinear(x, packed, None, "auto"), expected), (name, m, limit)
-    if limit is not None:
-        assert limit == 32
+        assert torch.equal(qlinear(x, packed, None, "auto"), expected), (name, m, limit_m)
 
 
 def test_int16_activations_stay_close_to_float() -> None:

@@ -12,10 +12,10 @@ The 16-row interleaved formats (``interleave``; ``quant_x16.c``) take another pl
 number of rows: each row of x quantized per 32-block to int16 (or int8), integer dot products
 against the blocks (AVX-512 VNNI ``vpdpwssd`` / ``vpdpbusd``, 16 weight rows per vector), one
 float scale per block ("panels" decodes them to float panels as above, exactly). Without
-VNNI, "auto" gives int16 activations only up to ``x16_direct_max_m()`` rows: past that the
+VNNI, "auto" gives the int16 kernel only up to ``x16_direct_max_m(format)`` rows: past that the
 work is compute-bound and one ``vpmaddwd`` + add per 16 multiply-adds is no faster than an FMA
-per 8, so the exact panels run; int8 activations (``vpmaddubsw``, 32 a instruction) stay
-integer at every m.
+per 8, so the exact panels run; Q4 blocks with int8 activations (``vpmaddubsw``, 32 a
+instruction) stay integer at every m.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from loraplex.kernels.contracts import PackedWeight
+from loraplex.kernels.contracts import PackedWeight, WeightFormat
 from loraplex.kernels.cpu.build import bind, limit
 from loraplex.kernels.formats import FORMATS
 from loraplex.kernels.formats.interleaved import GROUP, Interleaved
@@ -58,12 +58,14 @@ def direct_max_m() -> int:
     return limit("loraplex_qlinear_direct_max_m")
 
 
-def x16_direct_max_m() -> int | None:
-    """Most rows of x the int16-activation interleaved formats compute with integer dot
-    products under "auto" (None: any number, the VNNI build; 0 when unavailable)."""
-    if not c_kernel():
-        return 0
-    return None if limit("loraplex_qx16_has_vnni") else limit("loraplex_qx16_direct_max_m_no_vnni")
+def x16_direct_max_m(weight_format: WeightFormat) -> int | None:
+    """Most rows of x an interleaved format computes with integer dot products under "auto"
+    (None: any number; the rest run the exact float panels)."""
+    fn = bind("loraplex_qx16_direct_max_m", (ctypes.c_int,))
+    if fn is None or not isinstance(weight_format, Interleaved):
+        return None
+    limit_m = int(fn(weight_format.c_id))
+    return None if limit_m < 0 else limit_m
 
 
 INTERLEAVE_ARGTYPES = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int)

@@ -57,6 +57,7 @@ typedef uint16_t u16x16 __attribute__((vector_size(32)));
 
 int64_t loraplex_linear_panel_width(void);
 int64_t loraplex_qx16_has_vnni(void);
+int64_t loraplex_qx16_direct_max_m(int format);
 int64_t loraplex_linear_f32(const float *x, int64_t x_stride, const float *wp, const float *bias, float *y,
                             int64_t y_stride, int64_t m, int64_t n, int64_t k, int num_threads);
 
@@ -532,8 +533,14 @@ int64_t loraplex_qx16_has_vnni(void) {
 #endif
 }
 
-/* Rows of x past which "auto" runs int16 activations as float panels without VNNI. */
-int64_t loraplex_qx16_direct_max_m_no_vnni(void) { return QX16_DIRECT_MAX_M_NO_VNNI; }
+/* Most rows of x "auto" gives the integer plan for format id `format` (-1: any number). The
+ * int16 kernel without VNNI (the int16 formats, and Q8_0 with int8 activations on AVX2) does one
+ * vpmaddwd and one add per 16 multiply-adds, an FMA does 8: past a few dozen rows (compute-bound)
+ * the exact float panels are as fast or faster. */
+int64_t loraplex_qx16_direct_max_m(int format) {
+    const int int16_kernel = format < X_Q8_0 + 3 || (QX_AVX2 && format == X_Q8_0 + 3);
+    return int16_kernel && !loraplex_qx16_has_vnni() ? QX16_DIRECT_MAX_M_NO_VNNI : -1;
+}
 
 /* y[m, n] = x[m, k] @ W^T + bias for W [n / 16 groups] in an interleaved format; n % 16 == 0.
  * plan: 0 or 1 = integer dot products (any m), 2 = float panels (exact; kept for tests and comparison).
@@ -544,6 +551,7 @@ int64_t loraplex_qx16_f32(const float *x, int64_t x_stride, const uint8_t *w, co
     dec_fn dec;
     /* format ids 10-12: int16 activations; 13-15: the same layouts with int8 activations */
     const int int8_x = format >= X_Q8_0 + 3;
+    const int64_t direct_max_m = loraplex_qx16_direct_max_m(format);
     int bits = int8_x ? 8 : 16;
     /* int8-valued x in int16 pairs (the same integer sums): on AVX2 vpmaddubsw would need
      * llama.cpp's sign trick for Q8_0's signed weights, no fewer instructions than vpmaddwd */
@@ -556,9 +564,7 @@ int64_t loraplex_qx16_f32(const float *x, int64_t x_stride, const uint8_t *w, co
         default: return -1;
     }
     if (n % GROUP != 0 || k % 32 != 0) return -1;
-    /* int16 activations without VNNI do one vpmaddwd and one add per 16 multiply-adds, an FMA
-     * does 8: past a few dozen rows (compute-bound) the exact float panels are as fast or faster */
-    if (plan == 0 && !int8_x && !loraplex_qx16_has_vnni() && m > QX16_DIRECT_MAX_M_NO_VNNI) plan = 2;
+    if (plan == 0 && direct_max_m >= 0 && m > direct_max_m) plan = 2; /* see loraplex_qx16_direct_max_m */
     const int64_t nb = k / 32, groups = n / GROUP, group_bytes = nb * x_block_bytes(format);
     if (plan != 2) {
         /* every row of x quantized first (int8 rows, or int16 pairs), then each group of weights
