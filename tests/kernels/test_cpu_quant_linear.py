@@ -111,7 +111,7 @@ def test_interleaved_model_shapes(name: str) -> None:
 @pytest.mark.parametrize("name", ["q4_1x16", "q8_0x16", "q4_1x16a8", "q8_0x16a8"])
 def test_auto_plan_by_rows(name: str) -> None:
     """The "auto" plan is the integer one up to ``x16_direct_max_m`` rows (any number with VNNI,
-    and for Q4 blocks with int8 x) and the exact panels past it."""
+    and with int8 x: llama.cpp's arithmetic) and the exact panels past it."""
     from loraplex.kernels.cpu.build import limit
     from loraplex.kernels.cpu.quant_linear import x16_direct_max_m
 
@@ -119,10 +119,7 @@ def test_auto_plan_by_rows(name: str) -> None:
     packed = random_packed(name, 48, 576, gen)
     limit_m = x16_direct_max_m(packed.format)
     vnni = bool(limit("loraplex_qx16_has_vnni"))
-    if vnni or name == "q4_1x16a8":
-        assert limit_m is None
-    elif name != "q8_0x16a8":  # Q8_0 with int8 x: the int16 kernel on AVX2, vpmaddubsw elsewhere
-        assert limit_m == 32
+    assert limit_m == (None if vnni or name.endswith("a8") else 32)
     for m in (1, 32, 33, 70):
         x = torch.randn(m, 576, generator=gen)
         integer = limit_m is None or m <= limit_m

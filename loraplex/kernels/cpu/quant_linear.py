@@ -14,8 +14,8 @@ against the blocks (AVX-512 VNNI ``vpdpwssd`` / ``vpdpbusd``, 16 weight rows per
 float scale per block ("panels" decodes them to float panels as above, exactly). Without
 VNNI, "auto" gives the int16 kernel only up to ``x16_direct_max_m(format)`` rows: past that the
 work is compute-bound and one ``vpmaddwd`` + add per 16 multiply-adds is no faster than an FMA
-per 8, so the exact panels run; Q4 blocks with int8 activations (``vpmaddubsw``, 32 a
-instruction) stay integer at every m.
+per 8, so the exact panels run; int8 activations (llama.cpp's arithmetic; ``vpmaddubsw``, 32
+an instruction, for Q4 blocks) stay integer at every m.
 """
 
 from __future__ import annotations
