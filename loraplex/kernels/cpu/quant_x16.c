@@ -222,6 +222,35 @@ static inline v16 to_float(const i32x16 v) { return __builtin_convertvector(v, v
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__) && !defined(__AVX512F__)
 #define QX_AVX2 1
+/* The AVX2 kernels' per-block epilogue for rows t < tm of x, one 8-row half of a group:
+ * acc[t] += d[r] * dx * (isum[t] - offset * sum(q)) (+ m[r] * dx * sum(q) for Q4_1), where
+ * offset is 128 for Q8_0 (its weights are stored + 128), 8 for Q4_0. */
+static inline __attribute__((always_inline)) void block_scale_avx2(const int fmt, const uint8_t *blk, const int half,
+                                                                   const __m256i *isum, const float *dx,
+                                                                   const int32_t *sx, const float *ms, int64_t nb,
+                                                                   int64_t b, __m256 *acc, const int tm) {
+    const int offset = fmt == X_Q8_0 ? 128 : fmt == X_Q4_0 ? 8 : 0;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * half)));
+    _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) {
+        __m256i v = isum[t];
+        if (offset) v = _mm256_sub_epi32(v, _mm256_set1_epi32(offset * sx[t * nb + b]));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(d, _mm256_set1_ps(dx[t * nb + b])), acc[t]);
+        if (fmt == X_Q4_1) {
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * half)));
+            acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(ms[t * nb + b]), acc[t]);
+        }
+    }
+}
+
+/* y[t, 8 half .. +8] = acc[t] (+ bias) for rows t < tm. */
+static inline __attribute__((always_inline)) void store_half_avx2(const __m256 *acc, const float *bias, float *y,
+                                                                  int64_t y_stride, const int tm, const int half) {
+    _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) {
+        const __m256 v = bias != NULL ? _mm256_add_ps(acc[t], _mm256_loadu_ps(bias + 8 * half)) : acc[t];
+        _mm256_storeu_ps(y + t * y_stride + 8 * half, v);
+    }
+}
+
 /* AVX2 (no AVX-512): the int16-activation dot products on 8 lanes (half a group: rows
  * 8h .. 8h+7, bytes 32h .. 32h+31 of each chunk) with vpmaddwd, up to 4 rows of x per call:
  * the 512-bit GCC vectors of dot_group would need 32 ymm registers for a tile and spill. */
@@ -232,7 +261,6 @@ static inline __attribute__((always_inline)) void dot16_half_avx2(const int fmt,
     const int64_t bb = x_block_bytes(fmt);
     const int hb = x_head_bytes(fmt);
     const __m256i mask = _mm256_set1_epi32(fmt == X_Q8_0 ? 0x00FF00FF : 0x000F000F);
-    const int offset = fmt == X_Q8_0 ? 128 : fmt == X_Q4_0 ? 8 : 0;
     __m256 acc[4];
     _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
@@ -257,22 +285,9 @@ static inline __attribute__((always_inline)) void dot16_half_avx2(const int fmt,
                 }
             }
         }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * half)));
-        _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) {
-            const float dxb = dx[t * (k / 32) + b];
-            const int32_t sxb = sx[t * (k / 32) + b];
-            const __m256i isum = _mm256_sub_epi32(s[t], _mm256_set1_epi32(offset * sxb));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(dxb)), acc[t]);
-            if (fmt == X_Q4_1) {
-                const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * half)));
-                acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(ms[t * (k / 32) + b]), acc[t]);
-            }
-        }
+        block_scale_avx2(fmt, blk, half, s, dx, sx, ms, k / 32, b, acc, tm);
     }
-    _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) {
-        if (bias != NULL) acc[t] = _mm256_add_ps(acc[t], _mm256_loadu_ps(bias + 8 * half));
-        _mm256_storeu_ps(y + t * y_stride + 8 * half, acc[t]);
-    }
+    store_half_avx2(acc, bias, y, y_stride, tm, half);
 }
 
 /* AVX2, int8 activations, Q4_0 / Q4_1 (Q8_0's a8 runs dot16_avx2 on int8-valued pairs: see
@@ -287,7 +302,6 @@ static inline __attribute__((always_inline)) void dot8_half_avx2(const int fmt, 
     const int64_t bb = x_block_bytes(fmt);
     const int hb = x_head_bytes(fmt);
     const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    const int offset = fmt == X_Q4_0 ? 8 : 0;
     __m256 acc[4];
     _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
@@ -306,23 +320,10 @@ static inline __attribute__((always_inline)) void dot8_half_avx2(const int fmt, 
                 __asm__("" : "+x"(s[t]));
             }
         }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * half)));
-        _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) {
-            const float dxb = dx[t * (k / 32) + b];
-            const int32_t sxb = sx[t * (k / 32) + b];
-            __m256i isum = _mm256_madd_epi16(s[t], ones);
-            if (offset) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(offset * sxb));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(dxb)), acc[t]);
-            if (fmt == X_Q4_1) {
-                const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * half)));
-                acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(ms[t * (k / 32) + b]), acc[t]);
-            }
-        }
+        _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) s[t] = _mm256_madd_epi16(s[t], ones); /* widen */
+        block_scale_avx2(fmt, blk, half, s, dx, sx, ms, k / 32, b, acc, tm);
     }
-    _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) {
-        if (bias != NULL) acc[t] = _mm256_add_ps(acc[t], _mm256_loadu_ps(bias + 8 * half));
-        _mm256_storeu_ps(y + t * y_stride + 8 * half, acc[t]);
-    }
+    store_half_avx2(acc, bias, y, y_stride, tm, half);
 }
 
 /* A tile of up to 4 rows of x against one group: both halves. */

@@ -74,11 +74,11 @@ class OutputProcessor:
             seqs.append(seq)
         if not seqs:
             return []
-        if rows == list(range(logits.shape[0])):
-            row_logits = logits  # the usual case: one row per sequence, in order (no copy)
-        else:
+        in_order = rows == list(range(logits.shape[0]))  # the usual case: one row per sequence
+        row_logits = logits
+        if not in_order:
             row_logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
-        self._ban_early_stops(row_logits, seqs)
+        row_logits = self._ban_early_stops(row_logits, seqs, owned=not in_order)
         failed = self._fail_non_finite(row_logits, seqs)
         if failed:
             keep = [r for r, s in enumerate(seqs) if not s.request.finished]
@@ -135,8 +135,11 @@ class OutputProcessor:
                 failed[req.request_id] = self._fail_request(req, RequestError(ErrorKind.ENGINE_FAILURE, msg))
         return list(failed.values())
 
-    def _ban_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Before ``min_tokens``, EOS and stop tokens cannot be sampled (vLLM semantics)."""
+    def _ban_early_stops(self, logits: torch.Tensor, seqs: list[Sequence], owned: bool) -> torch.Tensor:
+        """Before ``min_tokens``, EOS and stop tokens cannot be sampled (vLLM semantics).
+
+        Returns ``logits`` with those tokens at -inf: changed in place when ``owned`` (a copy
+        made for this step), else in a copy (the model's output is an inference tensor)."""
         for r, seq in enumerate(seqs):
             p = seq.params
             if p.min_tokens and seq.num_output_tokens < p.min_tokens:
@@ -144,7 +147,10 @@ class OutputProcessor:
                 if not p.ignore_eos:
                     banned.extend(self.info.eos_token_ids)
                 if banned:
+                    if not owned:
+                        logits, owned = logits.clone(), True
                     logits[r, banned] = float("-inf")
+        return logits
 
     def _stop_status(self, seq: Sequence, token_id: int, stop_str: str | None) -> SeqStatus | None:
         p = seq.params
