@@ -253,7 +253,7 @@ static inline __attribute__((always_inline)) void store_half_avx2(const __m256 *
 
 /* AVX2 (no AVX-512): the int16-activation dot products on 8 lanes (half a group: rows
  * 8h .. 8h+7, bytes 32h .. 32h+31 of each chunk) with vpmaddwd, up to 4 rows of x per call:
- * the 512-bit GCC vectors of dot_group would need 32 ymm registers for a tile and spill. */
+ * the 512-bit GCC vectors of dot_group's generic loop would need 32 ymm registers for a tile and spill. */
 static inline __attribute__((always_inline)) void dot16_half_avx2(const int fmt, const uint8_t *wg, int64_t nb,
                                                                   const int32_t *xp, int64_t k, const float *dx,
                                                                   const int32_t *sx, const float *ms, const float *bias, float *y,
@@ -290,7 +290,7 @@ static inline __attribute__((always_inline)) void dot16_half_avx2(const int fmt,
     store_half_avx2(acc, bias, y, y_stride, tm, half);
 }
 
-/* AVX2, int8 activations, Q4_0 / Q4_1 (Q8_0's a8 runs dot16_avx2 on int8-valued pairs: see
+/* AVX2, int8 activations, Q4_0 / Q4_1 (Q8_0's a8 runs dot16_half_avx2 on int8-valued pairs: see
  * loraplex_qx16_f32): vpmaddubsw multiplies a lane's 4 unsigned nibbles by 4 signed bytes of x
  * into two int16 pair sums, 32 multiply-adds an instruction. A pair sum is at most
  * 2 * 15 * 127 = 3810, so a block's 8 of them add up in int16 (<= 30480) and one vpmaddwd by
@@ -326,13 +326,15 @@ static inline __attribute__((always_inline)) void dot8_half_avx2(const int fmt, 
     store_half_avx2(acc, bias, y, y_stride, tm, half);
 }
 
-/* A tile of up to 4 rows of x against one group: both halves. */
-static inline __attribute__((always_inline)) void dot16_avx2(const int fmt, const uint8_t *wg, int64_t nb,
-                                                             const int32_t *xp, int64_t k, const float *dx,
-                                                             const int32_t *sx, const float *ms, const float *bias, float *y,
-                                                             int64_t y_stride, const int tm) {
-    dot16_half_avx2(fmt, wg, nb, xp, k, dx, sx, ms, bias, y, y_stride, tm, 0);
-    dot16_half_avx2(fmt, wg, nb, xp, k, dx, sx, ms, bias, y, y_stride, tm, 1);
+/* One 8-row half of a group against up to 4 rows of x: int16 pairs (vpmaddwd) or int8 (Q4 only). */
+static inline __attribute__((always_inline)) void half_avx2(const int fmt, const int bits, const uint8_t *wg,
+                                                            int64_t nb, const int8_t *xq, int64_t k, const float *dx,
+                                                            const int32_t *sx, const float *ms, const float *bias,
+                                                            float *y, int64_t y_stride, const int tm, const int half) {
+    if (bits == 16)
+        dot16_half_avx2(fmt, wg, nb, (const int32_t *)xq, k, dx, sx, ms, bias, y, y_stride, tm, half);
+    else
+        dot8_half_avx2(fmt, wg, nb, xq, k, dx, sx, ms, bias, y, y_stride, tm, half);
 }
 /* GCC's -O3 schedules the unrolled tiles' products far ahead of their adds and spills them
  * (~900 ymm stack moves in dot16_X_Q4_1); -O2 keeps them in registers. */
@@ -350,26 +352,9 @@ static inline __attribute__((always_inline)) void dot_group(const int fmt, const
                                                             const int32_t *sx, const float *ms, const float *bias, float *y,
                                                             int64_t y_stride, const int tm) {
 #if QX_AVX2
-    if (bits == 16) { /* tiles of up to 4 rows on 8-lane halves (see dot16_avx2) */
-        const int32_t *xp = (const int32_t *)xq;
+    if (bits == 16 || fmt != X_Q8_0) { /* tiles of up to 4 rows on 8-lane halves (see half_avx2) */
         for (int t0 = 0; t0 < tm; t0 += 4) {
-            const int32_t *xt = xp + t0 * (k / 2);
-            const float *dt = dx + t0 * (k / 32);
-            const int32_t *st = sx + t0 * (k / 32);
-            const float *mt = ms + t0 * (k / 32);
-            float *yt = y + t0 * y_stride;
-            switch (tm - t0 < 4 ? tm - t0 : 4) {
-                case 4: dot16_avx2(fmt, wg, nb, xt, k, dt, st, mt, bias, yt, y_stride, 4); break;
-                case 3: dot16_avx2(fmt, wg, nb, xt, k, dt, st, mt, bias, yt, y_stride, 3); break;
-                case 2: dot16_avx2(fmt, wg, nb, xt, k, dt, st, mt, bias, yt, y_stride, 2); break;
-                default: dot16_avx2(fmt, wg, nb, xt, k, dt, st, mt, bias, yt, y_stride, 1); break;
-            }
-        }
-        return;
-    }
-    if (bits == 8 && fmt != X_Q8_0) { /* Q4 with int8 activations: vpmaddubsw, both halves */
-        for (int t0 = 0; t0 < tm; t0 += 4) {
-            const int8_t *xt = xq + t0 * k;
+            const int8_t *xt = xq + t0 * (bits == 8 ? k : 2 * k);
             const float *dt = dx + t0 * (k / 32);
             const int32_t *st = sx + t0 * (k / 32);
             const float *mt = ms + t0 * (k / 32);
@@ -377,10 +362,10 @@ static inline __attribute__((always_inline)) void dot_group(const int fmt, const
             const int n = tm - t0 < 4 ? tm - t0 : 4;
             for (int half = 0; half < 2; ++half) {
                 switch (n) {
-                    case 4: dot8_half_avx2(fmt, wg, nb, xt, k, dt, st, mt, bias, yt, y_stride, 4, half); break;
-                    case 3: dot8_half_avx2(fmt, wg, nb, xt, k, dt, st, mt, bias, yt, y_stride, 3, half); break;
-                    case 2: dot8_half_avx2(fmt, wg, nb, xt, k, dt, st, mt, bias, yt, y_stride, 2, half); break;
-                    default: dot8_half_avx2(fmt, wg, nb, xt, k, dt, st, mt, bias, yt, y_stride, 1, half); break;
+                    case 4: half_avx2(fmt, bits, wg, nb, xt, k, dt, st, mt, bias, yt, y_stride, 4, half); break;
+                    case 3: half_avx2(fmt, bits, wg, nb, xt, k, dt, st, mt, bias, yt, y_stride, 3, half); break;
+                    case 2: half_avx2(fmt, bits, wg, nb, xt, k, dt, st, mt, bias, yt, y_stride, 2, half); break;
+                    default: half_avx2(fmt, bits, wg, nb, xt, k, dt, st, mt, bias, yt, y_stride, 1, half); break;
                 }
             }
         }
@@ -559,7 +544,7 @@ int64_t loraplex_qx16_f32(const float *x, int64_t x_stride, const uint8_t *w, co
      * llama.cpp's sign trick for Q8_0's signed weights, no fewer instructions than vpmaddwd */
     const float qmax = bits == 8 ? 127.0f : 32767.0f;
     if (QX_AVX2 && format == X_Q8_0 + 3) bits = 16;
-    switch (format >= X_Q8_0 + 3 ? format - 3 : format) {
+    switch (int8_x ? format - 3 : format) {
         case X_Q8_0: dot = bits == 8 ? dot8_X_Q8_0 : dot16_X_Q8_0; dec = dec_X_Q8_0; format = X_Q8_0; break;
         case X_Q4_0: dot = bits == 8 ? dot8_X_Q4_0 : dot16_X_Q4_0; dec = dec_X_Q4_0; format = X_Q4_0; break;
         case X_Q4_1: dot = bits == 8 ? dot8_X_Q4_1 : dot16_X_Q4_1; dec = dec_X_Q4_1; format = X_Q4_1; break;
