@@ -761,7 +761,23 @@ def run_limited(
         res = run_loraplex_timed(llm, name, wl, loras, seconds)
     after = adapter_counters(llm)
     res.extra["adapter_moves"] = {k: v - before.get(k, 0) for k, v in after.items()}
+    res.extra["device_pool_after"] = device_pool(llm)
     return res
+
+
+def device_pool(llm: Any) -> dict[str, int]:
+    """The device pool's blocks by holder now (KV, adapter pages, free); empty without it."""
+    counts = getattr(getattr(llm.llm_engine, "kv", None), "block_counts", None)
+    if counts is None:
+        return {}
+    c = counts()
+    adapters = getattr(c, "num_adapter_device_blocks", 0)
+    return {
+        "blocks": c.num_device_blocks,
+        "kv": c.num_used_device_blocks,
+        "adapters": adapters,
+        "free": c.num_device_blocks - c.num_used_device_blocks - adapters,
+    }
 
 
 def adapter_counters(llm: Any) -> dict[str, int]:
@@ -1014,7 +1030,7 @@ def run_many(args: argparse.Namespace, argv: list[str] | None, model_dir: Path) 
                         f"{res.name}: {r} requests ({len(set(asg))} adapters), {res.output_tokens} tok in "
                         f"{res.seconds:.1f} s = {res.tok_s:.1f} tok/s "
                         f"({res.tok_s / before[r].tok_s:.2f}x base before; adapter moves "
-                        f"{res.extra['adapter_moves']})",
+                        f"{res.extra['adapter_moves']}; pool blocks after {res.extra['device_pool_after']})",
                         flush=True,
                     )
             for r in keys:

@@ -46,7 +46,8 @@ from loraplex.adapters.config import AdapterManagerConfig
 from loraplex.adapters.errors import AdapterValidationError, NoFreeSlotError
 from loraplex.adapters.host_cache import HostAdapterCache
 from loraplex.adapters.identity import AdapterIdentity
-from loraplex.adapters.page_pool import LoRAPagePool, PageTable, pages_needed
+from loraplex.adapters.page_arena import OwnedArena, PageArena
+from loraplex.adapters.page_pool import LoRAPagePool, PageTable, Remaps, pages_needed
 from loraplex.adapters.peft_weights import AdapterWeights
 from loraplex.adapters.registry import AdapterEntry, AdapterInfo, AdapterRegistry, Tier
 from loraplex.adapters.request import LoRARequest
@@ -110,9 +111,12 @@ class AdapterManager:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         weight_layout: LoRAWeightLayout = LOGICAL_LAYOUT,
+        arena: PageArena | None = None,
     ) -> None:
         """``weight_layout``: how the device slots store adapters, the LoRA backend's
-        ``weight_layout`` (the logical one by default)."""
+        ``weight_layout`` (the logical one by default). ``arena``: the memory the page pool
+        lays its pages out in (an engine passes blocks of its KV pool); by default memory of
+        its own, ``lora_memory`` bytes at most."""
         self.spec = spec
         self.config = config or AdapterManagerConfig()
         self.device = torch.device(device)
@@ -124,10 +128,12 @@ class AdapterManager:
             self._store.open()  # leftovers of a crash
         self._host = HostAdapterCache(self.config.max_cpu_loras, self.config.cpu_lora_memory)
         self._slots = SlotTable(self.config.max_loras)
+        if arena is None:
+            arena = OwnedArena(spec.num_layers, self.config.lora_memory, self.device)
         self._pool = LoRAPagePool(
             spec,
             self.config.lora_page_rank,
-            self.config.lora_memory,
+            arena,
             self.device,
             dtype,
             layout=weight_layout,
@@ -184,12 +190,13 @@ class AdapterManager:
                     self.discard_staged(staged)
                     return self._info(existing)
                 need = pages_needed(parsed.weights, self._pool.page_rank)
-                if self._pool.need_nbytes(need) > self._pool.budget_bytes:
+                if not self._pool.can_ever_fit(need):
                     raise AdapterValidationError(
                         "exceeds_lora_memory",
                         f"its pages ({need} of {self._pool.page_rank} rank rows) take "
-                        f"{self._pool.need_nbytes(need)} bytes, more than lora_memory "
-                        f"({self._pool.budget_bytes} bytes) holds; raise lora_memory",
+                        f"{self._pool.need_nbytes(need)} bytes ({self._pool.blocks_for(need)} blocks "
+                        f"of the device pool), more than lora_memory ({self._pool.budget_bytes} bytes, "
+                        f"{self._pool.arena.cap_blocks} blocks) holds; raise lora_memory",
                     )
                 weights = self._maybe_pin(parsed.weights)
                 entry = AdapterEntry(
@@ -293,6 +300,17 @@ class AdapterManager:
             weights = self._host.get(entry.identity.version)
             return weights is not None and self._could_make_room(self._pages_needed(entry, weights))
 
+    def could_ever_fit_beside(self, adapter_id: int, kv_blocks: int) -> bool:
+        """Whether ``adapter_id``'s pages could fit the arena while ``kv_blocks`` of KV are in
+        use, every other adapter evicted (False: a request that large never runs on it)."""
+        with self._lock:
+            entry = self._registry.require(adapter_id)
+            weights = self._host.get(entry.identity.version)
+            if weights is None:
+                return True  # not known yet: the load will tell
+            need = self._pages_needed(entry, weights)
+            return self._pool.blocks_for(need) <= self._pool.arena.max_blocks_beside(kv_blocks)
+
     def prefetch(self, adapter_id: int, start: bool = True) -> bool:
         """Start reading ``adapter_id`` from disk into host memory; True if already there.
 
@@ -377,7 +395,7 @@ class AdapterManager:
         self._loads[entry.identity.version] = self._executor.submit(self._read_from_disk, entry)
         logger.debug("prefetching adapter %d from %s", entry.identity.adapter_id, entry.folder)
 
-    def acquire(self, adapter_id: int, request_id: str) -> int:
+    def acquire(self, adapter_id: int, request_id: str, *, keep_free_blocks: int = 0) -> int:
         """Pin ``adapter_id``'s slot for ``request_id``, loading it first if needed; return the slot.
 
         Idempotent per request: a request that already holds the slot gets it again
@@ -385,7 +403,9 @@ class AdapterManager:
         free slot, else evicts the least recently used unpinned slot; reads from disk
         synchronously on a host miss (use ``prefetch`` to avoid that). Raises
         ``AdapterRemovedError``/``AdapterNotFoundError`` for an unregistered adapter and
-        ``NoFreeSlotError`` when every slot is pinned.
+        ``NoFreeSlotError`` when every slot is pinned. ``keep_free_blocks``: blocks of an
+        arena that borrows from the KV pool that loading must leave free (the KV the request
+        is about to take).
         """
         with self._lock:
             held = self._slots.slot_of_request(request_id)
@@ -405,12 +425,9 @@ class AdapterManager:
                     )
                 weights = self._host_weights(entry)
                 need = self._pages_needed(entry, weights)
-                evicted = self._make_room(adapter_id, need)
-                pages, moved = self._pool.allocate(need)
-                for group, remap in moved.items():
-                    for table in self._pages.values():
-                        if group in table:
-                            table[group] = [remap.get(p, p) for p in table[group]]
+                evicted = self._make_room(adapter_id, need, keep_free_blocks)
+                pages, moved = self._pool.allocate(need, keep_free_blocks)
+                self._follow(moved)
                 self._pool.write(pages, weights)
                 new_slot = self._slots.new_slot()
                 assert new_slot is not None, "make_room left no slot"
@@ -629,30 +646,71 @@ class AdapterManager:
             need = self._need[version] = pages_needed(weights, self._pool.page_rank)
         return need
 
-    def _could_make_room(self, need: dict[GroupName, int]) -> bool:
+    def _follow(self, moved: Remaps) -> None:
+        """Point the page tables at the pages a compaction moved."""
+        for group, remap in moved.items():
+            for table in self._pages.values():
+                if group in table:
+                    table[group] = [remap.get(p, p) for p in table[group]]
+
+    def _could_make_room(self, need: dict[GroupName, int], keep_free_blocks: int = 0) -> bool:
         """Whether a slot and ``need`` pages could be had now, evicting unpinned adapters if need be."""
         evictable = self._slots.eviction_order()
         if not self._slots.has_room() and not evictable:
             return False
-        freeable = sum(self._held_nbytes(slot_idx) for slot_idx in evictable)
-        return self._pool.fits(need, freed_nbytes=freeable)
+        freeable: dict[GroupName, int] = {}
+        for slot_idx in evictable:
+            for group, pages in self._pages[slot_idx].items():
+                freeable[group] = freeable.get(group, 0) + len(pages)
+        return self._pool.fits(need, freed=freeable, keep_free_blocks=keep_free_blocks)
 
-    def _make_room(self, adapter_id: int, need: dict[GroupName, int]) -> list[int]:
+    def give_back_memory(self, num_blocks: int) -> int:
+        """Return arena blocks to the KV cache, evicting unpinned adapters (least recently
+        used first) until ``num_blocks`` came back or nothing more can; how many came back.
+
+        The engine calls this before it would preempt a sequence or refuse one for KV: the
+        KV cache comes first, adapters no running request uses yield to it.
+        """
+        with self._lock:
+            before = self._pool.arena.num_blocks
+            target = max(0, before - num_blocks)
+            order = self._slots.eviction_order()
+            used = {g: self._pool.num_used(g) for g in self._pool.groups()}
+            evictable = [(slot_idx, self._pages[slot_idx]) for slot_idx in order]
+            for _, table in evictable:
+                for group, pages in table.items():
+                    used[group] -= len(pages)
+            # All or nothing: a partial return would cost reloads (and a re-layout of the
+            # arena) and still leave the sequence without its blocks.
+            if self._pool.blocks_for(used) > target:
+                return 0
+            for slot_idx, _ in evictable:
+                tight = {g: self._pool.num_used(g) for g in self._pool.groups()}
+                if self._pool.blocks_for(tight) <= target:
+                    break  # free pages (growth slack) and the adapters evicted so far suffice
+                self._slots.evict(slot_idx)
+                self._free_pages(slot_idx)
+                self._num_evictions += 1
+            self._follow(self._pool.shrink())
+            return before - self._pool.arena.num_blocks
+
+    def _make_room(self, adapter_id: int, need: dict[GroupName, int], keep_free_blocks: int = 0) -> list[int]:
         """Evict least recently used unpinned adapters until a slot and ``need`` pages are free.
 
         Pages of any group count (the pool compacts groups to move bytes between them), so
         eviction simply follows the LRU order. Raises ``NoFreeSlotError`` when what is
         evictable does not suffice (nothing is evicted then).
         """
-        if not self._could_make_room(need):
+        if not self._could_make_room(need, keep_free_blocks):
             raise NoFreeSlotError(
                 f"adapter {adapter_id}: its pages ({need} of rank {self._pool.page_rank}) do not fit "
-                f"in lora_memory ({self._pool.budget_bytes} bytes) beside the adapters running "
-                "requests use; retry when one finishes"
+                f"the adapter memory now ({self._pool.arena.max_blocks()} blocks: lora_memory "
+                f"{self._pool.budget_bytes} bytes at most, within the free KV blocks) beside the "
+                "adapters running requests use; retry when one finishes"
             )
         evicted: list[int] = []
         for slot_idx in self._slots.eviction_order():
-            if self._pool.fits(need) and self._slots.has_room():
+            if self._pool.fits(need, keep_free_blocks=keep_free_blocks) and self._slots.has_room():
                 break
             evicted.append(self._slots.evict(slot_idx))
             self._free_pages(slot_idx)

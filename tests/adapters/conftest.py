@@ -46,7 +46,7 @@ def make_manager(spec: BaseModelSpec, store_dir: Path) -> Iterator[Callable[...,
     managers: list[AdapterManager] = []
 
     def factory(**kwargs: Any) -> AdapterManager:
-        extra = {name: kwargs.pop(name) for name in ("dtype", "weight_layout") if name in kwargs}
+        extra = {name: kwargs.pop(name) for name in ("dtype", "weight_layout", "arena") if name in kwargs}
         kwargs.setdefault("store_dir", store_dir)
         kwargs.setdefault("max_loras", 2)
         kwargs.setdefault("max_lora_rank", 8)

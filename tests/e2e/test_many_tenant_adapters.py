@@ -49,7 +49,9 @@ ADAPTER_NAME = "own"  # every tenant's adapter has this name: only the tenant te
 BASE = "tiny"
 PROMPT = [5 + (7 * i) % 300 for i in range(20)]  # 20 tokens: one full KV block and a partial one
 MAX_TOKENS = 8
-NUM_KV_BLOCKS = 1024  # 200 sequences x 2 blocks fit at once: no preemption needed (not a KV test)
+# One pool for KV and adapter pages: 200 sequences x 2 blocks and 200 rank-8 q/v adapters (8
+# blocks each on the tiny model) fit at once: no preemption or eviction needed (not a KV test).
+NUM_KV_BLOCKS = 4096
 STRENGTH = 40.0  # scales A and B so each random adapter moves the tiny model's greedy tokens
 
 

@@ -47,10 +47,11 @@ def test_free_returns_blocks_lru_order() -> None:
     m.allocate_slots(1, 0, 4)  # blocks 0, 1
     m.allocate_slots(2, 0, 2)  # block 2
     m.free(1)
-    # Free queue: the never-used 3, 4, 5 first, then seq 1's blocks tail-first.
-    assert m.pool.free_block_ids() == [3, 4, 5, 1, 0]
+    # Keyless free blocks go lowest id first (the pool's top stays free for the adapter
+    # arena as long as there is room below it).
+    assert m.pool.free_block_ids() == [0, 1, 3, 4, 5]
     m.allocate_slots(3, 0, 8)
-    assert m.block_table(3) == [3, 4, 5, 1]
+    assert m.block_table(3) == [0, 1, 3, 4]
     m.free(2)
     m.free(3)
     m.check_integrity()

@@ -198,12 +198,17 @@ def test_purge_and_reset_reach_every_tier(cache: KVCache, tmp_path: Path) -> Non
         assert kv.purge(A) == (2, 0, 1)  # those two on the device, the third on disk
         assert kv.tiers is not None and kv.tiers.lookup(keys(PROMPT, A)) == []
         kv.check_integrity()
-        compute(kv, cache, 4, PROMPT)  # nobody's, pushing OTHER's blocks further down
+        counts = kv.block_counts()
+        assert counts.num_cached_device_blocks == 3  # OTHER's last three
+        assert (counts.num_used_host_blocks, counts.num_used_disk_blocks) == (1, 2)
+        # Nobody's: 4 blocks, the 3 keyless ones first (the 2 purged and step 3's partial
+        # one), then one eviction: OTHER's oldest goes to host.
+        compute(kv, cache, 4, PROMPT)
         kv.block_manager.free(4)
         counts = kv.block_counts()
-        assert counts.num_cached_device_blocks == 3
-        assert (counts.num_used_host_blocks, counts.num_used_disk_blocks) == (2, 4)
-        assert kv.reset() == (3, 2, 4)
+        assert counts.num_cached_device_blocks == 5
+        assert (counts.num_used_host_blocks, counts.num_used_disk_blocks) == (2, 2)
+        assert kv.reset() == (5, 2, 2)
         counts = kv.block_counts()
         assert (
             counts.num_cached_device_blocks,
@@ -223,7 +228,7 @@ def test_without_tiers_the_cache_is_the_device_pool(cache: KVCache) -> None:
     kv = make_kv(cache, None)
     assert kv.tiers is None and not kv.can_swap and kv.block_manager.pool.on_evict is None
     compute(kv, cache, 1, PROMPT, A)
-    assert kv.block_counts() == KVBlockCounts(6, 4, 3, 0, 0, 0, 0, 0)
+    assert kv.block_counts() == KVBlockCounts(6, 4, 0, 3, 0, 0, 0, 0, 0)
     assert [m.capacity_blocks for m in kv.tier_metrics()] == [0, 0]
     assert kv.prefix_cache_stats().num_cached_blocks == 3
     assert kv.purge(A) == (0, 0, 0)  # in use: they keep their keys (until reused)

@@ -16,8 +16,8 @@ from loraplex.platform.engine.policy import POLICY_NAMES, PolicyName
 from loraplex.platform.engine.preemption import PREEMPTION_MODES, PreemptionMode
 
 DEFAULT_LORA_MEMORY = 1 << 30
-"""``lora_memory`` when unset: 1 GiB of adapter pages (docs/adapters.md works out how many
-adapters of which rank that holds)."""
+"""``lora_memory`` when unset: adapter pages may hold up to 1 GiB of the device pool
+(docs/adapters.md works out how many adapters of which rank that holds)."""
 
 DEFAULT_CPU_LORA_MEMORY = 2 << 30
 """``cpu_lora_memory`` when unset: 2 GiB of host memory for validated adapters (a cap, not a
@@ -72,9 +72,11 @@ class EngineConfig:
     max_model_len: int | None = None
     """Longest prompt + output; None = the model's max_position_embeddings."""
     kv_cache_memory: int | None = None
-    """Bytes for the KV pool on CPU (default 2 GiB, capped at a quarter of free RAM)."""
+    """Bytes of the device pool on CPU (default 2 GiB, capped at a quarter of free RAM): KV
+    blocks, and with LoRA the adapter pages, which borrow free blocks (up to ``lora_memory``)."""
     gpu_memory_utilization: float = 0.9
-    """Fraction of device memory the engine may use on CUDA (weights + KV)."""
+    """Fraction of device memory the engine may use on CUDA (weights + the pool of KV blocks
+    and adapter pages)."""
     num_kv_blocks: int | None = None
     """Override the block count outright (tests and benchmarks)."""
     seed: int = 0
@@ -104,7 +106,9 @@ class EngineConfig:
     """Rank rows per adapter page: an adapter of rank r takes ceil(r / lora_page_rank) pages of
     each projection group it targets."""
     lora_memory: int | None = None
-    """Bytes of accelerator memory for adapter pages (default 1 GiB), beside the KV pool."""
+    """Most bytes of the device pool adapter pages may hold (default 1 GiB). They share the
+    pool with the KV cache, KV first: they take only free blocks and give them back before a
+    sequence would be preempted."""
     lora_backend: LoRABackendName = "auto"
     """LoRA kernels, chosen like ``attention_backend``."""
     linear_backend: LinearBackendName = "auto"

@@ -58,6 +58,7 @@ from loraplex.platform.engine.validation import (
 from loraplex.platform.model.loader import load_hf_config, load_model
 from loraplex.platform.model.packed_weights import resolve_quantization
 from loraplex.platform.model.source import gguf_source, resolve_model_dir
+from loraplex.storage.kv.kv_arena import KVPageArena
 from loraplex.storage.kv.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_budget
 from loraplex.storage.kv.sliced import SlicedJob
 from loraplex.storage.kv.tiered_kv import TieredKV
@@ -140,7 +141,6 @@ class LLMEngine:
             device,
             config.kv_cache_memory,
             config.gpu_memory_utilization,
-            reserved_bytes=config.lora_memory_bytes if config.enable_lora else 0,
         )
         self.info = RuntimeInfo(
             device=device,
@@ -167,13 +167,6 @@ class LLMEngine:
             policy=config.scheduling_policy,
             watermark_blocks=max(1, num_blocks // 100) if num_blocks > 100 else 0,
         )
-        self.lora_manager: LoRARuntime | None = None
-        admit_hook = release_hook = fork_hook = lookahead_hook = idle_wait_hook = None
-        if config.enable_lora:
-            self.lora_manager = LoRARuntime(config, self.hf_config, device, dtype)
-            admit_hook, release_hook = self.lora_manager.admit, self.lora_manager.release
-            fork_hook, lookahead_hook = self.lora_manager.on_fork, self.lora_manager.lookahead
-            idle_wait_hook = self.lora_manager.wait_for_a_read
         # The device pool's blocks and the host/disk tiers below it, wired by TieredKV itself.
         self.kv = TieredKV.create(
             kv_cache,
@@ -184,6 +177,22 @@ class LLMEngine:
             disk_kv_cache_bytes=config.disk_kv_cache_bytes,
         )
         self.block_manager = self.kv.block_manager  # what steps allocate from (owned by self.kv)
+        self.lora_manager: LoRARuntime | None = None
+        admit_hook = release_hook = fork_hook = lookahead_hook = idle_wait_hook = None
+        load_hook = memory_hook = None
+        if config.enable_lora:
+            # Adapter pages borrow free blocks from the top of the same pool (KV first).
+            arena = KVPageArena(
+                kv_cache,
+                self.block_manager.pool,
+                cap_blocks=config.lora_memory_bytes // per_block,
+                reserve_blocks=limits.watermark_blocks,
+            )
+            self.lora_manager = LoRARuntime(config, self.hf_config, device, dtype, arena)
+            admit_hook, release_hook = self.lora_manager.admit, self.lora_manager.release
+            load_hook, memory_hook = self.lora_manager.load, self.lora_manager.give_back_memory
+            fork_hook, lookahead_hook = self.lora_manager.on_fork, self.lora_manager.lookahead
+            idle_wait_hook = self.lora_manager.wait_for_a_read
         self.preemption = PreemptionPolicy(config.preemption_mode, per_block, can_swap=self.kv.can_swap)
         self.scheduler = Scheduler(
             limits,
@@ -194,6 +203,8 @@ class LLMEngine:
             fork_hook=fork_hook,
             lookahead_hook=lookahead_hook,
             idle_wait_hook=idle_wait_hook,
+            load_hook=load_hook,
+            memory_hook=memory_hook,
         )
         self.requests: dict[str, Request] = {}
         self.maintenance: collections.deque[SlicedJob[Any]] = collections.deque()

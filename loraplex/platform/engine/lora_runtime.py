@@ -1,11 +1,12 @@
 """Glue between the scheduler, the adapter manager and the model's LoRA hook.
 
 Per step:
-- admission (``admit``): a waiting sequence with an adapter is admitted only once it
-  holds a pin on the adapter (resident: its pages in the device page pool); otherwise
-  its weights are prefetched from disk in the background and the sequence waits
-  without blocking others. An adapter becomes resident when its pages fit in
-  ``lora_memory`` (evicting unpinned adapters, least recently used first);
+- admission (``admit``, then ``load``): a waiting sequence with an adapter is admitted only
+  once it holds a pin on the adapter (resident: its pages in the device page pool);
+  otherwise its weights are prefetched from disk in the background and the sequence waits
+  without blocking others. An adapter in host memory is paged in (``load``) after the
+  sequence's KV is allocated, into blocks still free (evicting unpinned adapters, least
+  recently used first), at most ``lora_memory`` of the pool;
 - execution (``step_slots``): each scheduled sequence contributes its adapter's slot
   (resident handle) to the per-token slot list that goes into the step's
   ``ForwardBatch``; the runtime is the batch's ``LoRAApplier``: per projection group it
@@ -24,10 +25,11 @@ are memory: a rank-64 adapter may need several small ones' pages), the next one 
 and so on, until the blocked adapter fits: LoRAX's adapter cycling, driven by demand
 rather than a timer.
 
-Memory policy between adapters and the KV cache: they do not share pages (the KV pool
-is sized by ``kv_cache_memory``, the adapter pages by ``lora_memory``); an adapter never
-preempts a running sequence for room, and KV pressure never evicts an adapter a running
-sequence uses.
+Memory policy between adapters and the KV cache: one pool (``storage/kv/kv_arena.py``),
+KV first. Adapter pages borrow free blocks from the pool's top; an adapter never preempts
+a running sequence or takes a block a sequence holds, and before a sequence is preempted
+or refused for KV, the adapters no running sequence uses give their blocks back
+(``give_back_memory``). KV pressure never evicts an adapter a running sequence uses.
 """
 
 from __future__ import annotations
@@ -45,8 +47,10 @@ from loraplex.adapters import (
     AdapterManagerConfig,
     BaseModelSpec,
     LoRARequest,
+    NoFreeSlotError,
     StagedAdapter,
 )
+from loraplex.adapters.page_arena import PageArena
 from loraplex.adapters.page_pool import PageTable
 from loraplex.kernels.metadata import LoRAMetadata
 from loraplex.kernels.registry import select_lora_backend
@@ -83,7 +87,10 @@ class LoRARuntime:
         hf_config: PretrainedConfig,
         device: torch.device,
         dtype: torch.dtype,
+        arena: PageArena | None = None,
     ) -> None:
+        """``arena``: where adapter pages live (the engine's KV pool); None: memory of their own."""
+        self.block_size = config.block_size
         self.backend = select_lora_backend(config.lora_backend, device)
         self.manager = AdapterManager(
             BaseModelSpec.from_hf_config(hf_config),
@@ -98,6 +105,7 @@ class LoRARuntime:
             device=device,
             dtype=dtype,
             weight_layout=self.backend.weight_layout(dtype, device),
+            arena=arena,
         )
         # Blocked adapter id -> (step first blocked, step last refused): an entry not refused
         # for blocked_expiry_steps (its requests ended another way) is dropped in step_slots.
@@ -206,12 +214,10 @@ class LoRARuntime:
         try:
             if aid in self._draining and self._blocked and aid not in self._blocked:
                 return AdmitDecision.WAIT  # let the draining adapter empty for a blocked one
+            if self.manager.is_resident(aid):
+                return self._pin(seq)
             if self.manager.can_acquire(aid):
-                self.manager.acquire(aid, self._key(seq))
-                if self._blocked.pop(aid, None) is not None:
-                    # The blocked adapter got its room; drain again only for another one.
-                    self._draining.clear()
-                return AdmitDecision.OK
+                return AdmitDecision.LOAD  # paged in once the sequence's KV is allocated
             # Not read here: the scheduler's lookahead starts the reads for the waiting
             # sequences in admission order, bounded by the host cache (reading for every
             # sequence admission reaches would push earlier reads out before they are used).
@@ -224,6 +230,48 @@ class LoRARuntime:
             seq.request.error = RequestError(ErrorKind.ADAPTER_UNAVAILABLE, message)
             logger.warning("request %s rejected: %s", seq.request.request_id, exc)
             return AdmitDecision.REJECT
+        return self._blocked_wait(aid)
+
+    def _pin(self, seq: Sequence, keep_free_blocks: int = 0) -> AdmitDecision:
+        assert seq.request.lora is not None
+        aid = seq.request.lora.int_id
+        self.manager.acquire(aid, self._key(seq), keep_free_blocks=keep_free_blocks)
+        if self._blocked.pop(aid, None) is not None:
+            # The blocked adapter got its room; drain again only for another one.
+            self._draining.clear()
+        return AdmitDecision.OK
+
+    def load(self, seq: Sequence, keep_free_blocks: int) -> AdmitDecision:
+        """After ``admit`` said LOAD: page the sequence's adapter in and pin it, leaving
+        ``keep_free_blocks`` of the pool free for the sequence's KV (OK); or WAIT (no room
+        now); or REJECT (the adapter and that KV never fit the pool together)."""
+        lora = seq.request.lora
+        assert lora is not None
+        try:
+            return self._pin(seq, keep_free_blocks)
+        except NoFreeSlotError:
+            pass
+        except AdapterError as exc:
+            message = f"adapter {lora.name!r} (id {lora.int_id}) cannot be served: {exc}"
+            seq.request.error = RequestError(ErrorKind.ADAPTER_UNAVAILABLE, message)
+            return AdmitDecision.REJECT
+        kv_blocks = -(-seq.num_tokens // self.block_size)
+        if not self.manager.could_ever_fit_beside(lora.int_id, kv_blocks):
+            seq.request.error = RequestError(
+                ErrorKind.INVALID,
+                f"adapter {lora.name!r} (id {lora.int_id}) and this request's KV do not fit the "
+                "device pool together; shorten the prompt or raise kv_cache_memory",
+            )
+            return AdmitDecision.REJECT
+        return self._blocked_wait(lora.int_id)
+
+    def give_back_memory(self, num_blocks: int) -> int:
+        """The scheduler's memory hook: ``num_blocks`` pool blocks back to the KV cache (see
+        ``AdapterManager.give_back_memory``); how many came back."""
+        return self.manager.give_back_memory(num_blocks)
+
+    def _blocked_wait(self, aid: int) -> AdmitDecision:
+        """``aid`` has no room now: remember it, and drain an adapter if it waited long enough."""
         since, _ = self._blocked.get(aid, (self._step, self._step))
         self._blocked[aid] = (since, self._step)
         if self._step - since >= self.drain_after_steps:

@@ -7,11 +7,12 @@ chunk of what is left), then waiting sequences are admitted while the budget,
 and decode phases: each just has ``num_computed_tokens`` out of ``num_tokens``,
 which makes chunked prefill, recompute after preemption and decodes one mechanism.
 
-When a running sequence cannot get a block, the lowest-priority running sequence
-(the most recently admitted under FCFS) is preempted: its blocks are freed and it
-goes back to the front of the waiting queue. Its full blocks stay in the prefix cache
-(and its tiers); its partial last block is swapped out or recomputed, as
-``PreemptionPolicy`` decides (``preemption_mode``).
+When a running sequence cannot get a block, adapters no running sequence uses give their
+blocks of the shared pool back first (``memory_hook``: KV first); if that is not enough,
+the lowest-priority running sequence (the most recently admitted under FCFS) is preempted:
+its blocks are freed and it goes back to the front of the waiting queue. Its full blocks
+stay in the prefix cache (and its tiers); its partial last block is swapped out or
+recomputed, as ``PreemptionPolicy`` decides (``preemption_mode``).
 
 Lower tiers never stall a step: when a waiting sequence's cached prefix continues in
 host RAM or on disk, the promotion starts (host copies at once, disk reads on the
@@ -41,7 +42,7 @@ from loraplex.platform.engine.preemption import PreemptionPolicy
 from loraplex.platform.engine.sequence import SeqStatus, Sequence
 from loraplex.platform.engine.tier_admission import TierAdmission, Wait
 from loraplex.storage.kv.block_manager import AllocStatus, BlockCopy
-from loraplex.storage.kv.prefix_cache import NO_HIT
+from loraplex.storage.kv.prefix_cache import NO_HIT, PrefixHit
 from loraplex.storage.kv.tiered_kv import TieredKV
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class AdmitDecision(enum.Enum):
     """What an admission hook (the adapter runtime) says about a waiting sequence."""
 
     OK = "ok"  # admit (the hook has reserved what it needs, e.g. pinned an adapter slot)
+    LOAD = "load"  # admit if, once its KV is allocated, the load hook gets what it needs
     WAIT = "wait"  # not now; later sequences may still be admitted
     REJECT = "reject"  # never (e.g. its adapter was removed): finish it as aborted
 
@@ -118,12 +120,20 @@ class Scheduler:
         fork_hook: Callable[[Sequence, Sequence], None] | None = None,
         lookahead_hook: Callable[[list[Sequence]], None] | None = None,
         idle_wait_hook: Callable[[], bool] | None = None,
+        load_hook: Callable[[Sequence, int], AdmitDecision] | None = None,
+        memory_hook: Callable[[int], int] | None = None,
     ) -> None:
         """``lookahead_hook`` sees, after each step's admission, the sequences still waiting in
         the order admission will try them, so the adapter runtime can read the next ones'
         adapters in the background while this step runs. ``idle_wait_hook`` is called when a
         step would be empty while sequences wait: it blocks until something they wait for
-        (an adapter read) may have arrived, True then (admission is tried again)."""
+        (an adapter read) may have arrived, True then (admission is tried again).
+
+        KV and adapter pages share one pool, KV first: ``load_hook(seq, keep_free)`` runs for a
+        sequence the admit hook answered ``LOAD`` (its adapter must be paged in) once its KV
+        is known to fit, and pages the adapter in leaving ``keep_free`` blocks free for that
+        KV; ``memory_hook(n)`` asks for ``n`` blocks back (adapters no running request uses
+        are evicted) before a sequence is preempted or refused for KV."""
         self.limits = limits
         self.policy: SchedulingPolicy = make_policy(limits.policy)
         self.kv = cache.block_manager
@@ -139,6 +149,8 @@ class Scheduler:
         self._fork_hook = fork_hook
         self._lookahead_hook = lookahead_hook
         self._idle_wait_hook = idle_wait_hook
+        self._load_hook = load_hook
+        self._memory_hook = memory_hook
         self.num_preemptions = 0
         self.num_planning_failures = 0
 
@@ -280,6 +292,8 @@ class Scheduler:
             if num_new <= 0:
                 continue
             copies = self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
+            if copies is None and self._reclaim(seq.seq_id, seq.num_computed_tokens, num_new):
+                copies = self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
             while copies is None:
                 victim = self._victim(seq, scheduled)
                 self._preempt(victim, out)
@@ -326,9 +340,22 @@ class Scheduler:
         ]
         return out
 
-    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledSeq | _Skip:
+    def _reclaim(
+        self, seq_id: int, num_computed: int, num_new: int, hit: PrefixHit = NO_HIT, extra: int = 0
+    ) -> bool:
+        """Ask the memory hook for the blocks ``seq_id`` lacks (plus ``extra``); True if some came back."""
+        if self._memory_hook is None:
+            return False
+        needed = self.kv.num_new_blocks_needed(seq_id, num_computed, num_new, hit) + extra
+        short = needed - self.kv.num_free_blocks
+        return short > 0 and self._memory_hook(short) > 0
+
+    def _admit(
+        self, seq: Sequence, budget: int, out: SchedulerOutput, loaded: bool = False
+    ) -> ScheduledSeq | _Skip:
         """Try to admit one waiting sequence within ``budget`` tokens: its ``ScheduledSeq``,
-        ``_SKIP`` (not now; later ones may run) or ``_STOP`` (no memory: admission ends)."""
+        ``_SKIP`` (not now; later ones may run) or ``_STOP`` (no memory: admission ends).
+        ``loaded``: its adapter was just paged in for it (the second planning)."""
         # Prefix cache: full blocks someone computed before (same tokens, same adapter
         # version, same tenant) are shared instead of recomputed. Nothing may allocate KV
         # between this lookup and allocate_slots below.
@@ -354,18 +381,31 @@ class Scheduler:
             logger.error("seq %d can never fit the KV pool; aborted", seq.seq_id)
             return _SKIP
         needed = self.kv.num_new_blocks_needed(seq.seq_id, cached, to_allocate, hit)
-        if status is AllocStatus.LATER or (
-            self.kv.num_free_blocks - needed < self.limits.watermark_blocks and self.running
+        watermark = self.limits.watermark_blocks if self.running else 0
+        if (status is AllocStatus.LATER or self.kv.num_free_blocks - needed < watermark) and self._reclaim(
+            seq.seq_id, cached, to_allocate, hit, extra=watermark
         ):
+            status = self.kv.can_allocate(seq.seq_id, cached + to_allocate, hit)
+        if status is AllocStatus.LATER or self.kv.num_free_blocks - needed < watermark:
             return _STOP
-        if self._admit_hook is not None:
-            decision = self._admit_hook(seq)
-            if decision is AdmitDecision.WAIT:
-                return _SKIP
-            if decision is AdmitDecision.REJECT:
-                self.finish(seq, SeqStatus.FINISHED_ABORTED)
-                out.aborted.append(seq)
-                return _SKIP
+        decision = AdmitDecision.OK if self._admit_hook is None else self._admit_hook(seq)
+        if decision is AdmitDecision.LOAD and not loaded:
+            # Page the adapter in first, into blocks this sequence's KV leaves free. Loading
+            # may evict free cached blocks (they go down a tier), so the sequence is planned
+            # again from its prefix lookup; it then holds the pin (the adapter is resident).
+            assert self._load_hook is not None, "LOAD needs a load hook"
+            decision = self._load_hook(seq, needed + watermark)
+            if decision is AdmitDecision.OK:
+                admitted = self._admit(seq, budget, out, loaded=True)
+                if not isinstance(admitted, ScheduledSeq) and self._release_hook is not None:
+                    self._release_hook(seq)  # not this step after all: no pin while it waits
+                return admitted
+        if decision is AdmitDecision.WAIT:
+            return _SKIP
+        if decision is AdmitDecision.REJECT:
+            self.finish(seq, SeqStatus.FINISHED_ABORTED)
+            out.aborted.append(seq)
+            return _SKIP
         copies = self.kv.allocate_slots(seq.seq_id, cached, to_allocate, hit)
         assert copies is not None, "can_allocate said OK"
         seq.num_computed_tokens = cached

@@ -297,9 +297,11 @@ class KVBlockManager:
                 msg = f"block {block.block_id}: ref_cnt {block.ref_cnt} but {held} tables hold it"
                 raise AssertionError(msg)
         used = sum(1 for c in counts if c > 0)
-        if used + self.pool.num_free_blocks != self.pool.num_blocks:
+        lent = self.pool.num_lent  # to the adapter page arena (``kv_arena``)
+        if used + self.pool.num_free_blocks + lent != self.pool.num_blocks:
             raise AssertionError(
-                f"{used} used + {self.pool.num_free_blocks} free != {self.pool.num_blocks} blocks"
+                f"{used} used + {self.pool.num_free_blocks} free + {lent} lent to adapters "
+                f"!= {self.pool.num_blocks} blocks"
             )
         for seq_id, table in self._tables.items():
             # A sibling may have cached a shared block past what this chain hashed yet;

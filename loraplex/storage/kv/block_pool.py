@@ -6,9 +6,10 @@ index ``key -> block_id`` of those cached blocks. A freed block keeps its key an
 stays findable in the free queue until it is handed out again, so the free queue
 doubles as the prefix cache's LRU eviction order (vLLM v1):
 
-    allocate(n)            pop the oldest free blocks; a keyed one is *evicted*:
-                           its key leaves the index and ``on_evict(block_id, key, owner)``
-                           runs before the block is handed out (demotion hook)
+    allocate(n)            take free blocks: keyless ones first, lowest id first; then
+                           the oldest freed keyed blocks, which are *evicted*: the key
+                           leaves the index and ``on_evict(block_id, key, owner)`` runs
+                           before the block is handed out (demotion hook)
     lookup(key)            the cached block for ``key`` or None (no state change)
     take(block_id)         a hit: ref 0 -> 1 leaves the free queue, else ref += 1
     cache_block(id, key, owner)  register a full block under ``key`` (first one wins);
@@ -16,6 +17,15 @@ doubles as the prefix cache's LRU eviction order (vLLM v1):
     decref(block_id)       at ref 0 the block joins the free queue's tail, key kept
     uncache_free()         forget every free block's key (a prefix-cache reset)
     purge_owner(owner)     forget the free blocks ``owner`` owns; never cache its blocks again
+
+Keyless blocks go lowest id first so the pool's top stays free for as long as there is
+room elsewhere: the adapter page arena (``kv_arena``) borrows blocks from the top, one
+pool for KV and adapter weights (S-LoRA's unified paging):
+
+    lendable()            how many free blocks lie just below the lent ones (not promoting)
+    lend(n)               the n blocks below ``limit`` leave the pool (keyed ones are
+                          evicted first, through ``on_evict``); ``limit`` drops by n
+    unlend(n)             the n lowest lent blocks come back, keyless and free
 
 ``owner`` is the tenant's cache salt (b"": nobody's): the tiers keep it with the block, so a
 deleted tenant's blocks can be found and purged on every tier.
@@ -32,6 +42,7 @@ never a hit on garbage.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -88,6 +99,13 @@ class BlockPool:
         # OrderedDict as an O(1) LRU queue: popitem(last=False) takes the oldest
         # and pop() removes from the middle (a prefix-cache hit on a free block).
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # Keyless free blocks, lowest first (lazy: an id here may have been taken since;
+        # ``_pop_keyless`` skips those). Every keyless free block is in it.
+        self._keyless: list[int] = list(range(num_blocks))
+        self.limit = num_blocks  # blocks [limit, num_blocks) are lent to the adapter arena
+        # Blocks that left the free queue, highest first (lazy: ``lendable`` drops the entries
+        # of blocks free again), so the free run at the top is found without a scan.
+        self._taken: list[int] = []
         self._index: dict[BlockKey, int] = {}
         self._promoting: dict[int, tuple[BlockKey, bytes]] = {}  # block -> (key, owner)
         self._purged: set[bytes] = set()  # owners whose blocks are never cached again
@@ -107,7 +125,8 @@ class BlockPool:
 
     def free_block_ids(self) -> list[int]:
         """Free block ids in the order they would be handed out."""
-        return list(self._free)
+        keyless = sorted(b for b in self._free if self.blocks[b].key is None)
+        return keyless + [b for b in self._free if self.blocks[b].key is not None]
 
     def is_free(self, block_id: int) -> bool:
         return block_id in self._free
@@ -122,7 +141,8 @@ class BlockPool:
 
     # -- allocation ------------------------------------------------------------
     def allocate(self, num_blocks: int) -> list[KVBlock]:
-        """Take ``num_blocks`` free blocks (oldest freed first), each with ref_cnt 1.
+        """Take ``num_blocks`` free blocks, each with ref_cnt 1: keyless ones lowest id first,
+        then cached ones, oldest freed first.
 
         A block that still holds a cached key is evicted on the way out: its key
         leaves the index and ``on_evict`` sees it before the caller gets the block.
@@ -131,7 +151,12 @@ class BlockPool:
             raise RuntimeError(f"asked for {num_blocks} blocks with only {len(self._free)} free")
         out = []
         for _ in range(num_blocks):
-            block_id, _ = self._free.popitem(last=False)
+            block_id = self._pop_keyless()
+            if block_id is None:  # only cached blocks are free: evict the least recently used
+                block_id, _ = self._free.popitem(last=False)
+            else:
+                del self._free[block_id]
+            self._note_taken(block_id)
             block = self.blocks[block_id]
             assert block.ref_cnt == 0, f"free block {block_id} has ref_cnt {block.ref_cnt}"
             block.ref_cnt = 1
@@ -139,6 +164,18 @@ class BlockPool:
                 self._evict(block)
             out.append(block)
         return out
+
+    def _pop_keyless(self) -> int | None:
+        while self._keyless:
+            block_id = heapq.heappop(self._keyless)
+            if block_id in self._free and self.blocks[block_id].key is None:
+                return block_id
+        return None
+
+    def _push_keyless(self, block_id: int) -> None:
+        heapq.heappush(self._keyless, block_id)
+        if len(self._keyless) > 2 * self.num_blocks:  # stale entries (blocks taken since): rebuild
+            self._keyless = sorted(b for b in self._free if self.blocks[b].key is None)
 
     def _evict(self, block: KVBlock) -> None:
         key = block.key
@@ -159,6 +196,7 @@ class BlockPool:
             raise RuntimeError(f"block {block_id} holds no cached key: not a prefix-cache hit")
         if block.ref_cnt == 0:
             del self._free[block_id]
+            self._note_taken(block_id)
         block.ref_cnt += 1
 
     def incref(self, block_id: int) -> None:
@@ -173,6 +211,8 @@ class BlockPool:
         block.ref_cnt -= 1
         if block.ref_cnt == 0:
             self._free[block_id] = None
+            if block.key is None:
+                self._push_keyless(block_id)
 
     def decref_all(self, block_ids: Iterable[int]) -> None:
         for block_id in block_ids:
@@ -233,6 +273,7 @@ class BlockPool:
             assert block.key is not None
             del self._index[block.key]
             block.key, block.owner = None, b""
+            self._push_keyless(block_id)
         return len(block_ids)
 
     def cached_blocks(self) -> list[CachedBlock]:
@@ -244,6 +285,51 @@ class BlockPool:
     def cached_keys(self) -> set[BlockKey]:
         """The keys findable now (blocks in use or free); what the tiers must not hold too."""
         return set(self._index)
+
+    # -- lending the top of the pool (the adapter arena) ---------------------------
+    @property
+    def num_lent(self) -> int:
+        return self.num_blocks - self.limit
+
+    def _note_taken(self, block_id: int) -> None:
+        heapq.heappush(self._taken, -block_id)
+        if len(self._taken) > 4 * self.num_blocks:  # stale entries: rebuild
+            self._taken = [-b for b in range(self.limit) if b not in self._free]
+            heapq.heapify(self._taken)
+
+    def lendable(self) -> int:
+        """Free blocks just below ``limit``, in a row: what ``lend`` could take now."""
+        while self._taken:
+            block_id = -self._taken[0]
+            if block_id < self.limit and block_id not in self._free:
+                return self.limit - 1 - block_id
+            heapq.heappop(self._taken)  # free again (or lent): the next one down decides
+        return self.limit
+
+    def lend(self, num_blocks: int) -> None:
+        """Take the ``num_blocks`` blocks below ``limit`` out of the pool (they must be free).
+
+        A cached one is evicted first (``on_evict`` copies it down a tier), so the arena
+        may write the memory as soon as this returns.
+        """
+        start = self.limit - num_blocks
+        if num_blocks < 0 or start < 0 or any(b not in self._free for b in range(start, self.limit)):
+            raise RuntimeError(f"cannot lend {num_blocks} blocks below {self.limit}: not all free")
+        for block_id in range(start, self.limit):
+            del self._free[block_id]
+            block = self.blocks[block_id]
+            if block.key is not None:
+                self._evict(block)
+        self.limit = start
+
+    def unlend(self, num_blocks: int) -> None:
+        """Give the ``num_blocks`` lowest lent blocks back to the pool, free and keyless."""
+        if not 0 <= num_blocks <= self.num_lent:
+            raise RuntimeError(f"cannot return {num_blocks} blocks: {self.num_lent} are lent")
+        for block_id in range(self.limit, self.limit + num_blocks):
+            self._free[block_id] = None
+            self._push_keyless(block_id)
+        self.limit += num_blocks
 
     # -- promotion from a lower tier -------------------------------------------
 
@@ -279,8 +365,15 @@ class BlockPool:
 
     # -- invariants ------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Free blocks are ref 0 and queued once; the index and block keys agree."""
-        for block in self.blocks:
+        """Free blocks are ref 0 and queued once; the index and block keys agree; lent blocks
+        are neither free nor in use; free + in use + lent = the pool."""
+        for block in self.blocks[self.limit :]:
+            if block.ref_cnt != 0 or block.key is not None or block.block_id in self._free:
+                raise AssertionError(
+                    f"lent block {block.block_id}: ref_cnt {block.ref_cnt}, key {block.key!r}, "
+                    f"free: {block.block_id in self._free}"
+                )
+        for block in self.blocks[: self.limit]:
             queued = block.block_id in self._free
             if block.ref_cnt < 0 or queued != (block.ref_cnt == 0):
                 raise AssertionError(

@@ -47,22 +47,20 @@ def num_blocks_for_budget(
     device: torch.device,
     kv_cache_memory: int | None,
     gpu_memory_utilization: float,
-    reserved_bytes: int = 0,
 ) -> int:
-    """How many blocks fit the budget: bytes on CPU, a fraction of free memory on CUDA.
+    """How many blocks the device pool gets: bytes on CPU, a fraction of free memory on CUDA.
 
-    ``reserved_bytes``: device memory something else will take later (the adapter page
-    pool, which grows on demand), left out of the KV's share on CUDA.
+    The pool holds the KV cache and, with LoRA on, the adapter pages too (``kv_arena``:
+    they borrow free blocks, at most ``lora_memory`` of them).
     """
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         in_use = total - free
-        budget = int(total * gpu_memory_utilization) - in_use - reserved_bytes
+        budget = int(total * gpu_memory_utilization) - in_use
         if budget <= 0:
             raise ValueError(
                 f"gpu_memory_utilization={gpu_memory_utilization} leaves no room for KV: "
-                f"{in_use / 2**30:.1f} GiB of {total / 2**30:.1f} GiB already in use, "
-                f"{reserved_bytes / 2**30:.1f} GiB reserved for adapter pages (lora_memory)"
+                f"{in_use / 2**30:.1f} GiB of {total / 2**30:.1f} GiB already in use"
             )
     else:
         if kv_cache_memory is None:

@@ -43,6 +43,7 @@ class KVBlockCounts:
 
     num_device_blocks: int
     num_used_device_blocks: int  # held by a sequence or a promotion in flight
+    num_adapter_device_blocks: int  # lent to the adapter page arena (``kv_arena``)
     num_cached_device_blocks: int  # findable by key, in use or free
     num_host_blocks: int
     num_used_host_blocks: int
@@ -231,7 +232,8 @@ class TieredKV:
         host, disk = self.tier_metrics()
         return KVBlockCounts(
             num_device_blocks=bm.num_blocks,
-            num_used_device_blocks=bm.num_blocks - bm.num_free_blocks,
+            num_used_device_blocks=bm.num_blocks - bm.num_free_blocks - bm.pool.num_lent,
+            num_adapter_device_blocks=bm.pool.num_lent,
             num_cached_device_blocks=bm.pool.num_cached_blocks,
             num_host_blocks=host.capacity_blocks,
             num_used_host_blocks=host.used_blocks,

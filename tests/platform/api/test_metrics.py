@@ -34,6 +34,7 @@ FAMILIES = (
     "loraplex_num_requests_running",
     "loraplex_num_requests_waiting",
     "loraplex_kv_blocks_used",
+    "loraplex_device_pool_blocks",
     "loraplex_kv_blocks_total",
     "loraplex_prefix_cache_queries",
     "loraplex_prefix_cache_hits",
@@ -203,6 +204,18 @@ async def test_metrics_after_a_mixed_load_agree_with_usage_and_responses(
     assert value(metrics, "loraplex_prefix_cache_queries") > value(before, "loraplex_prefix_cache_queries")
     assert value(metrics, "loraplex_adapters_resident", tier="device") >= 1
     assert value(metrics, "loraplex_adapter_pool_bytes", kind="used") > 0
+    # one device pool: the adapter's pages sit in blocks lent from it, beside KV and free ones
+    lent = value(metrics, "loraplex_device_pool_blocks", holder="adapters")
+    assert lent > 0
+    assert value(metrics, "loraplex_adapter_pool_bytes", kind="allocated") >= value(
+        metrics, "loraplex_adapter_pool_bytes", kind="used"
+    )
+    assert (
+        lent
+        + value(metrics, "loraplex_device_pool_blocks", holder="kv")
+        + value(metrics, "loraplex_device_pool_blocks", holder="free")
+        == 128
+    )
     assert value(metrics, "loraplex_adapter_pages_used", group="qkv") >= 1
     assert value(metrics, "loraplex_adapter_loads") >= 1
     assert value(metrics, "loraplex_quota_backend_up", backend="local") == 1

@@ -1,14 +1,17 @@
 """Adapter pages under a drawn workload: ranks 4-64, a small ``lora_memory``, KV pressure and
 adapter churn, with the engine's integrity check after every step.
 
-Six adapters of ranks 4, 8, 16 and 64 on different modules go through an engine whose adapter
-pages hold the largest and the smallest at once (so adapters are evicted and reloaded into other pages,
-and groups are compacted) and whose KV pool is small (so sequences are preempted). Halfway, one
-adapter is removed while requests use it (they drain on its old pages) and registered again
-under a new id. After every step ``check_integrity`` checks the KV blocks, that no page is
-held by two adapters, that held + free pages = each group's pool, that pins match the running
-sequences, and that the pools stay within ``lora_memory``. Oracle for the tokens: the same
-requests on a roomy engine (every adapter resident, no preemption).
+Six adapters of ranks 4, 8, 16 and 64 on different modules go through an engine whose device
+pool holds KV blocks and adapter pages together: adapters may take at most the largest and the
+smallest adapter's bytes of it (so adapters are evicted and reloaded into other pages, and
+groups are compacted), and the rest is a small KV cache (so sequences are preempted, and idle
+adapters give their blocks back first). Halfway, one adapter is removed while requests use it
+(they drain on its old pages) and registered again under a new id. After every step
+``check_integrity`` checks the KV blocks, that KV + free + blocks lent to adapters = the pool,
+that the pages lie inside the lent blocks, that no page is held by two adapters, that held +
+free pages = each group's pool, that pins match the running sequences, and that adapters stay
+within ``lora_memory``. Oracle for the tokens: the same requests on a roomy engine (every
+adapter resident, no preemption).
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from helpers import make_peft_adapter
 
 from loraplex import LoRARequest, SamplingParams
 from loraplex.platform.engine.config import EngineConfig
 from loraplex.platform.engine.engine import LLMEngine
+from loraplex.storage.kv.kv_cache import kv_bytes_per_block
 
 SPECS: list[dict[str, Any]] = [
     dict(r=4, target_modules=["q_proj", "v_proj"]),
@@ -84,6 +89,7 @@ def _run(model: Path, loras: list[LoRARequest], reqs: list[Any], *, churn: bool,
         )
     )
     tokens: dict[str, list[int]] = {}
+    most_lent = 0  # blocks the adapters held at most
     pending = list(enumerate(reqs))
     churned = loras[CHURNED]
     steps = 0
@@ -99,6 +105,7 @@ def _run(model: Path, loras: list[LoRARequest], reqs: list[Any], *, churn: bool,
                 assert out.error is None, (out.request_id, out.error)
                 tokens[out.request_id] = list(out.outputs[0].token_ids)
         engine.check_integrity()
+        most_lent = max(most_lent, engine.kv.block_counts().num_adapter_device_blocks)
         steps += 1
         assert steps < MAX_STEPS, f"no progress after {steps} steps (a livelock): {_state(engine)}"
         if churn and steps == 25:
@@ -110,7 +117,7 @@ def _run(model: Path, loras: list[LoRARequest], reqs: list[Any], *, churn: bool,
     manager = engine.lora_manager.manager  # type: ignore[union-attr]
     sizes = [manager._held_nbytes(slot) for slot in manager.page_tables()]
     engine.shutdown()
-    return tokens, stats, sizes
+    return tokens, stats, sizes, most_lent
 
 
 @pytest.mark.slow
@@ -118,15 +125,25 @@ def test_pages_hold_through_evictions_preemption_and_churn(
     tiny_dirs: dict[str, Path], loras: list[LoRARequest]
 ) -> None:
     reqs = _draw(seed=7)
-    want, roomy, sizes = _run(tiny_dirs["gqa_tied"], loras, reqs, churn=False, num_kv_blocks=512)
+    want, roomy, sizes, _ = _run(tiny_dirs["gqa_tied"], loras, reqs, churn=False, num_kv_blocks=2048)
     assert roomy.adapters.num_evictions == 0 and roomy.num_preemptions == 0
     assert len(sizes) == len(SPECS)
     # Room for the largest adapter and the smallest beside it, far less than all six: the
     # pool must evict and compact to serve them all.
     budget = max(sizes) + min(sizes)
     assert budget < sum(sizes) * 2 // 3
-    got, tight, _ = _run(tiny_dirs["gqa_tied"], loras, reqs, churn=True, num_kv_blocks=24, lora_memory=budget)
+    # One pool: 24 blocks of KV beside what the adapters may take (2 layers, K and V, 8 tokens
+    # of 2 heads x 16 floats a block), with 16 blocks of slack: a layer's tensors are laid out
+    # in its K and its V blocks, and the two halves are not always equal.
+    per_block = kv_bytes_per_block(2, 8, 2, 16, torch.float32)
+    budget += 16 * per_block
+    assert budget < sum(sizes) * 2 // 3
+    pool = 24 + budget // per_block
+    got, tight, _, most_lent = _run(
+        tiny_dirs["gqa_tied"], loras, reqs, churn=True, num_kv_blocks=pool, lora_memory=budget
+    )
     assert got == want
+    assert most_lent > budget // per_block // 2, "the adapters never held much of the pool"
     assert tight.adapters.num_evictions > 0, "the small lora_memory never evicted: the test lost its point"
     assert tight.num_preemptions > 0, "the small KV pool never preempted: the test lost its point"
     assert tight.adapters.pool_bytes <= budget

@@ -12,8 +12,11 @@ sequence whose known tokens are now all computed "samples" one token.
 | 2    | A:1 [0,1], B:3 [2,3], C:4 [4]                 | A decodes, B's last chunk, C admitted      |
 | 3    | A:1, B:1, C:1 [4,5]                           | three decodes; the pool is now full        |
 | 4    | A:1, B:1, C:1                                 |                                            |
-| 5    | A:1 [0,1,5], B:1 [2,3,4]                      | A needs a block: C is preempted; A ends   |
-| 6    | B:1 [2,3,4], C:7 [5,1]                        | C resumes, recomputing its 7 tokens        |
+| 5    | A:1 [0,1,4], B:1 [2,3,5]                      | A needs a block: C is preempted; A ends   |
+| 6    | B:1 [2,3,5], C:7 [0,1]                        | C resumes, recomputing its 7 tokens        |
+
+Free blocks without a cached key are handed out lowest id first (the pool's top stays free
+for the adapter page arena).
 """
 
 from __future__ import annotations
@@ -69,17 +72,17 @@ def test_scripted_admission_chunks_preemption_and_resumption() -> None:
     assert _run_step(sched, 4) == [("A", 1, (0, 1)), ("B", 1, (2, 3)), ("C", 1, (4, 5))]
 
     # A's 9th token needs a third block: the newest running sequence (C) gives its
-    # blocks back (freed tail first, so block 5 is handed out first) and waits at the head.
-    assert _run_step(sched, 5) == [("A", 1, (0, 1, 5)), ("B", 1, (2, 3, 4))]
+    # blocks back (4 and 5, handed out lowest first) and waits at the head.
+    assert _run_step(sched, 5) == [("A", 1, (0, 1, 4)), ("B", 1, (2, 3, 5))]
     assert c.status is SeqStatus.WAITING and c.num_computed_tokens == 0 and c.num_preemptions == 1
     assert sched.num_preemptions == 1
     assert a.status is SeqStatus.FINISHED_LENGTH and a.num_output_tokens == 5
     kv.check_integrity()
 
-    # A's blocks came back (tail first: 5, 1, 0); C recomputes prompt + its 2 sampled tokens.
-    assert _run_step(sched, 6) == [("B", 1, (2, 3, 4)), ("C", 7, (5, 1))]
+    # A's blocks came back (0, 1, 4); C recomputes prompt + its 2 sampled tokens.
+    assert _run_step(sched, 6) == [("B", 1, (2, 3, 5)), ("C", 7, (0, 1))]
     assert c.status is SeqStatus.RUNNING and (c.num_computed_tokens, c.num_tokens) == (7, 8)
-    assert _run_step(sched, 7) == [("B", 1, (2, 3, 4)), ("C", 1, (5, 1))]
+    assert _run_step(sched, 7) == [("B", 1, (2, 3, 5)), ("C", 1, (0, 1))]
     kv.check_integrity()
 
 
@@ -93,5 +96,5 @@ def test_waiting_sequence_that_does_not_fit_blocks_later_ones_fcfs() -> None:
         sched.add(seq)
     assert _run_step(sched, 1) == [("big", 12, (0, 1, 2))]
     assert [s.request.request_id for s in sched.waiting] == ["long", "small"]
-    # big finished (max_tokens=1) and freed its blocks tail first: 2, 1, 0, then 3 was never used.
-    assert _run_step(sched, 2) == [("long", 9, (3, 2, 1)), ("small", 2, (0,))]
+    # big finished (max_tokens=1) and freed its blocks; they go out lowest first, then 3.
+    assert _run_step(sched, 2) == [("long", 9, (0, 1, 2)), ("small", 2, (3,))]

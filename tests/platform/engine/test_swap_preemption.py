@@ -210,7 +210,9 @@ def test_disk_reads_do_not_stall_other_sequences(tiny_dirs: dict[str, Path], tmp
                 final = out
     assert final is not None and final.num_cached_tokens == 5 * BLOCK
     assert engine.kv.tiers is not None
-    assert {m.tier: m for m in engine.kv.tiers.metrics()}["disk"].promotions >= 5  # read from disk
+    # Read from disk: 4 of the 5 (the evicting request took the warm one's keyless tail block
+    # first, then the 4 oldest cached blocks; the fifth stayed on the device).
+    assert {m.tier: m for m in engine.kv.tiers.metrics()}["disk"].promotions >= 4
     reference = LLM(
         model=str(tiny_dirs["gqa_tied"]), dtype="float32", block_size=BLOCK, enable_prefix_caching=False
     )

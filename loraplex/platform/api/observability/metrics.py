@@ -122,6 +122,17 @@ class SnapshotCollector(Collector):
             total.add_metric([tier], num_total)
         yield used
         yield total
+        device = GaugeMetricFamily(
+            "loraplex_device_pool_blocks",
+            "The device pool's blocks by holder: KV of running sequences, adapter pages (borrowed "
+            "from the pool's top), free (cached prefix blocks included).",
+            labels=["holder"],
+        )
+        free = kv.num_device_blocks - kv.num_used_device_blocks - kv.num_adapter_device_blocks
+        for holder, count in (("kv", kv.num_used_device_blocks), ("adapters", kv.num_adapter_device_blocks)):
+            device.add_metric([holder], count)
+        device.add_metric(["free"], free)
+        yield device
         prefix = stats.prefix_cache
         yield _counter(
             "loraplex_prefix_cache_queries",
@@ -176,8 +187,8 @@ class SnapshotCollector(Collector):
         )
         pool = GaugeMetricFamily(
             "loraplex_adapter_pool_bytes",
-            "Adapter page pool: bytes of pages in use, bytes allocated (used and free pages), "
-            "and the budget (lora_memory).",
+            "Adapter page pool: bytes of pages in use, bytes of device-pool blocks it holds (used "
+            "and free pages), and its cap (lora_memory).",
             labels=["kind"],
         )
         pool.add_metric(["used"], 0 if adapters is None else adapters.pool_used_bytes)
