@@ -34,6 +34,17 @@ def _kv(spec: BaseModelSpec) -> tuple[KVCache, KVBlockManager]:
     return cache, KVBlockManager(NUM_BLOCKS, BLOCK_SIZE)
 
 
+def _shared(
+    make_manager: Any, spec: BaseModelSpec, adapters: dict[int, Path], reserve_blocks: int = 0
+) -> tuple[KVCache, KVBlockManager, KVPageArena, AdapterManager]:
+    """A KV pool, its arena (half the pool at most) and a manager with the adapters registered."""
+    cache, kv = _kv(spec)
+    arena = KVPageArena(cache, kv.pool, cap_blocks=NUM_BLOCKS // 2, reserve_blocks=reserve_blocks)
+    manager = make_manager(max_loras=None, lora_page_rank=4, arena=arena)
+    _add(manager, adapters)
+    return cache, kv, arena, manager
+
+
 def _add(manager: AdapterManager, adapters: dict[int, Path]) -> None:
     for i, path in adapters.items():
         manager.add_adapter(LoRARequest(f"a{i}", i, str(path)))
@@ -64,11 +75,8 @@ def _inside(t: torch.Tensor, cache: KVCache, layer: int, first_block: int) -> bo
 def test_pages_live_in_the_top_kv_blocks_and_match_own_memory(
     adapters: dict[int, Path], make_manager: Any, spec: BaseModelSpec
 ) -> None:
-    cache, kv = _kv(spec)
-    arena = KVPageArena(cache, kv.pool, cap_blocks=NUM_BLOCKS // 2)
-    shared = make_manager(max_loras=None, lora_page_rank=4, arena=arena)
+    cache, kv, arena, shared = _shared(make_manager, spec, adapters)
     own = make_manager(max_loras=None, lora_page_rank=4, store_dir=None)
-    _add(shared, adapters)
     _add(own, adapters)
     for manager in (shared, own):
         for i in adapters:
@@ -95,10 +103,7 @@ def test_pages_live_in_the_top_kv_blocks_and_match_own_memory(
 def test_blocks_go_back_to_the_kv_cache_only_from_unpinned_adapters(
     adapters: dict[int, Path], make_manager: Any, spec: BaseModelSpec
 ) -> None:
-    cache, kv = _kv(spec)
-    arena = KVPageArena(cache, kv.pool, cap_blocks=NUM_BLOCKS // 2)
-    manager = make_manager(max_loras=None, lora_page_rank=4, arena=arena)
-    _add(manager, adapters)
+    _, kv, _, manager = _shared(make_manager, spec, adapters)
     for i in adapters:
         manager.acquire(i, f"r{i}")
     pinned = _logical(manager, 3)
@@ -129,10 +134,7 @@ def test_blocks_go_back_to_the_kv_cache_only_from_unpinned_adapters(
 def test_adapters_take_only_free_blocks(
     adapters: dict[int, Path], make_manager: Any, spec: BaseModelSpec
 ) -> None:
-    cache, kv = _kv(spec)
-    arena = KVPageArena(cache, kv.pool, cap_blocks=NUM_BLOCKS // 2, reserve_blocks=2)
-    manager = make_manager(max_loras=None, lora_page_rank=4, arena=arena)
-    _add(manager, adapters)
+    _, kv, arena, manager = _shared(make_manager, spec, adapters, reserve_blocks=2)
     # The KV cache holds all but 3 blocks: the arena may take one (2 stay in reserve).
     assert kv.allocate_slots(1, 0, (NUM_BLOCKS - 3) * BLOCK_SIZE) is not None
     assert arena.max_blocks() == 1
