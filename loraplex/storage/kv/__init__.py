@@ -4,6 +4,7 @@
 |---|---|
 | ``tiered_kv`` | ``TieredKV``: block manager + tiers as one cache, wired; reset, purge, persist, checks |
 | ``kv_cache`` | the accelerator pool's per-layer K/V tensors; block reads and writes for the tiers |
+| ``kv_arena`` | ``KVPageArena``: the pool's top blocks lent to the adapter page pool (one pool, KV first) |
 | ``block_pool`` | block ids, ref counts, the LRU free queue, the key index; ``on_evict`` / ``on_cache`` |
 | ``block_hash`` | prefix-cache keys: a sha256 chain over token ids and extra keys; the chain's owner |
 | ``prefix_cache`` | lookups of a prompt's longest cached prefix (``PrefixHit``), hit/miss counters |
