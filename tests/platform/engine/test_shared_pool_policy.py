@@ -62,8 +62,16 @@ def _run(engine: LLMEngine, requests: list[tuple[str, list[int], LoRARequest | N
     return outs
 
 
+def _blocks_alone(model: Path, lora: LoRARequest) -> int:
+    """Pool blocks the adapter's pages take on their own (measured on a roomy engine)."""
+    probe = _engine(model, 512)
+    try:
+        return _adapter_blocks(probe, lora)
+    finally:
+        probe.shutdown()
+
+
 def _adapter_blocks(engine: LLMEngine, lora: LoRARequest) -> int:
-    """Pool blocks the adapter's pages take on their own."""
     runtime = engine.lora_manager
     assert runtime is not None
     runtime.add_lora(lora)
@@ -76,9 +84,7 @@ def _adapter_blocks(engine: LLMEngine, lora: LoRARequest) -> int:
 def test_an_idle_adapter_yields_its_blocks_before_a_sequence_is_preempted(
     tiny_dirs: dict[str, Path], big_adapter: LoRARequest
 ) -> None:
-    probe = _engine(tiny_dirs["gqa_tied"], 512)
-    need = _adapter_blocks(probe, big_adapter)
-    probe.shutdown()
+    need = _blocks_alone(tiny_dirs["gqa_tied"], big_adapter)
     pool = need + 40
     engine = _engine(tiny_dirs["gqa_tied"], pool)
     first = _run(engine, [("with-adapter", list(range(5, 21)), big_adapter)])
@@ -102,9 +108,7 @@ def test_an_idle_adapter_yields_its_blocks_before_a_sequence_is_preempted(
 def test_an_adapter_that_never_fits_beside_its_kv_is_refused_clearly(
     tiny_dirs: dict[str, Path], big_adapter: LoRARequest
 ) -> None:
-    probe = _engine(tiny_dirs["gqa_tied"], 512)
-    need = _adapter_blocks(probe, big_adapter)
-    probe.shutdown()
+    need = _blocks_alone(tiny_dirs["gqa_tied"], big_adapter)
     engine = _engine(tiny_dirs["gqa_tied"], need + 4)
     # 8 blocks of KV: fits the pool alone, never beside the adapter.
     outs = _run(
@@ -114,6 +118,7 @@ def test_an_adapter_that_never_fits_beside_its_kv_is_refused_clearly(
     error = outs["too-big"].error
     assert error is not None and "do not fit the device pool together" in str(error)
     assert outs["neighbour"].error is None and len(outs["neighbour"].outputs[0].token_ids) == 6
-    # With no adapter resident, the KV cache has every block.
-    assert engine.block_manager.num_free_blocks + engine.kv.block_counts().num_adapter_device_blocks == need + 4
+    # The adapter never took a block: with none resident, the KV cache has every block.
+    assert engine.kv.block_counts().num_adapter_device_blocks == 0
+    assert engine.block_manager.num_free_blocks == need + 4
     engine.shutdown()
