@@ -400,8 +400,8 @@ class Scheduler:
                 if not isinstance(admitted, ScheduledSeq) and self._release_hook is not None:
                     self._release_hook(seq)  # not this step after all: no pin while it waits
                 return admitted
-        if decision is AdmitDecision.WAIT:
-            return _SKIP
+        if decision is AdmitDecision.WAIT or decision is AdmitDecision.LOAD:
+            return _SKIP  # LOAD again after a load: the adapter went meanwhile; not this step
         if decision is AdmitDecision.REJECT:
             self.finish(seq, SeqStatus.FINISHED_ABORTED)
             out.aborted.append(seq)
