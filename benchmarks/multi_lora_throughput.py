@@ -1330,7 +1330,7 @@ def make_many_plot(path: Path, report: dict[str, Any]) -> None:
     rows = report["table"]
     colors = ["#2b7bba", "#d95f02", "#7570b3", "#1b9e77", "#e7298a", "#666666"]
     styles = {"uniform": ("o", "-"), "powerlaw": ("s", "--")}
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     for i, label in enumerate(dict.fromkeys(r["config"] for r in rows)):
         for mix, (marker, ls) in styles.items():
             pts = sorted(
@@ -1361,7 +1361,8 @@ def make_many_plot(path: Path, report: dict[str, Any]) -> None:
     )
     ax.set_ylabel("output tok/s / same engine's base model")
     ax.set_title("Multi-LoRA throughput with many adapters")
-    ax.legend(fontsize=7, loc="best")
+    # beside the axes: inside, it hides the low capped points whatever corner it takes
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
