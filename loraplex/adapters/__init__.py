@@ -1,13 +1,21 @@
 """PEFT LoRA adapters: parse and validate uploads, identify them, serve them from three tiers.
 
-- ``spec``: the base model's LoRA-able layers and the stacking groups (qkv, o, gate_up, down);
-- ``peft_config`` / ``peft_weights`` / ``loader``: read ``adapter_config.json`` and
-  ``adapter_model.safetensors``, reject what cannot be served, fold PEFT's scaling into B;
-- ``patterns``: PEFT's rank/alpha pattern keys matched in linear time (no backtracking);
-- ``archive``: safe extraction of archives; ``store``: the content-addressed store (the disk tier,
-  shared with the gateway's uploads); ``uploads``: checking an upload before it is stored;
-- ``host_cache``: the host LRU; ``slot_table`` / ``slot_buffers``: the device slots;
-- ``manager``: ``AdapterManager``, what the engine talks to.
+| module | owns |
+|---|---|
+| ``manager`` | ``AdapterManager``: what the engine talks to; the registry, the tiers and the lock |
+| ``residency`` | ``DeviceResidency``: the device tier: slots, page tables, loads, LRU eviction |
+| ``page_pool`` | ``LoRAPagePool``: adapter weights in rank-granular pages, per projection group |
+| ``page_arena`` | ``PageArena``: the memory the pages are laid out in (KV blocks, or ``OwnedArena``) |
+| ``slot_table`` / ``slot_buffers`` | slot states, pins and LRU; what one projection hands the kernels |
+| ``host_cache`` | ``HostAdapterCache``: the host LRU (``max_cpu_loras``, ``cpu_lora_memory``) |
+| ``store_reads`` | ``StoreReads``: background reads from the store into host memory, their errors |
+| ``store`` / ``archive`` | the content-addressed store (the disk tier, shared with uploads); archives |
+| ``uploads`` / ``layout`` | checking an upload before it is stored; which files of a folder are read |
+| ``loader`` / ``peft_config`` / ``peft_weights`` | read PEFT files, refuse the unservable, fold in scaling |
+| ``patterns`` | PEFT's rank/alpha pattern keys, matched in linear time (no backtracking) |
+| ``spec`` | the base model's LoRA-able layers and the stacking groups (qkv, o, gate_up, down) |
+| ``registry`` / ``identity`` | adapters by id and draining slots; owner, name, content version |
+| ``request`` / ``config`` / ``errors`` | ``LoRARequest``; ``AdapterManagerConfig``; the subsystem's errors |
 
 See docs/adapters.md.
 """

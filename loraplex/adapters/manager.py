@@ -28,6 +28,11 @@ Threading: every public method may be called from any thread (one re-entrant loc
 Disk reads for ``prefetch`` run on loader threads without that lock; their results
 are collected by the next call from the engine, so a slow read never blocks requests
 for other adapters. ``add_adapter`` validates outside the lock for the same reason.
+
+The manager is the lock and the registry over three helpers that are not thread-safe on
+their own: ``DeviceResidency`` (``residency.py``: slots, page tables, eviction),
+``HostAdapterCache`` (``host_cache.py``) and ``StoreReads`` (``store_reads.py``: the
+background reads).
 """
 
 from __future__ import annotations
@@ -35,7 +40,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -47,14 +51,15 @@ from loraplex.adapters.errors import AdapterValidationError, NoFreeSlotError
 from loraplex.adapters.host_cache import HostAdapterCache
 from loraplex.adapters.identity import AdapterIdentity
 from loraplex.adapters.page_arena import OwnedArena, PageArena
-from loraplex.adapters.page_pool import LoRAPagePool, PageTable, Remaps, pages_needed
+from loraplex.adapters.page_pool import PageTable
 from loraplex.adapters.peft_weights import AdapterWeights
 from loraplex.adapters.registry import AdapterEntry, AdapterInfo, AdapterRegistry, Tier
 from loraplex.adapters.request import LoRARequest
+from loraplex.adapters.residency import DeviceResidency, PagesNeeded
 from loraplex.adapters.slot_buffers import SlotBuffers
-from loraplex.adapters.slot_table import SlotTable
 from loraplex.adapters.spec import BaseModelSpec, GroupName
 from loraplex.adapters.store import AdapterStore, StagedAdapter
+from loraplex.adapters.store_reads import StoreReads
 from loraplex.kernels.lora_layout import LOGICAL_LAYOUT, LoRAWeightLayout
 
 logger = logging.getLogger(__name__)
@@ -127,29 +132,20 @@ class AdapterManager:
         if self.config.store_dir is not None:
             self._store.open()  # leftovers of a crash
         self._host = HostAdapterCache(self.config.max_cpu_loras, self.config.cpu_lora_memory)
-        self._slots = SlotTable(self.config.max_loras)
+        self._reads = StoreReads(
+            self._store, spec, self.config.max_lora_rank, dtype, self.device, self.config.num_loader_threads
+        )
         if arena is None:
             arena = OwnedArena(spec.num_layers, self.config.lora_memory, self.device)
-        self._pool = LoRAPagePool(
-            spec,
-            self.config.lora_page_rank,
-            arena,
-            self.device,
-            dtype,
-            layout=weight_layout,
+        self._residency = DeviceResidency(
+            spec, self.config.max_loras, self.config.lora_page_rank, arena, self.device, dtype, weight_layout
         )
-        self._pages: dict[int, PageTable] = {}  # slot -> its adapter's pages
-        self._need: dict[str, dict[GroupName, int]] = {}  # version -> pages per group (cached)
+        self._slots = self._residency.slots
+        self._pool = self._residency.pool
         self._registry = AdapterRegistry()
-        self._loads: dict[str, Future[AdapterWeights]] = {}  # version -> background disk read
-        self._load_errors: dict[str, BaseException] = {}
-        self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.RLock()
         self._closed = False
         """close() ran: the store's folders are deleted (what check_integrity compares is gone)."""
-        self._num_slot_loads = 0  # adapters written into device pages
-        self._num_evictions = 0
-        self._num_disk_reads = 0  # adapters read back from the store into host memory
 
     # -- registry ----------------------------------------------------------------------
 
@@ -189,7 +185,7 @@ class AdapterManager:
                 if existing is not None:
                     self.discard_staged(staged)
                     return self._info(existing)
-                need = pages_needed(parsed.weights, self._pool.page_rank)
+                need = self._residency.pages_needed(parsed.version, parsed.weights)
                 if not self._pool.can_ever_fit(need):
                     raise AdapterValidationError(
                         "exceeds_lora_memory",
@@ -198,7 +194,7 @@ class AdapterManager:
                         f"of the device pool), more than lora_memory ({self._pool.budget_bytes} bytes, "
                         f"{self._pool.arena.cap_blocks} blocks) holds; raise lora_memory",
                     )
-                weights = self._maybe_pin(parsed.weights)
+                weights = self._reads.pin(parsed.weights)
                 entry = AdapterEntry(
                     identity,
                     request.path,
@@ -231,14 +227,14 @@ class AdapterManager:
             info = self._info(entry, slot_idx=self._slots.slot_of(adapter_id))
             detached = self._slots.detach(adapter_id)
             if detached is not None and detached.freed:
-                self._free_pages(detached.slot_idx)
+                self._residency.free_pages(detached.slot_idx)
             elif detached is not None:
                 self._registry.start_draining(detached.slot_idx, entry)
             version = entry.identity.version
             if version not in self._registry.live_versions():
                 self._host.discard(version)
-                self._need.pop(version, None)
-                self._load_errors.pop(version, None)
+                self._residency.forget(version)
+                self._reads.forget(version)
             if entry.owned:
                 self._store.release(entry.folder)
         logger.info(
@@ -298,7 +294,7 @@ class AdapterManager:
             if self._slots.slot_of(adapter_id) is not None:
                 return True
             weights = self._host.get(entry.identity.version)
-            return weights is not None and self._could_make_room(self._pages_needed(entry, weights))
+            return weights is not None and self._residency.could_make_room(self._pages_needed(entry, weights))
 
     def could_ever_fit_beside(self, adapter_id: int, kv_blocks: int) -> bool:
         """Whether ``adapter_id``'s pages could fit the arena while ``kv_blocks`` of KV are in
@@ -308,8 +304,7 @@ class AdapterManager:
             weights = self._host.get(entry.identity.version)
             if weights is None:
                 return True  # not known yet: the load will tell
-            need = self._pages_needed(entry, weights)
-            return self._pool.blocks_for(need) <= self._pool.arena.max_blocks_beside(kv_blocks)
+            return self._residency.could_ever_fit_beside(self._pages_needed(entry, weights), kv_blocks)
 
     def prefetch(self, adapter_id: int, start: bool = True) -> bool:
         """Start reading ``adapter_id`` from disk into host memory; True if already there.
@@ -323,11 +318,11 @@ class AdapterManager:
             version = entry.identity.version
             if self._slots.slot_of(adapter_id) is not None or version in self._host:
                 return True
-            error = self._load_errors.pop(version, None)
+            error = self._reads.take_error(version)
             if error is not None:
                 raise error
-            if start and version not in self._loads:
-                self._submit(entry)
+            if start:
+                self._reads.submit(entry)
             return False
 
     def prefetch_ahead(self, adapter_ids: Iterable[int], max_adapters: int = 32) -> None:
@@ -366,14 +361,12 @@ class AdapterManager:
                 # requests push out something else (the bounds count it either way).
                 if self._host.get(version) is None:
                     wanted[version] = entry
-            cancelled = [v for v, f in self._loads.items() if v not in wanted and f.cancel()]
-            for version in cancelled:
-                del self._loads[version]
+            cancelled = self._reads.cancel_except(wanted)
             for version, entry in wanted.items():
-                if version not in self._loads and version not in self._load_errors:
-                    self._submit(entry)
+                if not self._reads.failed(version):
+                    self._reads.submit(entry)
             if cancelled:
-                logger.debug("cancelled %d queued adapter reads nobody waits for", len(cancelled))
+                logger.debug("cancelled %d queued adapter reads nobody waits for", cancelled)
 
     def wait_for_a_read(self, timeout: float) -> bool:
         """Block (without the manager lock) until a background store read in flight finishes,
@@ -381,19 +374,8 @@ class AdapterManager:
         the host cache first, so a True always means news (a caller may loop on it)."""
         with self._lock:
             self._collect_loads()
-            pending = list(self._loads.values())
-        if not pending:
-            return False
-        done, _ = wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
-        return bool(done)
-
-    def _submit(self, entry: AdapterEntry) -> None:
-        """Queue a background store read of ``entry`` (caller holds the lock)."""
-        if self._executor is None:
-            threads = self.config.num_loader_threads
-            self._executor = ThreadPoolExecutor(threads, thread_name_prefix="adapter-loader")
-        self._loads[entry.identity.version] = self._executor.submit(self._read_from_disk, entry)
-        logger.debug("prefetching adapter %d from %s", entry.identity.adapter_id, entry.folder)
+            pending = self._reads.pending()
+        return StoreReads.wait_any(pending, timeout)
 
     def acquire(self, adapter_id: int, request_id: str, *, keep_free_blocks: int = 0) -> int:
         """Pin ``adapter_id``'s slot for ``request_id``, loading it first if needed; return the slot.
@@ -425,19 +407,7 @@ class AdapterManager:
                     )
                 weights = self._host_weights(entry)
                 need = self._pages_needed(entry, weights)
-                evicted = self._make_room(adapter_id, need, keep_free_blocks)
-                pages, moved = self._pool.allocate(need, keep_free_blocks)
-                self._follow(moved)
-                self._pool.write(pages, weights)
-                new_slot = self._slots.new_slot()
-                assert new_slot is not None, "make_room left no slot"
-                slot_idx = new_slot
-                self._slots.assign(slot_idx, adapter_id)
-                self._pages[slot_idx] = pages
-                self._num_slot_loads += 1
-                logger.debug("loaded adapter %d: slot %d, pages %s", adapter_id, slot_idx, pages)
-                if evicted:
-                    logger.debug("evicted adapters %s for adapter %d", evicted, adapter_id)
+                slot_idx = self._residency.load(adapter_id, weights, need, keep_free_blocks)
             self._slots.pin(slot_idx, request_id)
             return slot_idx
 
@@ -448,7 +418,7 @@ class AdapterManager:
             if unpinned is None:
                 return False
             if unpinned.freed:
-                self._free_pages(unpinned.slot_idx)
+                self._residency.free_pages(unpinned.slot_idx)
                 entry = self._registry.finish_draining(unpinned.slot_idx)
                 logger.info(
                     "slot %d of removed adapter %d is free", unpinned.slot_idx, entry.identity.adapter_id
@@ -474,13 +444,22 @@ class AdapterManager:
     def page_tables(self) -> dict[int, PageTable]:
         """Each resident (or draining) slot's pages per group: what a step's kernels read."""
         with self._lock:
-            return {slot: {g: list(p) for g, p in table.items()} for slot, table in self._pages.items()}
+            return self._residency.page_tables()
 
     def pages_of(self, adapter_id: int) -> PageTable | None:
         """The pages of resident ``adapter_id`` per group, or None if it is not resident."""
         with self._lock:
-            slot_idx = self._slots.slot_of(adapter_id)
-            return None if slot_idx is None else {g: list(p) for g, p in self._pages[slot_idx].items()}
+            return self._residency.pages_of(adapter_id)
+
+    def give_back_memory(self, num_blocks: int) -> int:
+        """Return arena blocks to the KV cache, evicting unpinned adapters (least recently
+        used first) until ``num_blocks`` came back or nothing more can; how many came back.
+
+        The engine calls this before it would preempt a sequence or refuse one for KV: the
+        KV cache comes first, adapters no running request uses yield to it.
+        """
+        with self._lock:
+            return self._residency.give_back_memory(num_blocks)
 
     @property
     def pool_generation(self) -> int:
@@ -506,14 +485,14 @@ class AdapterManager:
                 pool_bytes=self._pool.nbytes,
                 pool_budget_bytes=self._pool.budget_bytes,
                 pages_used={g: self._pool.num_used(g) for g in self._pool.groups()},
-                num_evictions=self._num_evictions,
+                num_evictions=self._residency.num_evictions,
                 num_in_host=in_host,
                 host_capacity=self.config.max_cpu_loras,
                 host_bytes=self._host.nbytes,
                 host_budget_bytes=self.config.cpu_lora_memory,
-                num_slot_loads=self._num_slot_loads,
-                num_disk_reads=self._num_disk_reads,
-                num_loading=len(self._loads),
+                num_slot_loads=self._residency.num_slot_loads,
+                num_disk_reads=self._reads.num_reads,
+                num_loading=self._reads.num_in_flight,
             )
 
     # -- model runner ----------------------------------------------------------------------
@@ -540,11 +519,8 @@ class AdapterManager:
             self._slots.check_integrity()
             errors: list[str] = []
             draining = self._registry.draining()
-            in_use = self._slots.slots_in_use()
-            if sorted(self._pages) != in_use:
-                errors.append(f"slots with pages {sorted(self._pages)} != slots in use {in_use}")
-            errors += self._pool.check(self._pages)
-            for slot_idx in in_use:
+            errors += self._residency.check()
+            for slot_idx in self._slots.slots_in_use():
                 key = self._slots.key_of(slot_idx)
                 assert key is not None
                 if self._slots.is_draining(slot_idx):
@@ -574,9 +550,8 @@ class AdapterManager:
     def close(self) -> None:
         """Stop loader threads and delete the store's folders."""
         with self._lock:
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True, cancel_futures=True)
+            # The loader threads never take this lock: waiting for them here cannot deadlock.
+            self._reads.close()
         self._store.close()
         self._closed = True
 
@@ -610,129 +585,18 @@ class AdapterManager:
             pins,
         )
 
-    def _maybe_pin(self, weights: AdapterWeights) -> AdapterWeights:
-        if self.device.type == "cuda" and torch.cuda.is_available():
-            return weights.pin_memory()
-        return weights
-
-    def _read_from_disk(self, entry: AdapterEntry) -> AdapterWeights:
-        """Runs on a loader thread (no manager lock): re-read and re-validate the stored files."""
-        parsed = self._store.load(
-            entry.folder, self.spec, self.config.max_lora_rank, self.dtype, entry.identity.version
-        )
-        return self._maybe_pin(parsed.weights)
-
     def _collect_loads(self) -> None:
         """Move finished background reads into the host cache (caller holds the lock)."""
-        live_versions = self._registry.live_versions()
-        for version, future in list(self._loads.items()):
-            if not future.done():
-                continue
-            del self._loads[version]
-            if version not in live_versions:
-                continue  # removed while loading
-            error = future.exception()
-            if error is not None:
-                logger.warning("background load of adapter version %s failed: %s", version[:12], error)
-                self._load_errors[version] = error
-            else:
-                self._host.put(version, future.result())
-                self._num_disk_reads += 1
+        self._reads.collect(self._host, self._registry.live_versions())
 
-    def _pages_needed(self, entry: AdapterEntry, weights: AdapterWeights) -> dict[GroupName, int]:
-        version = entry.identity.version
-        need = self._need.get(version)
-        if need is None:
-            need = self._need[version] = pages_needed(weights, self._pool.page_rank)
-        return need
-
-    def _follow(self, moved: Remaps) -> None:
-        """Point the page tables at the pages a compaction moved."""
-        for group, remap in moved.items():
-            for table in self._pages.values():
-                if group in table:
-                    table[group] = [remap.get(p, p) for p in table[group]]
-
-    def _could_make_room(self, need: dict[GroupName, int], keep_free_blocks: int = 0) -> bool:
-        """Whether a slot and ``need`` pages could be had now, evicting unpinned adapters if need be."""
-        evictable = self._slots.eviction_order()
-        if not self._slots.has_room() and not evictable:
-            return False
-        freeable: dict[GroupName, int] = {}
-        for slot_idx in evictable:
-            for group, pages in self._pages[slot_idx].items():
-                freeable[group] = freeable.get(group, 0) + len(pages)
-        return self._pool.fits(need, freed=freeable, keep_free_blocks=keep_free_blocks)
-
-    def give_back_memory(self, num_blocks: int) -> int:
-        """Return arena blocks to the KV cache, evicting unpinned adapters (least recently
-        used first) until ``num_blocks`` came back or nothing more can; how many came back.
-
-        The engine calls this before it would preempt a sequence or refuse one for KV: the
-        KV cache comes first, adapters no running request uses yield to it.
-        """
-        with self._lock:
-            before = self._pool.arena.num_blocks
-            target = max(0, before - num_blocks)
-            order = self._slots.eviction_order()
-            used = {g: self._pool.num_used(g) for g in self._pool.groups()}
-            evictable = [(slot_idx, self._pages[slot_idx]) for slot_idx in order]
-            for _, table in evictable:
-                for group, pages in table.items():
-                    used[group] -= len(pages)
-            # All or nothing: a partial return would cost reloads (and a re-layout of the
-            # arena) and still leave the sequence without its blocks.
-            if self._pool.blocks_for(used) > target:
-                return 0
-            for slot_idx, _ in evictable:
-                tight = {g: self._pool.num_used(g) for g in self._pool.groups()}
-                if self._pool.blocks_for(tight) <= target:
-                    break  # free pages (growth slack) and the adapters evicted so far suffice
-                self._slots.evict(slot_idx)
-                self._free_pages(slot_idx)
-                self._num_evictions += 1
-            self._follow(self._pool.shrink())
-            return before - self._pool.arena.num_blocks
-
-    def _make_room(self, adapter_id: int, need: dict[GroupName, int], keep_free_blocks: int = 0) -> list[int]:
-        """Evict least recently used unpinned adapters until a slot and ``need`` pages are free.
-
-        Pages of any group count (the pool compacts groups to move bytes between them), so
-        eviction simply follows the LRU order. Raises ``NoFreeSlotError`` when what is
-        evictable does not suffice (nothing is evicted then).
-        """
-        if not self._could_make_room(need, keep_free_blocks):
-            raise NoFreeSlotError(
-                f"adapter {adapter_id}: its pages ({need} of rank {self._pool.page_rank}) do not fit "
-                f"the adapter memory now ({self._pool.arena.max_blocks()} blocks: lora_memory "
-                f"{self._pool.budget_bytes} bytes at most, within the free KV blocks) beside the "
-                "adapters running requests use; retry when one finishes"
-            )
-        evicted: list[int] = []
-        for slot_idx in self._slots.eviction_order():
-            if self._pool.fits(need, keep_free_blocks=keep_free_blocks) and self._slots.has_room():
-                break
-            evicted.append(self._slots.evict(slot_idx))
-            self._free_pages(slot_idx)
-            self._num_evictions += 1
-        return evicted
-
-    def _held_nbytes(self, slot_idx: int) -> int:
-        return self._pool.need_nbytes({g: len(p) for g, p in self._pages[slot_idx].items()})
-
-    def _free_pages(self, slot_idx: int) -> None:
-        self._pool.free(self._pages.pop(slot_idx))
+    def _pages_needed(self, entry: AdapterEntry, weights: AdapterWeights) -> PagesNeeded:
+        return self._residency.pages_needed(entry.identity.version, weights)
 
     def _host_weights(self, entry: AdapterEntry) -> AdapterWeights:
         """The adapter's host weights, reading them from disk now on a miss (caller holds the lock)."""
         version = entry.identity.version
         weights = self._host.get(version)
-        if weights is not None:
-            return weights
-        future = self._loads.pop(version, None)
-        # The loader thread never takes the manager lock, so waiting here cannot deadlock.
-        weights = future.result() if future is not None else self._read_from_disk(entry)
-        self._num_disk_reads += 1
-        self._load_errors.pop(version, None)
-        self._host.put(version, weights)
+        if weights is None:
+            weights = self._reads.read_now(entry)
+            self._host.put(version, weights)
         return weights

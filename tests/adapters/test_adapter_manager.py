@@ -224,7 +224,7 @@ def test_paged_random_workload_keeps_pages_and_weights(
         roomy.acquire(adapter_id, "probe")
         want[adapter_id] = _paged_rows(roomy, adapter_id)
         roomy.release("probe")
-    sizes = sorted(roomy._held_nbytes(roomy.slot_of(a)) for a in (1, 2, 3, 4))  # type: ignore[arg-type]
+    sizes = sorted(roomy._residency.held_nbytes(roomy.slot_of(a)) for a in (1, 2, 3, 4))  # type: ignore[arg-type]
     budget = sizes[-1] + sizes[-2]  # the two largest fit together, never three adapters
     manager = make_manager(max_loras=None, lora_page_rank=2, lora_memory=budget, max_cpu_loras=4, **extra)
     _add(manager, adapters, 1, 2, 3, 4)

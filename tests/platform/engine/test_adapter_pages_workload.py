@@ -115,7 +115,7 @@ def _run(model: Path, loras: list[LoRARequest], reqs: list[Any], *, churn: bool,
             engine.check_integrity()
     stats = engine.stats
     manager = engine.lora_manager.manager  # type: ignore[union-attr]
-    sizes = [manager._held_nbytes(slot) for slot in manager.page_tables()]
+    sizes = [manager._residency.held_nbytes(slot) for slot in manager.page_tables()]
     engine.shutdown()
     return tokens, stats, sizes, most_lent
 
