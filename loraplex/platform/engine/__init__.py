@@ -16,6 +16,8 @@
 | ``output_processor`` | after the forward: forks, sampling, stop checks, the step's ``RequestOutput``s |
 | ``validation`` | the checks ``add_request`` runs on a request before it is queued |
 | ``engine`` | ``LLMEngine``: add / abort / step |
+| ``assembly`` | ``assemble``: the engine's parts built from its config, in dependency order |
+| ``maintenance`` | ``MaintenanceQueue``: purges and resets run in bounded slices between steps |
 | ``async_engine`` | ``AsyncEngine``: the engine in its own thread; the server's only door to it |
 | ``limits`` | ``EngineLimits``: what a running engine accepts, read once by the server |
 | ``stats`` | ``EngineStats``: one snapshot per step, published by a reference swap; per-tenant usage |

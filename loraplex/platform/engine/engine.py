@@ -8,26 +8,18 @@ forward over every scheduled sequence, whatever mix of prefill chunks and decode
 
 from __future__ import annotations
 
-import collections
-import hashlib
 import itertools
-import json
 import logging
 import time
 from collections.abc import Iterable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from loraplex.adapters import StagedAdapter
 from loraplex.adapters.request import LoRARequest
-from loraplex.kernels.registry import (
-    select_attention_backend,
-    select_linear_backend,
-    select_pointwise_backend,
-)
-from loraplex.platform.engine.config import EngineConfig, RuntimeInfo, parse_dtype
+from loraplex.platform.engine.assembly import assemble
+from loraplex.platform.engine.config import EngineConfig
 from loraplex.platform.engine.deadlines import Deadlines
 from loraplex.platform.engine.detokenizer import IncrementalDetokenizer
 from loraplex.platform.engine.errors import (
@@ -37,16 +29,14 @@ from loraplex.platform.engine.errors import (
     InvalidParameterError,
     RequestError,
 )
-from loraplex.platform.engine.host_memory import tune_host_malloc
 from loraplex.platform.engine.lora_runtime import LoRARuntime
+from loraplex.platform.engine.maintenance import MaintenanceQueue
 from loraplex.platform.engine.output_processor import OutputProcessor, request_output
 from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.engine.policy import FairSharePolicy
-from loraplex.platform.engine.preemption import PreemptionPolicy
-from loraplex.platform.engine.runner import ModelRunner
 from loraplex.platform.engine.sampler import Sampler
 from loraplex.platform.engine.sampling_params import SamplingParams
-from loraplex.platform.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from loraplex.platform.engine.scheduler import SchedulerOutput
 from loraplex.platform.engine.sequence import Request, Sequence, tenant_cache_salt
 from loraplex.platform.engine.stats import EngineStats, RejectionCounters, TenantCounters, build_stats
 from loraplex.platform.engine.validation import (
@@ -55,163 +45,36 @@ from loraplex.platform.engine.validation import (
     check_scheduling_params,
     prompt_token_ids,
 )
-from loraplex.platform.model.loader import load_hf_config, load_model
-from loraplex.platform.model.packed_weights import resolve_quantization
-from loraplex.platform.model.source import gguf_source, resolve_model_dir
-from loraplex.storage.kv.kv_arena import KVPageArena
-from loraplex.storage.kv.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_budget
 from loraplex.storage.kv.sliced import SlicedJob
-from loraplex.storage.kv.tiered_kv import TieredKV
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    pass
 
 logger = logging.getLogger(__name__)
 
 _SEED_MODULUS = 1 << 64  # torch.Generator.manual_seed takes any 64-bit pattern
 
 
-def _kv_fingerprint(
-    model_config_json: str, dtype: torch.dtype, block_size: int, quantization: str = "none"
-) -> bytes:
-    """What a cached KV block is only valid for: the model, its weights' storage, the KV dtype
-    and layout.
-
-    The root of every prefix-cache key chain binds it, so blocks computed by another
-    model or layout can never be found (the disk tier persists it with each block).
-    """
-    layout = f"kv-layout-v1|{dtype}|block_size={block_size}|[num_blocks, block_size, kv_heads, head_dim]"
-    if quantization != "none":  # other weights' KV (unchanged for "none", so old disk tiers still match)
-        # "-act16": gguf's projections quantize activations to int16 since quant_x16.c, so KV
-        # written by the earlier fp32-activation kernels (or by gguf_a8) is other numbers.
-        layout += f"|weights={quantization}" + ("-act16" if quantization == "gguf" else "")
-    return hashlib.sha256(model_config_json.encode() + b"\0" + layout.encode()).digest()
-
-
-def _eos_ids(model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
-    ids: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    gen_cfg = model_dir / "generation_config.json"
-    if gen_cfg.exists():
-        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, list):
-            ids.update(int(e) for e in eos)
-    return tuple(sorted(ids))
-
-
 class LLMEngine:
     """Owns tokenizer, model runner, scheduler, KV blocks and sampler."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from transformers import AutoTokenizer
-
         self.config = config
-        device = config.torch_device()
-        dtype = parse_dtype(config.dtype, device)
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.model_dir = resolve_model_dir(config.model)
-        gguf_path = gguf_source(config.model)
-        self.quantization = resolve_quantization(config.quantization, gguf_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
-        hf_config = load_hf_config(self.model_dir)
-        from loraplex.platform.model.arch import ModelArch
-
-        arch = ModelArch.from_hf_config(hf_config)
-        max_model_len = config.max_model_len or arch.max_position_embeddings
-        if max_model_len > arch.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's context of {arch.max_position_embeddings}"
-            )
-        if device.type == "cpu":
-            tune_host_malloc()
-        linear = select_linear_backend(config.linear_backend, device)
-        pointwise = select_pointwise_backend(device)
-        self.model, self.arch, self.hf_config = load_model(
-            self.model_dir, dtype, device, max_model_len, linear, pointwise, self.quantization, gguf_path
-        )
-        per_block = kv_bytes_per_block(
-            arch.num_layers, config.block_size, arch.num_kv_heads, arch.head_dim, dtype
-        )
-        num_blocks = config.num_kv_blocks or num_blocks_for_budget(
-            per_block,
-            device,
-            config.kv_cache_memory,
-            config.gpu_memory_utilization,
-        )
-        self.info = RuntimeInfo(
-            device=device,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            num_kv_blocks=num_blocks,
-            kv_bytes_per_block=per_block,
-            eos_token_ids=_eos_ids(self.model_dir, self.tokenizer),
-        )
-        kv_cache = KVCache(
-            arch.num_layers, num_blocks, config.block_size, arch.num_kv_heads, arch.head_dim, dtype, device
-        )
-        fingerprint = _kv_fingerprint(hf_config.to_json_string(), dtype, config.block_size, self.quantization)
-        self.runner = ModelRunner(
-            self.model,
-            kv_cache,
-            select_attention_backend(config.attention_backend, device),
-            device,
-            enforce_eager=config.enforce_eager,
-        )
-        limits = SchedulerLimits(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            policy=config.scheduling_policy,
-            watermark_blocks=max(1, num_blocks // 100) if num_blocks > 100 else 0,
-        )
-        # The device pool's blocks and the host/disk tiers below it, wired by TieredKV itself.
-        self.kv = TieredKV.create(
-            kv_cache,
-            fingerprint,
-            enable_prefix_caching=config.enable_prefix_caching,
-            host_kv_cache_bytes=config.host_kv_cache_bytes,
-            disk_kv_path=config.disk_kv_path,
-            disk_kv_cache_bytes=config.disk_kv_cache_bytes,
-        )
+        parts = assemble(config)
+        self.model_dir = parts.model_dir
+        self.quantization = parts.quantization
+        self.tokenizer = parts.tokenizer
+        self.model, self.arch, self.hf_config = parts.model, parts.arch, parts.hf_config
+        self.info = parts.info
+        self.runner = parts.runner
+        self.kv = parts.kv
         self.block_manager = self.kv.block_manager  # what steps allocate from (owned by self.kv)
-        self.lora_manager: LoRARuntime | None = None
-        admit_hook = release_hook = fork_hook = lookahead_hook = idle_wait_hook = None
-        load_hook = memory_hook = None
-        if config.enable_lora:
-            # Adapter pages borrow free blocks from the top of the same pool (KV first).
-            arena = KVPageArena(
-                kv_cache,
-                self.block_manager.pool,
-                cap_blocks=config.lora_memory_bytes // per_block,
-                reserve_blocks=limits.watermark_blocks,
-            )
-            self.lora_manager = LoRARuntime(config, self.hf_config, device, dtype, arena)
-            admit_hook, release_hook = self.lora_manager.admit, self.lora_manager.release
-            load_hook, memory_hook = self.lora_manager.load, self.lora_manager.give_back_memory
-            fork_hook, lookahead_hook = self.lora_manager.on_fork, self.lora_manager.lookahead
-            idle_wait_hook = self.lora_manager.wait_for_a_read
-        self.preemption = PreemptionPolicy(config.preemption_mode, per_block, can_swap=self.kv.can_swap)
-        self.scheduler = Scheduler(
-            limits,
-            self.kv,
-            admit_hook,
-            release_hook,
-            self.preemption,
-            fork_hook=fork_hook,
-            lookahead_hook=lookahead_hook,
-            idle_wait_hook=idle_wait_hook,
-            load_hook=load_hook,
-            memory_hook=memory_hook,
-        )
+        self.lora_manager = parts.lora
+        self.preemption = parts.preemption
+        self.scheduler = parts.scheduler
         self.requests: dict[str, Request] = {}
-        self.maintenance: collections.deque[SlicedJob[Any]] = collections.deque()
+        self.maintenance = MaintenanceQueue()
         """Purges and resets in progress, run in slices between steps (``run_maintenance``)."""
-        self.num_maintenance_slices = 0
-        self.max_maintenance_slice_s = 0.0
-        """The longest slice of maintenance run between two steps so far (``run_maintenance``)."""
         self.deadlines = Deadlines()
         self.usage = TenantCounters()
         self.rejections = RejectionCounters()
@@ -231,17 +94,14 @@ class LLMEngine:
         self.stats: EngineStats = build_stats(self)
         """The state after the last step, published by one reference swap (any thread may read it)."""
         logger.info(
-            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, "
-            "%s attention, %s linear, %s pointwise, quantization %s",
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, %s, quantization %s",
             self.model_dir.name,
-            device,
-            dtype,
-            num_blocks,
+            self.info.device,
+            self.info.dtype,
+            self.info.num_kv_blocks,
             config.block_size,
-            max_model_len,
-            self.runner.attn.name,
-            linear.name,
-            pointwise.name,
+            self.info.max_model_len,
+            parts.backends,
             self.quantization,
         )
 
@@ -389,7 +249,7 @@ class LLMEngine:
             return None
         self.scheduler.drain()  # promotions of aborted sequences land first, then go with the rest
         job = SlicedJob("reset the prefix cache", self.kv.reset_steps())
-        self.maintenance.append(job)
+        self.maintenance.add(job)
         return job
 
     def purge_tenant(self, tenant_id: str) -> tuple[int, int, int]:
@@ -413,28 +273,13 @@ class LLMEngine:
         if isinstance(self.scheduler.policy, FairSharePolicy):
             self.scheduler.policy.forget(tenant_id)
         job = SlicedJob(f"purge tenant {tenant_id}", self.kv.purge_steps(tenant_cache_salt(tenant_id)))
-        self.maintenance.append(job)
+        self.maintenance.add(job)
         return job
 
     def run_maintenance(self, budget_s: float) -> list[SlicedJob[Any]]:
         """Run the queued maintenance jobs (purges, resets) for about ``budget_s`` (at least one
         piece of the first); the jobs that finished. A job that raises is dropped and raises."""
-        finished: list[SlicedJob[Any]] = []
-        start = time.perf_counter()
-        while self.maintenance:
-            job = self.maintenance[0]
-            try:
-                done = job.run(max(0.0, budget_s - (time.perf_counter() - start)))
-            except BaseException:
-                self.maintenance.popleft()
-                raise
-            finally:
-                self.num_maintenance_slices += 1
-                self.max_maintenance_slice_s = max(self.max_maintenance_slice_s, job.max_slice_s)
-            if not done:
-                break
-            finished.append(self.maintenance.popleft())
-        return finished
+        return self.maintenance.run(budget_s)
 
     # -- adapters -------------------------------------------------------------------
     def _lora(self) -> LoRARuntime:

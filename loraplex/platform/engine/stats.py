@@ -193,7 +193,7 @@ def build_stats(engine: LLMEngine) -> EngineStats:
         virtual_counters=policy.snapshot() if isinstance(policy, FairSharePolicy) else {},
         tenant_weights=MappingProxyType(dict(policy.weights)) if isinstance(policy, FairSharePolicy) else {},
         num_maintenance_jobs=len(engine.maintenance),
-        num_maintenance_slices=engine.num_maintenance_slices,
-        max_maintenance_slice_s=engine.max_maintenance_slice_s,
+        num_maintenance_slices=engine.maintenance.num_slices,
+        max_maintenance_slice_s=engine.maintenance.max_slice_s,
         rejections=engine.rejections.snapshot(),
     )
