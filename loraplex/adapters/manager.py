@@ -51,7 +51,7 @@ from loraplex.adapters.errors import AdapterValidationError, NoFreeSlotError
 from loraplex.adapters.host_cache import HostAdapterCache
 from loraplex.adapters.identity import AdapterIdentity
 from loraplex.adapters.page_arena import OwnedArena, PageArena
-from loraplex.adapters.page_pool import PageTable
+from loraplex.adapters.page_pool import PageTable, pages_needed
 from loraplex.adapters.peft_weights import AdapterWeights
 from loraplex.adapters.registry import AdapterEntry, AdapterInfo, AdapterRegistry, Tier
 from loraplex.adapters.request import LoRARequest
@@ -185,7 +185,7 @@ class AdapterManager:
                 if existing is not None:
                     self.discard_staged(staged)
                     return self._info(existing)
-                need = self._residency.pages_needed(parsed.version, parsed.weights)
+                need = pages_needed(parsed.weights, self._pool.page_rank)  # not cached: it may be refused
                 if not self._pool.can_ever_fit(need):
                     raise AdapterValidationError(
                         "exceeds_lora_memory",
