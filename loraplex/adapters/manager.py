@@ -370,10 +370,14 @@ class AdapterManager:
 
     def wait_for_a_read(self, timeout: float) -> bool:
         """Block (without the manager lock) until a background store read in flight finishes,
-        at most ``timeout`` seconds; True if one did. Reads that finished earlier are moved to
-        the host cache first, so a True always means news (a caller may loop on it)."""
+        at most ``timeout`` seconds; True if one did, or if one had finished since the last
+        look (it is moved to the host cache now, without waiting). Either way a True means
+        news: a read that no call has collected yet (a caller may loop on it)."""
         with self._lock:
-            self._collect_loads()
+            if self._collect_loads():
+                # A read finished since the caller last looked (between its admission and
+                # this call): that is the news; waiting for another would return empty-handed.
+                return True
             pending = self._reads.pending()
         return StoreReads.wait_any(pending, timeout)
 
@@ -585,9 +589,9 @@ class AdapterManager:
             pins,
         )
 
-    def _collect_loads(self) -> None:
-        """Move finished background reads into the host cache (caller holds the lock)."""
-        self._reads.collect(self._host, self._registry.live_versions())
+    def _collect_loads(self) -> int:
+        """Move finished background reads into the host cache (caller holds the lock); how many."""
+        return self._reads.collect(self._host, self._registry.live_versions())
 
     def _pages_needed(self, entry: AdapterEntry, weights: AdapterWeights) -> PagesNeeded:
         return self._residency.pages_needed(entry.identity.version, weights)

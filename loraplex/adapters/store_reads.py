@@ -101,12 +101,15 @@ class StoreReads:
             del self._futures[version]
         return len(cancelled)
 
-    def collect(self, host: HostAdapterCache, live_versions: Collection[str]) -> None:
-        """Move finished reads into ``host``; keep the errors; drop reads of removed adapters."""
+    def collect(self, host: HostAdapterCache, live_versions: Collection[str]) -> int:
+        """Move finished reads into ``host``; keep the errors; drop reads of removed adapters.
+        How many reads finished (news for a waiting request, a failure too)."""
+        finished = 0
         for version, future in list(self._futures.items()):
             if not future.done():
                 continue
             del self._futures[version]
+            finished += 1
             if version not in live_versions:
                 continue  # removed while loading
             error = future.exception()
@@ -116,6 +119,7 @@ class StoreReads:
             else:
                 host.put(version, future.result())
                 self.num_reads += 1
+        return finished
 
     def pending(self) -> list[Future[AdapterWeights]]:
         """The reads in flight (to wait on without the manager's lock)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from pathlib import Path
@@ -152,4 +153,22 @@ def test_read_ahead_counts_what_is_already_read(adapters: dict[int, Path], make_
     manager.prefetch_ahead([1, 2, 3, 4])  # collects the last read
     assert manager.stats().num_disk_reads == reads + 2  # 1 and 2, once each; not 3 and 4
     assert manager.can_acquire(1) and manager.can_acquire(2) and not manager.can_acquire(3)
+    manager.check_integrity()
+
+
+def test_a_read_that_finished_before_the_wait_is_news(adapters: dict[int, Path], make_manager: Any) -> None:
+    """A read that finished between a request's admission and the idle wait: the wait says so
+    at once (True) instead of finding nothing in flight and letting the step go empty (the
+    engine's idle step then returned no output for a request whose adapter was in memory)."""
+    manager = make_manager(max_loras=None, max_cpu_loras=4)
+    _add(manager, adapters, 1)
+    manager._host.discard(manager.get_adapter(1).version)
+    assert not manager.prefetch(1)  # admission: not in memory, a read starts
+    done, _ = concurrent.futures.wait(manager._reads.pending(), timeout=30)
+    assert len(done) == 1  # finished, and no manager call has collected it yet
+    started = time.monotonic()
+    assert manager.wait_for_a_read(30)
+    assert time.monotonic() - started < 5  # no wait for a read that is not coming
+    assert not manager.wait_for_a_read(0.01)  # nothing new since
+    assert manager.can_acquire(1)
     manager.check_integrity()
