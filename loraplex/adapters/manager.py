@@ -554,8 +554,9 @@ class AdapterManager:
     def close(self) -> None:
         """Stop loader threads and delete the store's folders."""
         with self._lock:
-            # The loader threads never take this lock: waiting for them here cannot deadlock.
-            self._reads.close()
+            executor = self._reads.detach_executor()
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
         self._store.close()
         self._closed = True
 

@@ -6,7 +6,7 @@ collects it into the host cache on its next call. A failed read is kept per vers
 raised once, to the next caller that asks for that adapter (``take_error``).
 
 Not thread-safe on its own: the ``AdapterManager`` calls every method under its lock,
-except ``read`` (the loader threads' job, which touches no state here) and ``close``.
+except ``read`` (the loader threads' job, which touches no state here).
 """
 
 from __future__ import annotations
@@ -146,8 +146,9 @@ class StoreReads:
         self._errors.pop(version, None)
         return weights
 
-    def close(self) -> None:
-        """Cancel queued reads and wait for the running ones (later reads start a new pool)."""
+    def detach_executor(self) -> ThreadPoolExecutor | None:
+        """Hand over the loader threads, to be shut down without the owner's lock held (a
+        caller waiting on the lock must not wait for a slow read too); a later read starts
+        new ones."""
         executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True, cancel_futures=True)
+        return executor
