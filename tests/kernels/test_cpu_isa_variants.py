@@ -158,3 +158,19 @@ def test_interleaved_quant_linear(variant: tuple[str, int, bool, int, bool], nam
         y = qlinear(x, packed, b, plan)
         scale = expected.abs().max().item()
         torch.testing.assert_close(y.double(), expected, atol=1e-5 * scale * k**0.5, rtol=1e-5)
+
+
+def test_amx_needs_the_avx512_build(variant: tuple[str, int, bool, int, bool]) -> None:
+    """Builds without AVX-512 have no AMX kernels: "auto" never picks them, and asking for the
+    plan is an error, not a wrong answer."""
+    from quant_testlib import random_packed
+
+    from loraplex.kernels.cpu.quant_linear import has_amx, qlinear
+
+    assert not has_amx()
+    # int8 x: past AMX's 16 rows, and integer at any number of rows on every build
+    packed = random_packed("q4_1x16a8", 32, 64, torch.Generator().manual_seed(1))
+    x = torch.randn(40, 64)
+    with pytest.raises(RuntimeError, match="quantized linear failed"):
+        qlinear(x, packed, None, "amx")
+    assert torch.equal(qlinear(x, packed, None, "auto"), qlinear(x, packed, None, "direct"))

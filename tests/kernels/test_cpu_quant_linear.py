@@ -10,6 +10,7 @@ from quant_testlib import random_packed
 from loraplex.kernels.contracts import PackedWeight
 from loraplex.kernels.cpu.quant_linear import c_kernel, qlinear
 from loraplex.kernels.formats import FORMATS as ALL_FORMATS
+from loraplex.kernels.formats.interleaved import Interleaved
 
 pytestmark = pytest.mark.skipif(c_kernel() is None, reason="no C compiler")
 
@@ -55,10 +56,25 @@ def test_strided_rows_and_empty() -> None:
 INTERLEAVED = ["q8_0x16", "q4_0x16", "q4_1x16", "q8_0x16a8", "q4_0x16a8", "q4_1x16a8"]
 
 
+def auto_path(fmt: Interleaved, m: int, plan: str = "auto") -> str:
+    """What ``plan`` runs for ``m`` rows of x: "direct" (the integer dot products), "panels"
+    (exact floats), "amx" (the tile unit, x in bf16 halves: held to x itself) or "amx_a8"
+    (the tile unit, int8 x: the same integers as "direct")."""
+    from loraplex.kernels.cpu.quant_linear import amx_min_m, has_amx, x16_direct_max_m
+
+    if plan == "auto" and has_amx() and m >= (amx_min_m(fmt) or m + 1):
+        plan = "amx"
+    if plan == "amx":
+        return "amx_a8" if fmt.int8_activations else "amx"
+    limit_m = x16_direct_max_m(fmt)  # "auto" past it: the exact panels
+    integer = plan == "direct" or (plan == "auto" and (limit_m is None or m <= limit_m))
+    return "direct" if integer else "panels"
+
+
 def check_interleaved(name: str, m: int, n: int, k: int, plan: str, bias: bool, seed: int = 0) -> None:
     """An interleaved format against its reference: x quantized as the kernel does (exact
     floats for the panels plan), then a float64 matmul."""
-    from loraplex.kernels.formats.interleaved import Interleaved, quantize_activations
+    from loraplex.kernels.formats.interleaved import quantize_activations
 
     gen = torch.Generator().manual_seed(seed)
     packed = random_packed(name, n, k, gen)
@@ -68,10 +84,7 @@ def check_interleaved(name: str, m: int, n: int, k: int, plan: str, bias: bool, 
     x[0, :32] = 0.0  # an all-zero block (scale 0)
     b = torch.randn(n, generator=gen) if bias else None
     y = qlinear(x, packed, b, plan)
-    from loraplex.kernels.cpu.quant_linear import x16_direct_max_m
-
-    limit_m = x16_direct_max_m(fmt)  # "auto" past it: the exact panels
-    integer = plan == "direct" or (plan == "auto" and (limit_m is None or m <= limit_m))
+    integer = auto_path(fmt, m, plan) in ("direct", "amx_a8")
     xs = quantize_activations(x, fmt.activation_bits) if integer else x
     expected = xs.double() @ packed.dequantize().double().t()
     if b is not None:
@@ -110,21 +123,23 @@ def test_interleaved_model_shapes(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["q4_1x16", "q8_0x16", "q4_1x16a8", "q8_0x16a8"])
 def test_auto_plan_by_rows(name: str) -> None:
-    """The "auto" plan is the integer one up to ``x16_direct_max_m`` rows (any number with VNNI,
-    and with int8 x: llama.cpp's arithmetic) and the exact panels past it."""
+    """The "auto" plan: AMX from ``amx_min_m`` rows where the CPU has it; else the integer one
+    up to ``x16_direct_max_m`` rows (any number with VNNI, and with int8 x: llama.cpp's
+    arithmetic) and the exact panels past it."""
     from loraplex.kernels.cpu.build import limit
     from loraplex.kernels.cpu.quant_linear import x16_direct_max_m
 
     gen = torch.Generator().manual_seed(5)
     packed = random_packed(name, 48, 576, gen)
+    assert isinstance(packed.format, Interleaved)
     limit_m = x16_direct_max_m(packed.format)
     vnni = bool(limit("loraplex_qx16_has_vnni"))
     assert limit_m == (None if vnni or name.endswith("a8") else 32)
-    for m in (1, 32, 33, 70):
+    for m in (1, 15, 16, 31, 32, 33, 70):
         x = torch.randn(m, 576, generator=gen)
-        integer = limit_m is None or m <= limit_m
-        expected = qlinear(x, packed, None, "direct" if integer else "panels")
-        assert torch.equal(qlinear(x, packed, None, "auto"), expected), (name, m, limit_m)
+        path = auto_path(packed.format, m)
+        expected = qlinear(x, packed, None, {"amx_a8": "amx"}.get(path, path))
+        assert torch.equal(qlinear(x, packed, None, "auto"), expected), (name, m, path)
 
 
 def test_int16_activations_stay_close_to_float() -> None:

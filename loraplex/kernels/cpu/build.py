@@ -46,6 +46,7 @@ SOURCES = (
     "kv_write.c",
     "quant_linear.c",
     "quant_x16.c",
+    "quant_amx.c",
 )  # compiled; every *.c and *.h here goes into the cache key
 CFLAGS = (
     "-O3",

@@ -444,7 +444,8 @@ static int64_t paneled(row_fn decode, const float *x, int64_t x_stride, const ui
 /* The rows of x above which a step decodes panels (exported for tests and the launcher). */
 int64_t loraplex_qlinear_direct_max_m(void) { return QL_DIRECT_MAX_M; }
 
-/* y[m, n] = x[m, k] @ W^T + bias; W [n, row_bytes] in `format`; `plan` 0 = by m, 1 = direct, 2 = panels.
+/* y[m, n] = x[m, k] @ W^T + bias; W [n, row_bytes] in `format`; `plan` 0 = by m, 1 = direct, 2 = panels
+ * (3 = AMX: quant_x16.c's formats only; the others take it as direct).
  * The argument order is loraplex_linear_f32's, then the packed weight's format, row bytes and plan. */
 int64_t loraplex_qlinear_f32(const float *x, int64_t x_stride, const uint8_t *w, const float *bias, float *y,
                              int64_t y_stride, int64_t m, int64_t n, int64_t k, int num_threads, int format,

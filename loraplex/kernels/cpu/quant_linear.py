@@ -16,6 +16,11 @@ VNNI, "auto" gives the int16 kernel only up to ``x16_direct_max_m(format)`` rows
 work is compute-bound and one ``vpmaddwd`` + add per 16 multiply-adds is no faster than an FMA
 per 8, so the exact panels run; int8 activations (llama.cpp's arithmetic; ``vpmaddubsw``, 32
 an instruction, for Q4 blocks) stay integer at every m.
+
+On a CPU with AMX (Intel Xeon since Sapphire Rapids; ``quant_amx.c``), "auto" runs a step of
+many rows (``amx_min_m``: 32 for float x, 16 for int8 x) on the tile unit: int8 x as above, in
+16 x 16 tiles; float x split into two bf16 halves against the de-quantized weights' two halves
+(TDPBF16PS, fp32 sums), which keeps more of x than the int16 blocks. ``LORAPLEX_AMX=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -43,9 +48,9 @@ ARGTYPES = (
     ctypes.c_int,  # threads
     ctypes.c_int,  # format id
     ctypes.c_int64,  # row bytes
-    ctypes.c_int,  # plan: 0 by m, 1 direct, 2 panels
+    ctypes.c_int,  # plan: 0 by m, 1 direct, 2 panels, 3 amx
 )
-PLANS = {"auto": 0, "direct": 1, "panels": 2}
+PLANS = {"auto": 0, "direct": 1, "panels": 2, "amx": 3}
 
 
 def c_kernel() -> Any | None:
@@ -66,6 +71,21 @@ def x16_direct_max_m(weight_format: WeightFormat) -> int | None:
         return None
     limit_m = int(fn(weight_format.c_id))
     return None if limit_m < 0 else limit_m
+
+
+def has_amx() -> bool:
+    """True when the interleaved formats' "auto" plan runs many rows on AMX (``quant_amx.c``:
+    a CPU with AMX-INT8, AMX-BF16 and AVX512-BF16, the OS's permission, ``LORAPLEX_AMX`` not 0)."""
+    return bool(limit("loraplex_qx16_has_amx"))
+
+
+def amx_min_m(weight_format: WeightFormat) -> int | None:
+    """Fewest rows of x "auto" runs on AMX for an interleaved format where ``has_amx()``
+    (None for other formats or without the library)."""
+    fn = bind("loraplex_qx16_amx_min_m", (ctypes.c_int,))
+    if fn is None or not isinstance(weight_format, Interleaved):
+        return None
+    return int(fn(weight_format.c_id))
 
 
 INTERLEAVE_ARGTYPES = (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int)

@@ -58,6 +58,10 @@ typedef uint16_t u16x16 __attribute__((vector_size(32)));
 int64_t loraplex_linear_panel_width(void);
 int64_t loraplex_qx16_has_vnni(void);
 int64_t loraplex_qx16_direct_max_m(int format);
+int64_t loraplex_qx16_has_amx(void);
+int64_t loraplex_qx16_amx_min_m(int format);
+int64_t loraplex_qx16_amx(const float *x, int64_t x_stride, const uint8_t *w, const float *bias, float *y,
+                          int64_t y_stride, int64_t m, int64_t n, int64_t k, int num_threads, int format);
 int64_t loraplex_linear_f32(const float *x, int64_t x_stride, const float *wp, const float *bias, float *y,
                             int64_t y_stride, int64_t m, int64_t n, int64_t k, int num_threads);
 
@@ -530,12 +534,17 @@ int64_t loraplex_qx16_direct_max_m(int format) {
 }
 
 /* y[m, n] = x[m, k] @ W^T + bias for W [n / 16 groups] in an interleaved format; n % 16 == 0.
- * plan: 0 or 1 = integer dot products (any m), 2 = float panels (exact; kept for tests and comparison).
- * Returns 0, -1 for a bad format or shape, -2 when a panel buffer could not be allocated. */
+ * plan: 0 = by m (AMX past a tile of rows where the CPU has it), 1 = integer dot products (any m),
+ * 2 = float panels (exact; kept for tests and comparison), 3 = AMX (quant_amx.c).
+ * Returns 0, -1 for a bad format or shape, -2 when a buffer could not be allocated, -3 for plan 3
+ * without AMX. */
 int64_t loraplex_qx16_f32(const float *x, int64_t x_stride, const uint8_t *w, const float *bias, float *y,
                           int64_t y_stride, int64_t m, int64_t n, int64_t k, int num_threads, int format, int plan) {
     dot_fn dot;
     dec_fn dec;
+    /* many rows on a CPU with AMX: the tile unit (quant_amx.c), the same integers */
+    if (plan == 3 || (plan == 0 && m >= loraplex_qx16_amx_min_m(format) && loraplex_qx16_has_amx()))
+        return loraplex_qx16_amx(x, x_stride, w, bias, y, y_stride, m, n, k, num_threads, format);
     /* format ids 10-12: int16 activations; 13-15: the same layouts with int8 activations */
     const int int8_x = format >= X_Q8_0 + 3;
     const int64_t direct_max_m = loraplex_qx16_direct_max_m(format);
