@@ -534,7 +534,7 @@ int64_t loraplex_qx16_direct_max_m(int format) {
 }
 
 /* y[m, n] = x[m, k] @ W^T + bias for W [n / 16 groups] in an interleaved format; n % 16 == 0.
- * plan: 0 = by m (AMX past a tile of rows where the CPU has it), 1 = integer dot products (any m),
+ * plan: 0 = by m (AMX from loraplex_qx16_amx_min_m rows where the CPU has it), 1 = integer dot products (any m),
  * 2 = float panels (exact; kept for tests and comparison), 3 = AMX (quant_amx.c).
  * Returns 0, -1 for a bad format or shape, -2 when a buffer could not be allocated, -3 for plan 3
  * without AMX. */
@@ -542,7 +542,7 @@ int64_t loraplex_qx16_f32(const float *x, int64_t x_stride, const uint8_t *w, co
                           int64_t y_stride, int64_t m, int64_t n, int64_t k, int num_threads, int format, int plan) {
     dot_fn dot;
     dec_fn dec;
-    /* many rows on a CPU with AMX: the tile unit (quant_amx.c), the same integers */
+    /* many rows on a CPU with AMX: the tile unit (quant_amx.c: int8 x as here, float x as bf16 halves) */
     if (plan == 3 || (plan == 0 && m >= loraplex_qx16_amx_min_m(format) && loraplex_qx16_has_amx()))
         return loraplex_qx16_amx(x, x_stride, w, bias, y, y_stride, m, n, k, num_threads, format);
     /* format ids 10-12: int16 activations; 13-15: the same layouts with int8 activations */
