@@ -115,3 +115,21 @@ def test_auto_takes_amx_from_its_threshold() -> None:
             x = torch.randn(m, 96, generator=gen)
             plan = "amx" if m >= threshold else "direct"
             assert torch.equal(qlinear(x, packed, None, "auto"), qlinear(x, packed, None, plan)), (name, m)
+
+
+def test_amx_from_two_threads_at_once() -> None:
+    """Tile configuration and state are per OS thread: two callers at once (two engines in one
+    process) each get their own products."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    gen = torch.Generator().manual_seed(25)
+    jobs = []
+    for name in ("q4_1x16", "q8_0x16a8"):
+        packed = random_packed(name, 96, 576, gen)
+        x = torch.randn(200, 576, generator=gen)
+        jobs.append((x, packed, qlinear(x, packed, None, "amx")))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for _ in range(3):
+            futures = [pool.submit(qlinear, x, packed, None, "amx") for x, packed, _ in jobs]
+            for future, (_, _, expected) in zip(futures, jobs, strict=True):
+                assert torch.equal(future.result(), expected)
