@@ -51,7 +51,7 @@
 enum { QA_Q8_0 = 10, QA_Q4_0 = 11, QA_Q4_1 = 12 }; /* quant_x16.c's format ids; + 3: int8 x */
 #define QA_ROWS 16                                  /* rows of x per tile */
 #define QA_X_CHUNK_BYTES (1 << 20) /* x's tiles per pass over the weights: they stay in L2 */
-#define QA_MIN_M_I8 16  /* "auto": fewest rows on AMX, int8 x (a tile's rows) */
+#define QA_MIN_M_I8 32  /* "auto": fewest rows on AMX, int8 x (at 16 the VNNI kernel was as fast) */
 #define QA_MIN_M_BF16 32 /* float x: unpacking a group to bf16 costs about two tiles' products */
 #define QA_SEG 6         /* float x: blocks of two groups unpacked at a time (2 x 6 x 2 KB: L1) */
 
