@@ -33,6 +33,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "quant_x16_layout.h"
+
 #if defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__GNUC__) && __GNUC__ >= 11 &&  \
     defined(__linux__)
 #define QA_BUILD 1
@@ -48,20 +50,15 @@
 #include <omp.h>
 #endif
 
-enum { QA_Q8_0 = 10, QA_Q4_0 = 11, QA_Q4_1 = 12 }; /* quant_x16.c's format ids; + 3: int8 x */
 #define QA_ROWS 16                                  /* rows of x per tile */
 #define QA_X_CHUNK_BYTES (1 << 20) /* x's tiles per pass over the weights: they stay in L2 */
-#define QA_MIN_M_I8 32  /* "auto": fewest rows on AMX, int8 x (at 16 the VNNI kernel was as fast) */
+#define QA_MIN_M_I8 64  /* "auto": fewest rows on AMX, int8 x (below, the VNNI kernel is as fast) */
 #define QA_MIN_M_BF16 32 /* float x: unpacking a group to bf16 costs about two tiles' products */
 #define QA_SEG 6         /* float x: blocks of two groups unpacked at a time (2 x 6 x 2 KB: L1) */
 
-int64_t loraplex_qx16_has_amx(void);
-int64_t loraplex_qx16_amx_min_m(int format);
-int64_t loraplex_qx16_amx(const float *x, int64_t x_stride, const uint8_t *w, const float *bias, float *y,
-                          int64_t y_stride, int64_t m, int64_t n, int64_t k, int num_threads, int format);
 
 /* Fewest rows of x "auto" runs on AMX for format id `format`. */
-int64_t loraplex_qx16_amx_min_m(int format) { return format >= QA_Q8_0 + 3 ? QA_MIN_M_I8 : QA_MIN_M_BF16; }
+int64_t loraplex_qx16_amx_min_m(int format) { return format >= X_Q8_0 + 3 ? QA_MIN_M_I8 : QA_MIN_M_BF16; }
 
 #if QA_BUILD
 
@@ -120,9 +117,6 @@ int64_t loraplex_qx16_has_amx(void) {
     return state;
 }
 
-static inline int64_t block_bytes(const int fmt) { return fmt == QA_Q8_0 ? 544 : fmt == QA_Q4_0 ? 288 : 320; }
-static inline int64_t head_bytes(const int fmt) { return fmt == QA_Q4_1 ? 64 : 32; }
-
 /* The 4 weights of each lane (column) of a chunk as signed ints: Q8_0's q (stored + 128), a Q4
  * block's nibbles (nib 1: the low ones, weights 4c ..; 2: the high ones, 16 + 4c ..), minus 8
  * for Q4_0 when `offset` (the int8 tiles hold the integers; the bf16 ones fold it into m). */
@@ -133,7 +127,7 @@ static inline __attribute__((always_inline)) void lane_ints(const int fmt, const
         for (int j = 0; j < 4; ++j) e[j] = _mm512_srai_epi32(_mm512_slli_epi32(s, 24 - 8 * j), 24);
         return;
     }
-    const __m512i mask = _mm512_set1_epi32(0xF), bias = _mm512_set1_epi32(offset && fmt == QA_Q4_0 ? 8 : 0);
+    const __m512i mask = _mm512_set1_epi32(0xF), bias = _mm512_set1_epi32(offset && fmt == X_Q4_0 ? 8 : 0);
     const __m512i w = nib == 2 ? _mm512_srli_epi32(v, 4) : v;
     for (int j = 0; j < 4; ++j) e[j] = _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(w, 8 * j), mask), bias);
 }
@@ -150,18 +144,24 @@ static inline __attribute__((always_inline)) void lane_ints(const int fmt, const
 AMX_TARGET int64_t loraplex_qx16_amx(const float *x, int64_t x_stride, const uint8_t *w, const float *bias, float *y,
                                      int64_t y_stride, int64_t m, int64_t n, int64_t k, int num_threads, int format) {
     if (!loraplex_qx16_has_amx()) return -3;
-    const int bf16 = format < QA_Q8_0 + 3;
+    const int bf16 = format < X_Q8_0 + 3;
     const int fmt = bf16 ? format : format - 3;
-    if (fmt < QA_Q8_0 || fmt > QA_Q4_1 || n % 16 != 0 || k % 32 != 0 || m < 0) return -1;
+    if (fmt < X_Q8_0 || fmt > X_Q4_1 || n % 16 != 0 || k % 32 != 0 || m < 0) return -1;
     if (m == 0) return 0;
     const int64_t nb = k / 32, groups = n / 16, mp = (m + QA_ROWS - 1) / QA_ROWS * QA_ROWS;
-    const int64_t group_bytes = nb * block_bytes(fmt), tb = bf16 ? 2048 : 512;
+    const int64_t group_bytes = nb * x_block_bytes(fmt), tb = bf16 ? 2048 : 512;
     /* x in tile order: per tile of 16 rows, per block, its A tile(s); padded rows are zeros
      * (with scale 0 for int8), so their products are 0 */
     uint8_t *xa = calloc((size_t)(mp / QA_ROWS * nb * tb), 1);
     float *dx = bf16 ? NULL : calloc((size_t)(mp * nb), sizeof(float));
     float *ms = bf16 ? NULL : calloc((size_t)(mp * nb), sizeof(float));
-    int failed = xa == NULL || (!bf16 && (dx == NULL || ms == NULL));
+    int32_t *sx = bf16 ? NULL : malloc(sizeof(int32_t) * (size_t)(mp * nb));
+    int failed = xa == NULL || (!bf16 && (dx == NULL || ms == NULL || sx == NULL));
+    /* the weights against a chunk of rows at a time (as quant_x16.c), no barrier between chunks
+     * (disjoint rows of y); a group is unpacked once per chunk, so the chunk is as large as L2
+     * keeps (448 rows of k = 576, 160 of 1,536) */
+    int64_t chunk = QA_X_CHUNK_BYTES / (k * (bf16 ? 4 : 1)) / (2 * QA_ROWS) * (2 * QA_ROWS);
+    chunk = chunk < 4 * QA_ROWS ? 4 * QA_ROWS : chunk > 32 * QA_ROWS ? 32 * QA_ROWS : chunk;
     if (!failed) {
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
         {
@@ -170,8 +170,9 @@ AMX_TARGET int64_t loraplex_qx16_amx(const float *x, int64_t x_stride, const uin
                 uint8_t *row = xa + t / QA_ROWS * nb * tb + t % QA_ROWS * (bf16 ? 64 : 32);
                 if (bf16)
                     split_row_bf16(x + t * x_stride, k, row, tb);
-                else
-                    quantize_row_i8(x + t * x_stride, k, row, tb, dx + t * nb, ms + t * nb);
+                else /* quant_x16.c's int8 quantization, into the tile layout */
+                    loraplex_qx16_quantize_row_i8(x + t * x_stride, k, (int8_t *)row, tb, dx + t * nb, sx + t * nb,
+                                                  ms + t * nb);
             }
             /* per thread: the tile shapes, a tile buffer, a group's B tiles */
             tile_config cfg;
@@ -187,11 +188,6 @@ AMX_TARGET int64_t loraplex_qx16_amx(const float *x, int64_t x_stride, const uin
             const int ok = cbuf != NULL && ub != NULL;
             if (!ok) failed = 1;
             if (ok) _tile_loadconfig(&cfg);
-            /* the weights against a chunk of rows at a time (as quant_x16.c), no barrier
-             * between chunks (disjoint rows of y); a group is unpacked once per chunk, so the
-             * chunk is as large as L2 keeps (448 rows of k = 576, 160 of 1,536) */
-            int64_t chunk = QA_X_CHUNK_BYTES / (k * (bf16 ? 4 : 1)) / (2 * QA_ROWS) * (2 * QA_ROWS);
-            chunk = chunk < 4 * QA_ROWS ? 4 * QA_ROWS : chunk > 32 * QA_ROWS ? 32 * QA_ROWS : chunk;
             for (int64_t r0 = 0; r0 < mp; r0 += chunk) {
                 const int64_t r1 = mp - r0 < chunk ? mp : r0 + chunk;
                 if (bf16) { /* groups in pairs: one load of x's tiles serves two */
@@ -221,6 +217,7 @@ AMX_TARGET int64_t loraplex_qx16_amx(const float *x, int64_t x_stride, const uin
     free(xa);
     free(dx);
     free(ms);
+    free(sx);
     return failed ? -2 : 0;
 }
 

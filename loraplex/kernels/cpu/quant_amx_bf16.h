@@ -42,24 +42,24 @@ static inline __attribute__((always_inline)) void bf16_pair_rows(const __m512 f0
  * hi tile (16 rows x 64 bytes: row j = weights 2j, 2j + 1 of each column) and the lo tile. */
 static inline __attribute__((always_inline)) void unpack_bf16(const int fmt, const uint8_t *wg, int64_t b0,
                                                               int64_t b1, uint8_t *ub) {
-    const int chunks = fmt == QA_Q8_0 ? 8 : 4;
+    const int chunks = fmt == X_Q8_0 ? 8 : 4;
     for (int64_t b = b0; b < b1; ++b) {
-        const uint8_t *blk = wg + b * block_bytes(fmt), *qs = blk + head_bytes(fmt);
+        const uint8_t *blk = wg + b * x_block_bytes(fmt), *qs = blk + x_head_bytes(fmt);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-        const __m512 m = fmt == QA_Q4_1   ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
-                         : fmt == QA_Q4_0 ? _mm512_mul_ps(d, _mm512_set1_ps(-8.0f))
+        const __m512 m = fmt == X_Q4_1   ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
+                         : fmt == X_Q4_0 ? _mm512_mul_ps(d, _mm512_set1_ps(-8.0f))
                                           : _mm512_setzero_ps();
         uint8_t *out = ub + 2048 * (b - b0);
         for (int c = 0; c < chunks; ++c) {
             const __m512i v = _mm512_loadu_si512(qs + 64 * c);
-            for (int half = 0; half < (fmt == QA_Q8_0 ? 1 : 2); ++half) {
+            for (int half = 0; half < (fmt == X_Q8_0 ? 1 : 2); ++half) {
                 const int row4 = half == 0 ? c : 4 + c; /* weights 4 row4 .. 4 row4 + 3 */
                 __m512i e[4];
-                lane_ints(fmt, v, fmt == QA_Q8_0 ? 0 : 1 + half, 0, e);
+                lane_ints(fmt, v, fmt == X_Q8_0 ? 0 : 1 + half, 0, e);
                 __m512 f[4];
                 /* as the reference de-quantizes: d * q (Q8_0), d * q + m (Q4_1, Q4_0 with m = -8 d) */
                 for (int j = 0; j < 4; ++j)
-                    f[j] = fmt == QA_Q8_0 ? _mm512_mul_ps(_mm512_cvtepi32_ps(e[j]), d)
+                    f[j] = fmt == X_Q8_0 ? _mm512_mul_ps(_mm512_cvtepi32_ps(e[j]), d)
                                           : _mm512_fmadd_ps(_mm512_cvtepi32_ps(e[j]), d, m);
                 bf16_pair_rows(f[0], f[1], out + 128 * row4, out + 1024 + 128 * row4);
                 bf16_pair_rows(f[2], f[3], out + 128 * row4 + 64, out + 1024 + 128 * row4 + 64);
@@ -71,9 +71,9 @@ static inline __attribute__((always_inline)) void unpack_bf16(const int fmt, con
 /* unpack_bf16 with the format a constant: blocks [b0, b1) of a group, block b at ub + 2 KB (b - b0). */
 static void unpack_group_bf16(const int fmt, const uint8_t *wg, int64_t b0, int64_t b1, uint8_t *ub) {
     switch (fmt) {
-        case QA_Q8_0: unpack_bf16(QA_Q8_0, wg, b0, b1, ub); break;
-        case QA_Q4_0: unpack_bf16(QA_Q4_0, wg, b0, b1, ub); break;
-        default: unpack_bf16(QA_Q4_1, wg, b0, b1, ub); break;
+        case X_Q8_0: unpack_bf16(X_Q8_0, wg, b0, b1, ub); break;
+        case X_Q4_0: unpack_bf16(X_Q4_0, wg, b0, b1, ub); break;
+        default: unpack_bf16(X_Q4_1, wg, b0, b1, ub); break;
     }
 }
 

@@ -1,40 +1,17 @@
 /*
  * quant_amx.c's int8-activation kernel (gguf_a8: llama.cpp's arithmetic on AMX's int8 tiles):
- * quantizing rows of x into tile order, a group's blocks as signed-byte B tiles, TDPBSSD per
- * block and the per-block scaling into float accumulators. Included once by quant_amx.c, after
+ * a group's blocks as signed-byte B tiles, TDPBSSD per block and the per-block scaling into
+ * float accumulators (x is quantized by quant_x16.c's loraplex_qx16_quantize_row_i8). Included once by quant_amx.c, after
  * its tile macros and lane_ints; no include guard on purpose.
  */
-
-/* One row of x per 32-block, quant_x16.c's int8 quantization: q = round(x / dx), dx = amax / 127;
- * ms = dx * sum(q) (Q4_1's min term). Block b's 32 bytes go to out + b * stride: the row's place
- * in its tiles. */
-static void quantize_row_i8(const float *x, int64_t k, uint8_t *out, int64_t stride, float *dx, float *ms) {
-    const __m512 flt_max = _mm512_set1_ps(3.4028235e38f);
-    for (int64_t b = 0; b < k / 32; ++b) {
-        const __m512 a0 = _mm512_loadu_ps(x + 32 * b), a1 = _mm512_loadu_ps(x + 32 * b + 16);
-        const __m512 b0 = _mm512_abs_ps(a0), b1 = _mm512_abs_ps(a1);
-        /* false lanes for NaN and inf: the block's scale is NaN then, so its outputs are too */
-        const int finite = _mm512_cmp_ps_mask(b0, flt_max, _CMP_LE_OQ) == 0xFFFF &&
-                           _mm512_cmp_ps_mask(b1, flt_max, _CMP_LE_OQ) == 0xFFFF;
-        const float amax = finite ? _mm512_reduce_max_ps(_mm512_max_ps(b0, b1)) : 0.0f;
-        const float d = finite ? amax / 127.0f : NAN, id = finite && d != 0.0f ? 1.0f / d : 0.0f;
-        /* the current rounding mode: half to even, as nearbyintf and torch.round */
-        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(a0, _mm512_set1_ps(id)));
-        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(a1, _mm512_set1_ps(id)));
-        _mm_storeu_si128((__m128i *)(out + b * stride), _mm512_cvtepi32_epi8(q0));
-        _mm_storeu_si128((__m128i *)(out + b * stride + 16), _mm512_cvtepi32_epi8(q1));
-        dx[b] = d;
-        ms[b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-    }
-}
 
 /* A group's blocks as int8 B tiles (8 rows x 64 bytes a block) into ub. */
 static void unpack_group_i8(const int fmt, const uint8_t *wg, int64_t nb, uint8_t *ub) {
     const __m512i byte = _mm512_set1_epi32(0xFF);
     for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t *qs = wg + b * block_bytes(fmt) + head_bytes(fmt);
+        const uint8_t *qs = wg + b * x_block_bytes(fmt) + x_head_bytes(fmt);
         uint8_t *out = ub + 512 * b;
-        if (fmt == QA_Q8_0) { /* the chunks themselves, as signed bytes */
+        if (fmt == X_Q8_0) { /* the chunks themselves, as signed bytes */
             for (int c = 0; c < 8; ++c)
                 _mm512_store_si512(out + 64 * c, _mm512_xor_si512(_mm512_loadu_si512(qs + 64 * c),
                                                                   _mm512_set1_epi8((char)0x80)));
@@ -60,11 +37,11 @@ static inline __attribute__((always_inline)) void scale_block_i8(const int fmt, 
                                                                  const uint8_t *blk, const float *dx, const float *ms,
                                                                  int64_t nb, __m512 *acc) {
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-    const __m512 mv = fmt == QA_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32))) : d;
+    const __m512 mv = fmt == X_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32))) : d;
     _Pragma("GCC unroll 16") for (int t = 0; t < QA_ROWS; ++t) {
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cs + 16 * t)),
                                  _mm512_mul_ps(d, _mm512_set1_ps(dx[t * nb])), acc[t]);
-        if (fmt == QA_Q4_1) acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(ms[t * nb]), acc[t]);
+        if (fmt == X_Q4_1) acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(ms[t * nb]), acc[t]);
     }
 }
 
@@ -85,7 +62,7 @@ static inline __attribute__((always_inline)) AMX_TARGET void tile_rows_i8(const 
                                                                           const uint8_t *xa, const float *dx,
                                                                           const float *ms, int32_t *cbuf,
                                                                           __m512 *acc) {
-    const int64_t bb = block_bytes(fmt);
+    const int64_t bb = x_block_bytes(fmt);
     int32_t *c0 = cbuf, *c1 = cbuf + 256;
     TILE_BLOCK_I8(0, xa, ub);
     TSTORE(T_C0, c0, 64);
@@ -120,9 +97,9 @@ static AMX_TARGET void group_rows_i8(const int fmt, const uint8_t *wg, const uin
         const float *dt = dx + t0 * nb, *mt = ms + t0 * nb;
         /* constants per instantiation: GCC keeps the 16 accumulators in registers */
         switch (fmt) {
-            case QA_Q8_0: tile_rows_i8(QA_Q8_0, wg, ub, nb, at, dt, mt, cbuf, acc); break;
-            case QA_Q4_0: tile_rows_i8(QA_Q4_0, wg, ub, nb, at, dt, mt, cbuf, acc); break;
-            default: tile_rows_i8(QA_Q4_1, wg, ub, nb, at, dt, mt, cbuf, acc); break;
+            case X_Q8_0: tile_rows_i8(X_Q8_0, wg, ub, nb, at, dt, mt, cbuf, acc); break;
+            case X_Q4_0: tile_rows_i8(X_Q4_0, wg, ub, nb, at, dt, mt, cbuf, acc); break;
+            default: tile_rows_i8(X_Q4_1, wg, ub, nb, at, dt, mt, cbuf, acc); break;
         }
         for (int t = 0; t < QA_ROWS && t0 + t < m; ++t) _mm512_storeu_ps(y + (t0 + t) * y_stride, _mm512_add_ps(acc[t], bv));
     }

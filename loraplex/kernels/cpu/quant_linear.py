@@ -18,7 +18,7 @@ per 8, so the exact panels run; int8 activations (llama.cpp's arithmetic; ``vpma
 an instruction, for Q4 blocks) stay integer at every m.
 
 On a CPU with AMX (Intel Xeon since Sapphire Rapids; ``quant_amx.c``), "auto" runs a step of
-many rows (``amx_min_m``: 32) on the tile unit: int8 x as above, in
+many rows (``amx_min_m``: 32 for float x, 64 for int8 x) on the tile unit: int8 x as above, in
 16 x 16 tiles; float x split into two bf16 halves against the de-quantized weights' two halves
 (TDPBF16PS, fp32 sums), which keeps more of x than the int16 blocks. ``LORAPLEX_AMX=0`` turns it off.
 """
