@@ -16,6 +16,7 @@
 | ``tier_manager`` | ``TierManager``: demotion, promotion, swap, discard: one location per cached block |
 | ``tier_transfers`` / ``tier_metrics`` | promotion and swap handles (``PromotionMover``); per-tier counters |
 | ``tiered_prefix`` | ``start_promotion`` / ``finish_promotion``: a prefix hit continued from host/disk |
+| ``kv_events`` | ``KVEventLog``: blocks stored and removed per tier (``Medium``), for outside routers |
 | ``sliced`` | ``SlicedJob``: a purge or reset as bounded pieces, run a time budget at a time between steps |
 
 This package imports nothing from ``loraplex.platform`` or ``loraplex.adapters``, and its modules

@@ -36,6 +36,7 @@ import torch
 from loraplex.kernels.metadata import PAD_BLOCK_ID
 from loraplex.storage.kv.block_hash import BlockKey, ExtraKeys
 from loraplex.storage.kv.block_pool import BlockPool, KVBlock
+from loraplex.storage.kv.kv_events import NO_ORIGIN, BlockOrigin
 from loraplex.storage.kv.prefix_cache import NO_HIT, PrefixCache, PrefixCacheStats, PrefixHit
 
 
@@ -112,7 +113,12 @@ class KVBlockManager:
 
     # -- prefix cache ----------------------------------------------------------
     def get_computed_blocks(
-        self, seq_id: int, token_ids: Sequence[int], extra_keys: ExtraKeys = (), owner: bytes = b""
+        self,
+        seq_id: int,
+        token_ids: Sequence[int],
+        extra_keys: ExtraKeys = (),
+        owner: bytes = b"",
+        origin: BlockOrigin = NO_ORIGIN,
     ) -> PrefixHit:
         """The cached head blocks of a sequence about to be admitted (no references taken).
 
@@ -122,13 +128,14 @@ class KVBlockManager:
         call that allocates blocks. ``extra_keys`` (adapter content, tenant salt)
         must be the same every time for one sequence. ``owner`` (the tenant's salt, one of
         ``extra_keys``) is recorded in the sequence's key chain and tagged on every block it
-        caches, for a purge. NO_HIT when caching is off.
+        caches, for a purge; ``origin`` (the adapter) goes with its blocks' KV events. NO_HIT
+        when caching is off.
         """
         if not self.enable_prefix_caching:
             return NO_HIT
         if self._tables.get(seq_id):
             raise RuntimeError(f"sequence {seq_id} already holds blocks; look up only before admission")
-        return self.prefix_cache.lookup(seq_id, token_ids, extra_keys, owner)
+        return self.prefix_cache.lookup(seq_id, token_ids, extra_keys, owner, origin)
 
     def cache_full_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> int:
         """After a step: make ``seq_id``'s newly computed full blocks findable; return how many.

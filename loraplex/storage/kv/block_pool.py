@@ -30,6 +30,10 @@ pool for KV and adapter weights (S-LoRA's unified paging):
 ``owner`` is the tenant's cache salt (b"": nobody's): the tiers keep it with the block, so a
 deleted tenant's blocks can be found and purged on every tier.
 
+With ``events`` set (``kv_events``), a key leaving the index is a ``BlocksRemoved`` (GPU): an
+eviction, a purge (a reset is one ``AllCleared``, emitted by ``TieredKV``), and a published
+promotion a ``BlocksStored``; blocks the prefix cache registers are reported there, with tokens.
+
 Promotion from a lower tier (host, disk) into a fresh block, paired verbs:
 
     allocate_for_key(key)      a fresh block (ref 1, held by the promotion, not findable)
@@ -49,6 +53,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from loraplex.storage.kv.block_hash import BlockKey
+from loraplex.storage.kv.kv_events import GPU, BlocksStored, KVEventLog
 
 CacheCallback = Callable[[BlockKey], None]
 """``on_cache(key)``: a block just became findable under ``key`` (computed here, or promoted).
@@ -111,6 +116,8 @@ class BlockPool:
         self._purged: set[bytes] = set()  # owners whose blocks are never cached again
         self.on_evict: EvictCallback | None = None
         self.on_cache: CacheCallback | None = None
+        self.events: KVEventLog | None = None
+        """Where keys leaving the index (and promoted ones arriving) are reported; None: nowhere."""
         self.num_evicted_blocks = 0
 
     # -- queries ---------------------------------------------------------------
@@ -186,6 +193,8 @@ class BlockPool:
         del self._index[key]
         owner, block.key, block.owner = block.owner, None, b""
         self.num_evicted_blocks += 1
+        if self.events is not None:
+            self.events.removed((key,), GPU)
         if self.on_evict is not None:
             self.on_evict(block.block_id, key, owner)
 
@@ -260,9 +269,10 @@ class BlockPool:
         if not owner:
             raise ValueError("purge_owner needs an owner: blocks of nobody are reset, not purged")
         self._purged.add(owner)
-        return self._uncache(
-            [b for b in self._free if self.blocks[b].key is not None and self.blocks[b].owner == owner]
-        )
+        doomed = [b for b in self._free if self.blocks[b].key is not None and self.blocks[b].owner == owner]
+        if self.events is not None:
+            self.events.removed([k for b in doomed if (k := self.blocks[b].key) is not None], GPU)
+        return self._uncache(doomed)
 
     def is_purged(self, owner: bytes) -> bool:
         return bool(owner) and owner in self._purged
@@ -355,6 +365,10 @@ class BlockPool:
         """
         key, owner = self._promoting.pop(block_id)
         published = self.cache_block(block_id, key, owner)
+        if published and self.events is not None:
+            # The promotion knows the key, not the tokens: the router learnt those when the
+            # block was first computed (vLLM's offloading loads are reported the same way).
+            self.events.emit(BlocksStored((key,), None, (), GPU, owner))
         self.decref(block_id)
         return published
 

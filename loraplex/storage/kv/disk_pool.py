@@ -49,6 +49,7 @@ from loraplex.storage.kv.block_codec import RecordError, RecordFault
 from loraplex.storage.kv.disk_files import RestartReport, SlotFiles, preallocate_slots, scan_slots
 from loraplex.storage.kv.disk_slots import PendingWrite, SlotTable
 from loraplex.storage.kv.kv_cache import KVBlockLayout
+from loraplex.storage.kv.kv_events import STORAGE, KVEventLog
 from loraplex.storage.kv.sliced import WAIT, Steps, chunks, run_to_end
 from loraplex.storage.kv.tier_metrics import TierCounters, TierMetrics
 
@@ -99,6 +100,8 @@ class DiskKVPool:
         self._closed = False
         self._warned: set[str] = set()
         self.counters = TierCounters()
+        self.events: KVEventLog | None = None
+        """Where blocks stored and dropped are reported (``kv_events``; a clear reports nothing)."""
         self.restart = RestartReport()
         self._files = SlotFiles(self.path, self.record_bytes)
         self._executor: ThreadPoolExecutor | None = None
@@ -218,6 +221,8 @@ class DiskKVPool:
             slot, evicted = claimed
             if evicted is not None:
                 self.counters.evictions += 1
+                if self.events is not None:
+                    self.events.removed((evicted,), STORAGE)
             header = block_codec.encode_header(
                 self.layout, self.fingerprint, key, self._seq, persistent, owner
             )
@@ -225,6 +230,8 @@ class DiskKVPool:
             write = PendingWrite(key, slot, owned, owner=owner)
             self._slots.start_write(write)
             self.counters.demotions += 1
+            if self.events is not None:  # findable from now on: a read is served from memory
+                self.events.stored((key,), STORAGE, owner)
             write.future = self._executor.submit(self._write_job, write, header)
             self._inflight.add(write.future)
             return True
@@ -244,6 +251,8 @@ class DiskKVPool:
                 self.counters.bytes_in += self.layout.bytes_per_block
         if error is not None:
             self._count_io_error("write", write.slot, error)
+            if self.events is not None:
+                self.events.removed((write.key,), STORAGE)
         return error is None
 
     # -- reading ---------------------------------------------------------------
@@ -295,7 +304,9 @@ class DiskKVPool:
                     self.counters.checksum_failures += 1
                 elif fault is not None:
                     self.counters.invalid_records += 1
-                self._slots.drop(key, slot)  # the bad record goes; a later write reuses the slot
+                # The bad record goes; a later write reuses the slot.
+                if self._slots.drop(key, slot) and self.events is not None:
+                    self.events.removed((key,), STORAGE)
             else:
                 self.counters.hits += 1
                 self.counters.bytes_out += self.layout.bytes_per_block
@@ -309,6 +320,8 @@ class DiskKVPool:
                 return False
             if promoted:
                 self.counters.promotions += 1
+            if self.events is not None:
+                self.events.removed((key,), STORAGE)
             return True
 
     def clear(self, keep: Collection[bytes] = ()) -> tuple[int, int]:
@@ -366,8 +379,9 @@ class DiskKVPool:
         yield None
         for chunk in chunks(gone, _DROP_CHUNK):
             with self._lock:
-                for key in chunk:
-                    self._slots.drop(key)
+                dropped = [key for key in chunk if self._slots.drop(key)]
+            if owner is not None and self.events is not None:  # a reset is one AllCleared
+                self.events.removed(dropped, STORAGE)
             yield None
         with self._lock:
             free = self._slots.free_slots()

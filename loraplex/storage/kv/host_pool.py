@@ -18,6 +18,9 @@ allocated up front (pinned when CUDA is present, so promotions copy by DMA), siz
 ``owner`` is the tenant's cache salt (b"": nobody's), kept so that a deleted tenant's blocks
 can be purged and carried to the disk tier with the block.
 
+With ``events`` set, a key arriving is a ``BlocksStored`` (CPU) and one leaving (evicted,
+removed, purged) a ``BlocksRemoved``; ``clear`` reports nothing (the reset's ``AllCleared`` does).
+
 The pool is not thread-safe: ``TierManager`` serialises every call under its lock.
 """
 
@@ -31,6 +34,7 @@ from typing import NamedTuple
 import torch
 
 from loraplex.storage.kv.kv_cache import KVBlockLayout
+from loraplex.storage.kv.kv_events import CPU, KVEventLog
 from loraplex.storage.kv.tier_metrics import TierCounters, TierMetrics
 
 logger = logging.getLogger(__name__)
@@ -63,6 +67,7 @@ class HostKVPool:
         self._pins: dict[bytes, int] = {}
         self._block_owner: dict[bytes, bytes] = {}  # held key -> owner, when it has one
         self.counters = TierCounters()
+        self.events: KVEventLog | None = None
         if capacity_bytes and not self._num_slots:
             logger.warning(
                 "host_kv_cache_bytes=%d holds no KV block (one is %d bytes): the host tier is off",
@@ -127,6 +132,8 @@ class HostKVPool:
             self._block_owner[key] = owner
         self.counters.demotions += 1
         self.counters.bytes_in += self.layout.bytes_per_block
+        if self.events is not None:
+            self.events.stored((key,), CPU, owner)
         return self.storage[slot]
 
     def put(self, key: bytes, data: torch.Tensor, owner: bytes = b"") -> int | None:
@@ -148,7 +155,7 @@ class HostKVPool:
         for key, slot in self._index.items():
             if key not in self._pins:
                 owner = self._block_owner.get(key, b"")
-                self._release(key)
+                self._release(key, report=True)
                 self.counters.evictions += 1
                 return EvictedBlock(key, self.storage[slot], owner)
         return None
@@ -185,7 +192,7 @@ class HostKVPool:
             return False
         if key in self._pins:
             raise RuntimeError(f"block {key.hex()} is pinned by a transfer in flight")
-        self._release(key)
+        self._release(key, report=True)
         if promoted:
             self.counters.promotions += 1
         return True
@@ -196,13 +203,13 @@ class HostKVPool:
 
     def clear(self, keep: Collection[bytes] = ()) -> int:
         """Free every unpinned block not in ``keep`` and zero its slot (a prefix-cache reset); how many."""
-        return self._free_and_zero([key for key in self._index if key not in self._pins and key not in keep])
+        gone = [key for key in self._index if key not in self._pins and key not in keep]
+        return self._free_and_zero(gone, report=False)
 
     def purge(self, owner: bytes) -> int:
         """Free and zero every unpinned block ``owner`` owns (a deleted tenant); how many."""
-        return self._free_and_zero(
-            [key for key, by in self._block_owner.items() if by == owner and key not in self._pins]
-        )
+        gone = [key for key, by in self._block_owner.items() if by == owner and key not in self._pins]
+        return self._free_and_zero(gone, report=True)
 
     def keys_of(self, owner: bytes) -> list[bytes]:
         """The keys ``owner`` owns (pinned ones too: ``free_and_zero`` skips those)."""
@@ -210,20 +217,26 @@ class HostKVPool:
 
     def free_and_zero(self, keys: Collection[bytes]) -> int:
         """Free and zero those of ``keys`` still held and unpinned (a slice of a purge); how many."""
-        return self._free_and_zero([key for key in keys if key in self._index and key not in self._pins])
+        return self._free_and_zero(
+            [key for key in keys if key in self._index and key not in self._pins], report=True
+        )
 
-    def _free_and_zero(self, gone: list[bytes]) -> int:
+    def _free_and_zero(self, gone: list[bytes], report: bool) -> int:
         for key in gone:
             slot = self._index[key]
-            self._release(key)
+            self._release(key, report=False)
             self.storage[slot].zero_()
+        if report and self.events is not None:
+            self.events.removed(gone, CPU)
         return len(gone)
 
-    def _release(self, key: bytes) -> None:
+    def _release(self, key: bytes, report: bool) -> None:
         self._block_owner.pop(key, None)
         slot = self._index.pop(key)
         self._owner[slot] = None
         self._free.append(slot)
+        if report and self.events is not None:
+            self.events.removed((key,), CPU)
 
     # -- metrics and invariants ------------------------------------------------
     def metrics(self) -> TierMetrics:

@@ -3,13 +3,17 @@
 The block pool holds the index ``key -> block_id`` and the LRU free queue; this
 module walks a sequence's chain of block keys (``block_hash``) against it:
 
-    lookup(seq_id, tokens, extra, owner)  the longest run of cached head blocks (no refs taken);
-                                    the first lookup starts the sequence's key chain
+    lookup(seq_id, tokens, extra, owner, origin)  the longest run of cached head blocks (no refs
+                                    taken); the first lookup starts the sequence's key chain
     admitted(seq_id, hit)           the hit became the head of the sequence's table
     register(seq_id, table, ...)    full, computed blocks become findable, tagged with the
                                     chain's owner (idempotent; no chain: an error)
     fork(parent_id, child_id)       the child continues the parent's chain
     forget(seq_id)                  the sequence dropped its blocks
+
+With the pool's ``events`` set, each run of blocks ``register`` makes findable is one
+``BlocksStored`` (GPU) with their tokens, the key before them and the chain's owner and
+``origin`` (the adapter, as a router names it: ``kv_events``).
 
 A lookup never counts the prompt's last token as cached, because the sampler needs
 its logits: at most ``(len(tokens) - 1) // block_size`` blocks hit, and a prompt
@@ -24,6 +28,7 @@ from typing import NamedTuple
 
 from loraplex.storage.kv.block_hash import BlockKey, BlockKeyChain, ExtraKeys, root_key
 from loraplex.storage.kv.block_pool import BlockPool
+from loraplex.storage.kv.kv_events import GPU, NO_ORIGIN, BlockOrigin, BlocksStored
 
 
 class PrefixHit(NamedTuple):
@@ -73,6 +78,7 @@ class PrefixCache:
         self.block_size = block_size
         self.root = root_key(fingerprint)
         self._chains: dict[int, BlockKeyChain] = {}
+        self._origins: dict[int, BlockOrigin] = {}  # for KV events; absent: the base model
         # How many head blocks of each table were already handled by ``register``.
         self._num_registered: dict[int, int] = {}
         self._num_queries = 0
@@ -99,14 +105,22 @@ class PrefixCache:
         return list(chain.keys) if chain is not None else []
 
     def lookup(
-        self, seq_id: int, token_ids: Sequence[int], extra_keys: ExtraKeys, owner: bytes = b""
+        self,
+        seq_id: int,
+        token_ids: Sequence[int],
+        extra_keys: ExtraKeys,
+        owner: bytes = b"",
+        origin: BlockOrigin = NO_ORIGIN,
     ) -> PrefixHit:
         """Walk the prompt's full blocks and stop at the first key not cached.
 
         The first lookup of ``seq_id`` starts its key chain, which records ``owner`` (the
-        tenant's cache salt, one of ``extra_keys``) for every block it later caches.
+        tenant's cache salt, one of ``extra_keys``) for every block it later caches;
+        ``origin`` names its adapter in the KV events of those blocks.
         """
         keys = self._chain(seq_id, extra_keys, owner).update(token_ids)
+        if origin != NO_ORIGIN:
+            self._origins[seq_id] = origin
         num_cacheable = max(0, (len(token_ids) - 1) // self.block_size)
         block_ids: list[int] = []
         for key in keys[:num_cacheable]:
@@ -159,6 +173,7 @@ class PrefixCache:
         if len(keys) < num_full:
             raise ValueError(f"{num_computed} tokens computed but only {len(token_ids)} token ids given")
         num_cached = 0
+        run: list[int] = []  # block indices made findable in a row (one event each run)
         for idx in range(start, num_full):
             block = self.pool.blocks[table[idx]]
             if block.key is not None:
@@ -166,20 +181,50 @@ class PrefixCache:
                     raise RuntimeError(
                         f"sequence {seq_id} block {idx} (id {block.block_id}) is cached under another key"
                     )
+                self._report(seq_id, chain, run, token_ids)
                 continue
-            num_cached += self.pool.cache_block(block.block_id, keys[idx], chain.owner)
+            if self.pool.cache_block(block.block_id, keys[idx], chain.owner):
+                num_cached += 1
+                run.append(idx)
+            else:
+                self._report(seq_id, chain, run, token_ids)
+        self._report(seq_id, chain, run, token_ids)
         self._num_registered[seq_id] = num_full
         return num_cached
+
+    def _report(self, seq_id: int, chain: BlockKeyChain, run: list[int], token_ids: Sequence[int]) -> None:
+        """One ``BlocksStored`` for the blocks of ``run`` (consecutive indices), then empty it."""
+        events = self.pool.events
+        if not run or events is None or not events.enabled:
+            run.clear()
+            return
+        bs = self.block_size
+        first, last = run[0], run[-1]
+        events.emit(
+            BlocksStored(
+                tuple(chain.keys[first : last + 1]),
+                chain.keys[first - 1] if first > 0 else None,
+                tuple(token_ids[first * bs : (last + 1) * bs]),
+                GPU,
+                chain.owner,
+                self._origins.get(seq_id, NO_ORIGIN),
+            )
+        )
+        run.clear()
 
     def fork(self, parent_id: int, child_id: int) -> None:
         chain = self._chains.get(parent_id)
         if chain is not None:
             self._chains[child_id] = chain.copy()
             self._num_registered[child_id] = self._num_registered.get(parent_id, 0)
+            origin = self._origins.get(parent_id)
+            if origin is not None:
+                self._origins[child_id] = origin
 
     def forget(self, seq_id: int) -> None:
         self._chains.pop(seq_id, None)
         self._num_registered.pop(seq_id, None)
+        self._origins.pop(seq_id, None)
 
     def num_registered(self, seq_id: int) -> int:
         return self._num_registered.get(seq_id, 0)

@@ -17,6 +17,9 @@ here, with the device pool's keys wherever the tiers need them::
 
 Per-sequence work (admission, promotion, swap: ``tiered_prefix`` and the engine's tier
 admission) uses the two parts, ``block_manager`` and ``tiers``, directly.
+
+``attach_events(log)`` has every tier report the blocks it stores and drops to one
+``KVEventLog`` (``kv_events``); a reset is one ``AllCleared``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import NamedTuple
 
 from loraplex.storage.kv.block_manager import KVBlockManager
 from loraplex.storage.kv.kv_cache import KVCache
+from loraplex.storage.kv.kv_events import AllCleared, KVEventLog
 from loraplex.storage.kv.prefix_cache import PrefixCacheStats
 from loraplex.storage.kv.sliced import Steps, run_to_end
 from loraplex.storage.kv.tier_manager import TierManager
@@ -66,6 +70,7 @@ class TieredKV:
     def __init__(self, block_manager: KVBlockManager, tiers: TierManager | None = None) -> None:
         self.block_manager = block_manager
         self.tiers = tiers
+        self.events: KVEventLog | None = None
         if tiers is not None:
             pool = block_manager.pool
             pool.on_evict = tiers.on_device_evict
@@ -105,6 +110,15 @@ class TieredKV:
             )
         return cls(block_manager, tiers)
 
+    def attach_events(self, log: KVEventLog) -> None:
+        """Report every block stored and dropped, in every tier, to ``log`` from now on."""
+        self.events = log
+        self.block_manager.pool.events = log
+        if self.tiers is not None:
+            self.tiers.host.events = log
+            if self.tiers.disk is not None:
+                self.tiers.disk.events = log
+
     @property
     def can_swap(self) -> bool:
         """True if a tier can hold blocks, so a preempted sequence's tail may be swapped out."""
@@ -120,6 +134,7 @@ class TieredKV:
         files erased, so a restart on the same path finds none. Counters stay cumulative.
         """
         start = time.perf_counter()
+        self._cleared()
         device = self.block_manager.pool.uncache_free()
         host, disk = self.tiers.clear() if self.tiers is not None else (0, 0)
         logger.info(
@@ -162,6 +177,7 @@ class TieredKV:
     def reset_steps(self) -> Steps[tuple[int, int, int]]:
         """``reset`` with the disk tier's part in bounded pieces (``sliced``)."""
         start = time.perf_counter()
+        self._cleared()
         device = self.block_manager.pool.uncache_free()
         host = disk = 0
         if self.tiers is not None:
@@ -175,6 +191,12 @@ class TieredKV:
             disk,
         )
         return device, host, disk
+
+    def _cleared(self) -> None:
+        # Before the keys go: a router that reads it forgets this replica's blocks, and a block
+        # cached again after the reset is a later event.
+        if self.events is not None:
+            self.events.emit(AllCleared())
 
     def persist(self) -> PersistReport:
         """Keep the cache for a restart on the same disk path, then close the tiers.
