@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _DOMAIN = b"loraplex-adapter-v1\x00"
 
@@ -44,7 +44,15 @@ class AdapterIdentity:
     name: str
     owner: str | None
     version: str  # sha256 hex of config + weights
+    served_name: str | None = field(default=None, compare=False)
+    """What clients put in ``model`` for it when that is not ``name`` (a gateway registers each
+    version under a unique engine name); metrics and KV events name the adapter so."""
 
     @property
     def cache_key(self) -> tuple[int, str]:
         return (self.adapter_id, self.version)
+
+    @property
+    def display_name(self) -> str:
+        """The name routers and dashboards see: ``served_name``, else ``name``."""
+        return self.served_name or self.name

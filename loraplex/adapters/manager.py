@@ -149,14 +149,16 @@ class AdapterManager:
 
     # -- registry ----------------------------------------------------------------------
 
-    def add_adapter(self, request: LoRARequest, owner: str | None = None) -> AdapterInfo:
+    def add_adapter(
+        self, request: LoRARequest, owner: str | None = None, served_name: str | None = None
+    ) -> AdapterInfo:
         """Validate the adapter at ``request.path`` and register it under ``request.int_id``.
 
         Raises ``AdapterValidationError`` (nothing registered, no files left behind) or
         ``AdapterExistsError`` if the id or ``(owner, name)`` is taken by other content.
         Adding the very same adapter again returns the existing entry.
         """
-        return self.register(request, self.stage(request), owner)
+        return self.register(request, self.stage(request), owner, served_name)
 
     def stage(self, request: LoRARequest) -> StagedAdapter:
         """The slow half of ``add_adapter``: validate and store the files (any thread, no lock held).
@@ -171,15 +173,22 @@ class AdapterManager:
         if staged.owned:
             self._store.release(staged.folder)
 
-    def register(self, request: LoRARequest, staged: StagedAdapter, owner: str | None = None) -> AdapterInfo:
-        """The fast half of ``add_adapter``: register validated files under ``request.int_id``.
+    def register(
+        self,
+        request: LoRARequest,
+        staged: StagedAdapter,
+        owner: str | None = None,
+        served_name: str | None = None,
+    ) -> AdapterInfo:
+        """The fast half of ``add_adapter``: register validated files under ``request.int_id``
+        (``served_name``: what clients call it, when not ``request.name``).
 
         Raises ``AdapterExistsError`` if the id or ``(owner, name)`` is taken by other content
         (``staged`` is released then); the very same adapter again returns the existing entry.
         """
         try:
             parsed = staged.parsed
-            identity = AdapterIdentity(request.int_id, request.name, owner, parsed.version)
+            identity = AdapterIdentity(request.int_id, request.name, owner, parsed.version, served_name)
             with self._lock:
                 existing = self._registry.existing(identity)
                 if existing is not None:

@@ -23,4 +23,5 @@
 | ``stats`` | ``EngineStats``: one snapshot per step, published by a reference swap; per-tenant usage |
 | ``errors`` | the engine's typed errors, which the HTTP layer maps to status codes |
 | ``host_memory`` | process-wide malloc tuning on CPU |
+| ``kv_events`` | KV cache events for routers: vLLM's config, msgpack layout and ZeroMQ publisher |
 """

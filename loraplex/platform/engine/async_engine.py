@@ -323,14 +323,17 @@ class AsyncEngine:
         )
         return result
 
-    async def add_lora(self, lora: LoRARequest, owner: str | None = None) -> None:
+    async def add_lora(
+        self, lora: LoRARequest, owner: str | None = None, served_name: str | None = None
+    ) -> None:
         """Validate and register an adapter: its files are read in a worker thread, then the
         engine thread registers it between steps. Raises the adapter's typed errors
-        (``AdapterValidationError``, ``AdapterExistsError`` for an id or name taken by other content)."""
+        (``AdapterValidationError``, ``AdapterExistsError`` for an id or name taken by other content).
+        ``served_name``: what clients call it when that is not ``lora.name`` (metrics, KV events)."""
         self._check_alive()
         staged = await asyncio.to_thread(self._engine.stage_lora, lora)
         try:
-            await self._call(lambda engine: engine.register_lora(lora, staged, owner))
+            await self._call(lambda engine: engine.register_lora(lora, staged, owner, served_name))
         except EngineDeadError:
             self._engine.discard_staged_lora(staged)
             raise

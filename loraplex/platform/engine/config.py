@@ -12,6 +12,7 @@ from typing import Literal, get_args
 import torch
 
 from loraplex.kernels.contracts import AttentionBackendName, LinearBackendName, LoRABackendName
+from loraplex.platform.engine.kv_events.config import KVEventsConfig
 from loraplex.platform.engine.policy import POLICY_NAMES, PolicyName
 from loraplex.platform.engine.preemption import PREEMPTION_MODES, PreemptionMode
 
@@ -137,6 +138,10 @@ class EngineConfig:
     less than recomputing, by measured rates; recompute without a tier)."""
     max_logprobs: int = 20
     """Most logprobs (top alternatives per token) one request may ask for (vLLM's default)."""
+    kv_events_config: str | None = None
+    """KV cache events for routers, as vLLM's JSON: {"enable_kv_cache_events": true, "endpoint":
+    "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "...", "buffer_steps": 10000, "hwm":
+    100000, "max_queue_size": 100000} (ZeroMQ PUB, msgpack; docs/deployment.md)."""
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -199,6 +204,8 @@ class EngineConfig:
             )
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.kv_events_config is not None:
+            self.kv_events  # noqa: B018 -- parsed now, so a bad value is refused at start-up
         capped = self.max_loras is not None and self.max_cpu_loras is not None
         if capped and self.max_cpu_loras < self.max_loras:  # type: ignore[operator]
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
@@ -207,6 +214,11 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    @property
+    def kv_events(self) -> KVEventsConfig | None:
+        """``kv_events_config`` parsed (None when unset)."""
+        return None if self.kv_events_config is None else KVEventsConfig.parse(self.kv_events_config)
 
     @property
     def cpu_lora_capacity(self) -> int | None:

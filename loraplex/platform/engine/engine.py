@@ -29,6 +29,7 @@ from loraplex.platform.engine.errors import (
     InvalidParameterError,
     RequestError,
 )
+from loraplex.platform.engine.kv_events.stream import KVEventStream
 from loraplex.platform.engine.lora_runtime import LoRARuntime
 from loraplex.platform.engine.maintenance import MaintenanceQueue
 from loraplex.platform.engine.output_processor import OutputProcessor, request_output
@@ -79,6 +80,8 @@ class LLMEngine:
         self.usage = TenantCounters()
         self.rejections = RejectionCounters()
         """Requests refused or ended by reason (``overload``, ``deadline``); any thread may count."""
+        self.kv_events = KVEventStream.start(config.kv_events, self.kv, config.block_size)
+        """The KV events published to routers (``kv_events_config``); None when off."""
         self.outputs = OutputProcessor(
             self.scheduler,
             Sampler(torch.Generator().manual_seed(config.seed)),
@@ -287,9 +290,12 @@ class LLMEngine:
             raise AdapterUnavailableError("LoRA is disabled: build the engine with enable_lora=True")
         return self.lora_manager
 
-    def add_lora(self, lora_request: LoRARequest, owner: str | None = None) -> None:
-        """Validate and register an adapter (it loads into a slot when first used)."""
-        self._lora().add_lora(lora_request, owner=owner)
+    def add_lora(
+        self, lora_request: LoRARequest, owner: str | None = None, served_name: str | None = None
+    ) -> None:
+        """Validate and register an adapter (it loads into a slot when first used); ``served_name``:
+        what clients call it, when not ``lora_request.name``."""
+        self._lora().add_lora(lora_request, owner=owner, served_name=served_name)
 
     def stage_lora(self, lora_request: LoRARequest) -> StagedAdapter:
         """The slow half of ``add_lora``: validate the files into the adapter store. Safe on any
@@ -297,10 +303,14 @@ class LLMEngine:
         return self._lora().stage_lora(lora_request)
 
     def register_lora(
-        self, lora_request: LoRARequest, staged: StagedAdapter, owner: str | None = None
+        self,
+        lora_request: LoRARequest,
+        staged: StagedAdapter,
+        owner: str | None = None,
+        served_name: str | None = None,
     ) -> None:
         """The fast half of ``add_lora``: register a staged adapter (the engine's thread)."""
-        self._lora().register_lora(lora_request, staged, owner=owner)
+        self._lora().register_lora(lora_request, staged, owner=owner, served_name=served_name)
 
     def discard_staged_lora(self, staged: StagedAdapter) -> None:
         """Release a staged adapter that will not be registered (any thread)."""
@@ -377,7 +387,10 @@ class LLMEngine:
         return outputs
 
     def publish_stats(self) -> None:
-        """Freeze the counters into a new ``EngineStats`` and publish it (the engine's thread)."""
+        """Publish what the step (or the commands run between steps) changed: the KV events, as one
+        batch, then the counters frozen into a new ``EngineStats`` (the engine's thread)."""
+        if self.kv_events is not None:
+            self.kv_events.flush()
         self.stats = build_stats(self)
 
     def _fail_step(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
@@ -438,6 +451,9 @@ class LLMEngine:
         Cached device and host blocks are written to disk (up to its cap) and every write in
         flight completes, so a later engine on the same ``disk_kv_path`` finds them again.
         """
+        if self.kv_events is not None:
+            self.kv_events.close()  # what persist moves below is not news to a router: it goes too
+            self.kv_events = None
         if self.kv.tiers is not None:
             # Reads in flight land first (their blocks are cached like the rest).
             self.scheduler.drain()

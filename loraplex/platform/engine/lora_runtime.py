@@ -120,18 +120,24 @@ class LoRARuntime:
         self._pool_generation = self.manager.pool_generation
 
     # -- registry -------------------------------------------------------------------
-    def add_lora(self, lora: LoRARequest, owner: str | None = None) -> None:
+    def add_lora(self, lora: LoRARequest, owner: str | None = None, served_name: str | None = None) -> None:
         """Validate and register ``lora`` (no-op if this exact adapter is registered)."""
-        self.register_lora(lora, self.stage_lora(lora), owner)
+        self.register_lora(lora, self.stage_lora(lora), owner, served_name)
 
     def stage_lora(self, lora: LoRARequest) -> StagedAdapter:
         """Validate ``lora``'s files into the adapter store: slow, safe on any thread, changes
         nothing the engine serves; ``register_lora`` (on the engine thread) follows."""
         return self.manager.stage(lora)
 
-    def register_lora(self, lora: LoRARequest, staged: StagedAdapter, owner: str | None = None) -> None:
+    def register_lora(
+        self,
+        lora: LoRARequest,
+        staged: StagedAdapter,
+        owner: str | None = None,
+        served_name: str | None = None,
+    ) -> None:
         """Register a staged adapter (fast; the engine thread, between steps)."""
-        self.manager.register(lora, staged, owner=owner)
+        self.manager.register(lora, staged, owner=owner, served_name=served_name)
         self._removed.discard(lora.int_id)
 
     def discard_staged(self, staged: StagedAdapter) -> None:

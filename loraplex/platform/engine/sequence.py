@@ -24,6 +24,7 @@ from loraplex.platform.engine.errors import RequestError
 from loraplex.platform.engine.outputs import Logprob
 from loraplex.platform.engine.preemption import SwappedTail
 from loraplex.platform.engine.sampling_params import SamplingParams
+from loraplex.storage.kv.kv_events import NO_ORIGIN, BlockOrigin
 
 if TYPE_CHECKING:
     from loraplex.platform.engine.detokenizer import IncrementalDetokenizer
@@ -135,6 +136,13 @@ class Request:
         """
         adapter = b"" if self.adapter is None else b"adapter:" + self.adapter.version.encode()
         return (adapter, self.cache_owner)
+
+    @property
+    def cache_origin(self) -> BlockOrigin:
+        """The adapter its cached blocks were computed with, as KV events name it for a router."""
+        if self.adapter is None:
+            return NO_ORIGIN
+        return BlockOrigin(self.adapter.display_name, self.adapter.adapter_id)
 
     @property
     def cache_owner(self) -> bytes:

@@ -23,6 +23,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from loraplex.adapters import AdapterStats
+from loraplex.platform.engine.kv_events.publisher import PublisherCounters
 from loraplex.platform.engine.policy import FairSharePolicy
 from loraplex.storage.kv.prefix_cache import PrefixCacheStats
 from loraplex.storage.kv.tier_metrics import TierMetrics
@@ -89,6 +90,8 @@ class EngineStats:
     rejections: Mapping[str, int] = field(default_factory=dict)
     """Requests refused at submission or ended by the engine, by reason: ``overload`` (past
     ``max_queued_requests``), ``deadline`` (past ``request_timeout_s``). Counters."""
+    kv_events: PublisherCounters | None = None
+    """KV event batches published and dropped (``kv_events_config``); None when events are off."""
 
     @property
     def num_unfinished(self) -> int:
@@ -196,4 +199,5 @@ def build_stats(engine: LLMEngine) -> EngineStats:
         num_maintenance_slices=engine.maintenance.num_slices,
         max_maintenance_slice_s=engine.maintenance.max_slice_s,
         rejections=engine.rejections.snapshot(),
+        kv_events=engine.kv_events.counters if engine.kv_events is not None else None,
     )

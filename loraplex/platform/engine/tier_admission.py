@@ -86,7 +86,9 @@ class TierAdmission:
             if not pending.ready():
                 return None
             finish_promotion(self.kv, self._promotions.pop(seq.seq_id))
-        hit = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids, extra, seq.request.cache_owner)
+        hit = self.kv.get_computed_blocks(
+            seq.seq_id, seq.token_ids, extra, seq.request.cache_owner, seq.request.cache_origin
+        )
         if self.tiers is None or hit.num_cached_blocks >= hit.num_cacheable_blocks:
             return hit
         if self.tiers.is_moving(self.kv.block_keys(seq.seq_id)[hit.num_cached_blocks]):
@@ -110,7 +112,9 @@ class TierAdmission:
             return None
         if finish_promotion(self.kv, pending) > 0:
             # Promotion allocated device blocks (which may evict others): look again.
-            hit = self.kv.get_computed_blocks(seq.seq_id, seq.token_ids, extra, seq.request.cache_owner)
+            hit = self.kv.get_computed_blocks(
+                seq.seq_id, seq.token_ids, extra, seq.request.cache_owner, seq.request.cache_origin
+            )
         return hit
 
     def finish_orphans(self, block: bool = False) -> None:
