@@ -7,6 +7,7 @@
 | ``page_pool`` | ``LoRAPagePool``: adapter weights in rank-granular pages, per projection group |
 | ``page_arena`` | ``PageArena``: the memory the pages are laid out in (KV blocks, or ``OwnedArena``) |
 | ``slot_table`` / ``slot_buffers`` | slot states, pins and LRU; what one projection hands the kernels |
+| ``load_times`` / ``resident`` | device load durations (a histogram); which adapters are resident where |
 | ``host_cache`` | ``HostAdapterCache``: the host LRU (``max_cpu_loras``, ``cpu_lora_memory``) |
 | ``store_reads`` | ``StoreReads``: background reads from the store into host memory, their errors |
 | ``store`` / ``archive`` | the content-addressed store (the disk tier, shared with uploads); archives |
@@ -37,6 +38,7 @@ from loraplex.adapters.manager import AdapterManager, AdapterStats
 from loraplex.adapters.peft_weights import AdapterWeights, LoRAModuleWeights
 from loraplex.adapters.registry import AdapterInfo
 from loraplex.adapters.request import LoRARequest
+from loraplex.adapters.resident import ResidentAdapter
 from loraplex.adapters.slot_buffers import SlotBuffers
 from loraplex.adapters.spec import GROUPS, MODULE_NAMES, BaseModelSpec, GroupName, ModuleName
 from loraplex.adapters.store import StagedAdapter
@@ -63,6 +65,7 @@ __all__ = [
     "ModuleName",
     "NoFreeSlotError",
     "ParsedAdapter",
+    "ResidentAdapter",
     "SlotBuffers",
     "StagedAdapter",
     "ValidationReason",

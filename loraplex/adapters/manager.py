@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,12 +51,14 @@ from loraplex.adapters.config import AdapterManagerConfig
 from loraplex.adapters.errors import AdapterValidationError, NoFreeSlotError
 from loraplex.adapters.host_cache import HostAdapterCache
 from loraplex.adapters.identity import AdapterIdentity
+from loraplex.adapters.load_times import EMPTY_LOAD_TIMES, LoadTimes, LoadTimesSnapshot
 from loraplex.adapters.page_arena import OwnedArena, PageArena
 from loraplex.adapters.page_pool import PageTable, pages_needed
 from loraplex.adapters.peft_weights import AdapterWeights
 from loraplex.adapters.registry import AdapterEntry, AdapterInfo, AdapterRegistry, Tier
 from loraplex.adapters.request import LoRARequest
 from loraplex.adapters.residency import DeviceResidency, PagesNeeded
+from loraplex.adapters.resident import ResidentAdapter, resident_adapters
 from loraplex.adapters.slot_buffers import SlotBuffers
 from loraplex.adapters.spec import BaseModelSpec, GroupName
 from loraplex.adapters.store import AdapterStore, StagedAdapter
@@ -64,7 +67,7 @@ from loraplex.kernels.lora_layout import LOGICAL_LAYOUT, LoRAWeightLayout
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AdapterInfo", "AdapterManager", "AdapterStats"]
+__all__ = ["AdapterInfo", "AdapterManager", "AdapterStats", "ResidentAdapter"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,11 @@ class AdapterStats:
     """Adapters read from the store into host memory since start-up (host-cache misses)."""
     num_loading: int
     """Background reads in flight."""
+    resident: tuple[ResidentAdapter, ...] = ()
+    """The adapters in device pages (``gpu``), then those only in the host LRU (``cpu``), most
+    recently used first within each level."""
+    load_times: LoadTimesSnapshot = EMPTY_LOAD_TIMES
+    """How long each device load took (the store read of a host-cache miss included)."""
 
 
 class AdapterManager:
@@ -143,6 +151,7 @@ class AdapterManager:
         self._slots = self._residency.slots
         self._pool = self._residency.pool
         self._registry = AdapterRegistry()
+        self._load_times = LoadTimes()
         self._lock = threading.RLock()
         self._closed = False
         """close() ran: the store's folders are deleted (what check_integrity compares is gone)."""
@@ -418,9 +427,11 @@ class AdapterManager:
                         f"adapter {adapter_id}: all {self._slots.num_slots} resident adapters are "
                         "pinned by running requests; retry when one finishes"
                     )
+                started = time.perf_counter()
                 weights = self._host_weights(entry)
                 need = self._pages_needed(entry, weights)
                 slot_idx = self._residency.load(adapter_id, weights, need, keep_free_blocks)
+                self._load_times.observe(time.perf_counter() - started)
             self._slots.pin(slot_idx, request_id)
             return slot_idx
 
@@ -490,6 +501,8 @@ class AdapterManager:
             on_device = sum(self._slots.slot_of(e.identity.adapter_id) is not None for e in entries)
             in_host = sum(e.identity.version in self._host for e in entries)
             return AdapterStats(
+                resident=resident_adapters(entries, self._slots, self._host),
+                load_times=self._load_times.snapshot(),
                 num_registered=len(entries),
                 max_loras=self.config.max_loras,
                 num_on_device=on_device,

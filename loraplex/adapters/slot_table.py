@@ -106,6 +106,10 @@ class SlotTable:
         """Slots that ``choose_slot`` could evict, first candidate first."""
         return [s for s in self._lru if self._pin_counts[s] == 0]
 
+    def lru_order(self) -> list[int]:
+        """Live slots, least recently used first (pinned ones too)."""
+        return list(self._lru)
+
     def can_place(self) -> bool:
         """Whether a new adapter could get a slot now (a free one or an evictable one)."""
         return self.has_room() or bool(self.eviction_order())

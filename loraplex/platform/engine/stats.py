@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from loraplex.adapters import AdapterStats
 from loraplex.platform.engine.kv_events.publisher import PublisherCounters
 from loraplex.platform.engine.policy import FairSharePolicy
+from loraplex.platform.engine.sequence import Sequence
 from loraplex.storage.kv.prefix_cache import PrefixCacheStats
 from loraplex.storage.kv.tier_metrics import TierMetrics
 from loraplex.storage.kv.tiered_kv import KVBlockCounts
@@ -90,6 +91,11 @@ class EngineStats:
     rejections: Mapping[str, int] = field(default_factory=dict)
     """Requests refused at submission or ended by the engine, by reason: ``overload`` (past
     ``max_queued_requests``), ``deadline`` (past ``request_timeout_s``). Counters."""
+    running_adapters: tuple[str, ...] = ()
+    """The adapters of the running sequences, by the name clients use (vLLM's
+    ``running_lora_adapters``), each once, in the order the sequences run."""
+    waiting_adapters: tuple[str, ...] = ()
+    """The same for the waiting sequences (``waiting_lora_adapters``)."""
     kv_events: PublisherCounters | None = None
     """KV event batches published and dropped (``kv_events_config``); None when events are off."""
 
@@ -199,5 +205,13 @@ def build_stats(engine: LLMEngine) -> EngineStats:
         num_maintenance_slices=engine.maintenance.num_slices,
         max_maintenance_slice_s=engine.maintenance.max_slice_s,
         rejections=engine.rejections.snapshot(),
+        running_adapters=_adapter_names(scheduler.running),
+        waiting_adapters=_adapter_names(scheduler.waiting),
         kv_events=engine.kv_events.counters if engine.kv_events is not None else None,
     )
+
+
+def _adapter_names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
+    """The display names of the adapters ``seqs`` run on, each once, in order."""
+    names = {seq.request.adapter.display_name: None for seq in seqs if seq.request.adapter is not None}
+    return tuple(names)
