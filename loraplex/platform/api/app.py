@@ -29,8 +29,10 @@ from loraplex.platform.api.lifecycle import Lifecycle
 from loraplex.platform.api.middleware import BodyLimits
 from loraplex.platform.api.observability.access_log import log_access
 from loraplex.platform.api.observability.metrics import ServerMetrics
+from loraplex.platform.api.observability.metrics_listener import MetricsListener
 from loraplex.platform.api.observability.observer import RequestObserver
 from loraplex.platform.api.observability.record import RequestRecord
+from loraplex.platform.api.observability.vllm_metrics import VLLMCollector
 from loraplex.platform.api.open_mode import OpenModeGuard
 from loraplex.platform.api.openai.logprobs import TokenText
 from loraplex.platform.api.routes import adapters, admin, chat, completions, health, metrics, models
@@ -66,14 +68,24 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if gateway is None:
-            yield
-            return
-        await gateway.start()
+        listener = None
+        if settings.serving.metrics_port is not None:  # routers and Prometheus, inside the cluster
+            listener = MetricsListener(
+                server_metrics.render, settings.serving.host, settings.serving.metrics_port
+            )
+            await listener.start()
         try:
-            yield
+            if gateway is None:
+                yield
+                return
+            await gateway.start()
+            try:
+                yield
+            finally:
+                await gateway.stop()
         finally:
-            await gateway.stop()
+            if listener is not None:
+                await listener.stop()
 
     # The API's description lists the admin routes too: public only where nobody needs a key.
     docs = gateway is None or settings.gateway.api_docs_on
@@ -87,6 +99,11 @@ def build_app(
     )
     serving = settings.serving
     server_metrics = ServerMetrics(engine, gateway, engine.limits.block_size, serving.metrics_tenant_label)
+    server_metrics.registry.register(
+        VLLMCollector(
+            engine, name, settings.engine.gpu_memory_utilization, settings.engine.enable_prefix_caching
+        )
+    )
     lifecycle = Lifecycle()
     app.state.loraplex = AppState(
         engine=engine,

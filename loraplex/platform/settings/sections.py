@@ -60,6 +60,10 @@ class ServingSettings(BaseModel):
     """Also log each request's prompts in its access-log line (they may hold personal data)."""
     metrics_require_admin: bool = False
     """GET /metrics needs the admin token (with tenants); off: anyone who reaches the port may scrape."""
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)
+    """A second port, on the same host, that serves only GET /metrics and without auth: for routers'
+    endpoint pickers and Prometheus inside the cluster (keep it off the network clients reach);
+    unset: no such listener."""
     metrics_tenant_label: bool = True
     """Label the per-tenant metrics with the tenant's name; turn off with many tenants (one series
     per tenant and status otherwise)."""

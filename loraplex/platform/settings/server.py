@@ -16,6 +16,7 @@ Refused when built (``ValidationError`` naming the setting and the fix), unless 
 | ``auth="open"`` | on a host that is not a loopback address (anyone could call as ``local``) |
 | no ``admin_token`` | on a host that is not a loopback address (the admin API would be open or dead) |
 | ``admin_token`` | shorter than 16 characters, or a well-known placeholder (``changeme``, ...) |
+| ``metrics_port`` | equal to ``port`` |
 """
 
 from __future__ import annotations
@@ -147,6 +148,15 @@ class ServerSettings(BaseModel):
             raise ValueError(
                 "lora_modules needs single_tenant (--single-tenant); with tenants, upload adapters with "
                 "POST /v1/adapters or `loraplex adapters upload`"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _metrics_port_of_its_own(self) -> ServerSettings:
+        if self.serving.metrics_port is not None and self.serving.metrics_port == self.serving.port:
+            raise ValueError(
+                f"metrics_port {self.serving.metrics_port} is also the serving port: the metrics listener "
+                "needs a port of its own (e.g. 9090), or unset metrics_port"
             )
         return self
 

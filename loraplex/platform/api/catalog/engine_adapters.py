@@ -49,6 +49,12 @@ class EngineAdapters:
     def engine_name(adapter: Adapter) -> str:
         return f"{adapter.owner.name}/{adapter.name}@{adapter.version[:12]}#{adapter.id}"
 
+    @staticmethod
+    def served_name(adapter: Adapter) -> str:
+        """How clients name it in ``model`` (what metrics and KV events show routers): its owner's
+        name for it if private, ``owner/name`` if public."""
+        return adapter.name if adapter.visibility == "private" else f"{adapter.owner.name}/{adapter.name}"
+
     async def ensure(self, adapter: Adapter) -> LoRARequest:
         """The ``LoRARequest`` of this adapter version, registered in the engine on first use."""
         lora = self._loaded.get(adapter.id)
@@ -62,11 +68,11 @@ class EngineAdapters:
             owner = adapter.owner.name
             try:
                 try:
-                    await self.engine.add_lora(lora, owner)
+                    await self.engine.add_lora(lora, owner, self.served_name(adapter))
                 except AdapterExistsError:
                     logger.info("adapter id %d is registered for something else; replacing it", adapter.id)
                     await self._remove(adapter.id)
-                    await self.engine.add_lora(lora, owner)
+                    await self.engine.add_lora(lora, owner, self.served_name(adapter))
             except AdapterError as exc:  # the stored files no longer validate: an operator must look
                 logger.error("adapter %s (id %d) cannot be loaded: %s", lora.name, lora.int_id, exc)
                 raise AdapterUnavailableError(
