@@ -194,11 +194,12 @@ async def update_quotas(request: Request, name: str, viewer: OperatorDep) -> Res
         quotas, weight = _quotas_from_form(form), _weight_from_form(form)
         async with gateway_of(request).db.transaction(write=True) as session:
             await tenants.update_quotas(session, name, quotas)
-            await tenants.set_weight(session, name, weight)
+            tenant = await tenants.set_weight(session, name, weight)
     except (InvalidInput, Conflict) as exc:
         return await _tenant_page(
             request, viewer, name, PageRequest(), None, status=400, errors=_errors_of(exc), values=form
         )
+    await gateway_of(request).tenant_changed(tenant)  # committed: every replica's cached checks go
     return RedirectResponse(f"/admin/tenants/{name}?saved=1", status_code=303, headers=SECURITY_HEADERS)
 
 
@@ -208,8 +209,8 @@ async def set_state(request: Request, name: str, viewer: OperatorDep) -> Respons
     gateway = gateway_of(request)
     async with gateway.db.transaction(write=True) as session:
         tenant = await tenants.set_disabled(session, name, form.get("disabled") == "1")
-    if tenant.disabled:  # committed: its running requests stop now, as through the admin API
-        gateway.gate.revoke(tenant.id, deleted=False)
+    # Committed: if disabled, its running requests stop now, on every replica, as through the API.
+    await gateway.tenant_changed(tenant)
     return RedirectResponse(f"/admin/tenants/{name}", status_code=303, headers=SECURITY_HEADERS)
 
 
@@ -252,7 +253,8 @@ async def revoke_key(request: Request, key_id: int, viewer: OperatorDep) -> Resp
     await _form(request, viewer)
     async with gateway_of(request).db.transaction(write=True) as session:
         row = await keys.revoke_key(session, key_id)
-        owner = row.tenant.name
+        owner, tenant_id = row.tenant.name, row.tenant_id
+    await gateway_of(request).key_revoked(key_id, tenant_id)  # committed: every replica drops it
     return RedirectResponse(f"/admin/tenants/{owner}", status_code=303, headers=SECURITY_HEADERS)
 
 

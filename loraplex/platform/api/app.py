@@ -35,7 +35,16 @@ from loraplex.platform.api.observability.record import RequestRecord
 from loraplex.platform.api.observability.vllm_metrics import VLLMCollector
 from loraplex.platform.api.open_mode import OpenModeGuard
 from loraplex.platform.api.openai.logprobs import TokenText
-from loraplex.platform.api.routes import adapters, admin, chat, completions, health, metrics, models
+from loraplex.platform.api.routes import (
+    adapters,
+    admin,
+    chat,
+    completions,
+    health,
+    lora_adapters,
+    metrics,
+    models,
+)
 from loraplex.platform.api.state import AppState
 from loraplex.platform.api.tenancy.gate import StaticGate
 from loraplex.platform.engine.async_engine import AsyncEngine
@@ -145,6 +154,7 @@ def build_app(
         app.include_router(module.router)
     if gateway is not None:
         app.include_router(adapters.router)
+        app.include_router(lora_adapters.router)
         app.include_router(admin.router)
         admin_ui.mount_admin_ui(app, settings.gateway)
     return app

@@ -75,9 +75,10 @@ SERVER_ERROR = "server_error"
 
 
 def error_body(
-    message: str, err_type: str = INVALID_REQUEST, param: str | None = None, code: str | None = None
+    message: str, err_type: str = INVALID_REQUEST, param: str | None = None, code: str | int | None = None
 ) -> dict[str, Any]:
-    """OpenAI's error envelope (``code`` is a short string such as ``model_not_found``, or None)."""
+    """OpenAI's error envelope (``code`` is a short string such as ``model_not_found``, or None;
+    vLLM's own routes answer the status there, an int)."""
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
@@ -89,7 +90,7 @@ class APIError(Exception):
         status: int,
         message: str,
         param: str | None = None,
-        code: str | None = None,
+        code: str | int | None = None,
         err_type: str = INVALID_REQUEST,
         headers: dict[str, str] | None = None,
         reason: str | None = None,
@@ -185,7 +186,7 @@ def rejection_reason(err: APIError) -> str | None:
     None for an error that is not a refusal (a 500, the engine gone, a conflict)."""
     if err.reason is not None:
         return err.reason
-    by_code = _REASONS_BY_CODE.get(err.code or "")
+    by_code = _REASONS_BY_CODE.get(err.code) if isinstance(err.code, str) else None
     if by_code is not None:
         return by_code
     if err.status in (401, 403):

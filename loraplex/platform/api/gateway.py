@@ -13,6 +13,13 @@ Operations the routes (and the admin UI) call, so none of them lives in a route:
                               (here, and on the other replicas through ``replica_events``)
     reset_prefix_cache()      every cached KV block on every tier (``EngineBusy`` while requests run)
 
+and what a route calls after it committed a change that other replicas cache: this replica acts
+at once, the others when the replica event arrives (``replica_events``; the TTL otherwise)::
+
+    tenant_changed(tenant)          quotas, weight, disabled: cached key checks go (requests end)
+    key_revoked(key_id, tenant_id)  that key's cached check goes
+    adapter_changed(owner, name)    (the catalog calls it) cached resolutions and engine versions go
+
 At start-up (``start``): migrations under a lock (replicas may start together; on a connection
 without the serving timeouts, as waiting for that lock is expected), the store opened, the
 ``local`` tenant when auth="open", the usage writer started. At shutdown (``stop``): pending
@@ -36,10 +43,12 @@ from loraplex.adapters.uploads import AdapterValidator
 from loraplex.platform.api.background import BackgroundWork
 from loraplex.platform.api.catalog.catalog import AdapterCatalog
 from loraplex.platform.api.catalog.engine_adapters import EngineAdapters
+from loraplex.platform.api.catalog.runtime_loras import RuntimeLoRAs
 from loraplex.platform.api.catalog.upload_admission import UploadAdmission
 from loraplex.platform.api.catalog.upload_form import UploadDeadlines
 from loraplex.platform.api.services import tenants
 from loraplex.platform.api.services.errors import EngineBusy
+from loraplex.platform.api.tenancy import replica_events
 from loraplex.platform.api.tenancy.auth import local_tenant
 from loraplex.platform.api.tenancy.auth_cache import Authenticator
 from loraplex.platform.api.tenancy.quotas import QuotaSettings, RedisQuotaLimiter, make_quota_limiter
@@ -48,7 +57,14 @@ from loraplex.platform.api.tenancy.tenant_gate import TenantGate
 from loraplex.platform.api.usage_buffer import UsageBuffer
 from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.settings import GatewaySettings
-from loraplex.storage.db import Database, DatabaseUnavailable, PoolSettings, head_revision, upgrade_database
+from loraplex.storage.db import (
+    Database,
+    DatabaseUnavailable,
+    PoolSettings,
+    Tenant,
+    head_revision,
+    upgrade_database,
+)
 from loraplex.storage.db.session import sqlite_file
 
 logger = logging.getLogger(__name__)
@@ -137,7 +153,7 @@ class Gateway:
         self.db = Database(settings.database_url_or_default, pool=pool_settings(settings))
         self.limiter = make_quota_limiter(settings.redis_url, quota_settings(settings))
         self.store = AdapterStore(settings.adapter_store_dir)
-        self.engine_adapters = EngineAdapters(engine, self.store)
+        self.engine_adapters = EngineAdapters(engine, self.store, settings.operator_tenant)
         limits = engine.limits
         validator = AdapterValidator(engine.adapter_spec, limits.max_lora_rank, limits.dtype)
         self.max_upload_bytes = settings.max_upload_bytes or validator.max_upload_bytes
@@ -174,8 +190,13 @@ class Gateway:
             self.background,
             authenticator,
             self.usage,
+            shared_tenant=settings.operator_tenant,
         )
         self.uploads = UploadAdmission(self.gate, settings.max_uploads_per_tenant)
+        self.runtime_loras = RuntimeLoRAs(
+            self.db, self.catalog, settings.operator_tenant, settings.lora_load_root, self.max_upload_bytes
+        )
+        """``/v1/load_lora_adapter``: the operator's adapters, public, loaded at run time."""
 
     async def start(self) -> None:
         """Migrate the database, open the store, create ``local`` in open mode."""
@@ -186,8 +207,9 @@ class Gateway:
         if self.settings.auth == "open":
             await local_tenant(self.db)
         self.usage.start()
+        self.catalog.on_change = self.adapter_changed
         if self.replica_events is not None:
-            await self.replica_events.start(self._purge_deleted_elsewhere)
+            await self.replica_events.start(self._on_replica_event)
         logger.info(
             "gateway ready: database at revision %s, adapter store %s, quotas %s, auth %s",
             revision,
@@ -253,19 +275,62 @@ class Gateway:
             tenant = await tenants.get_tenant(session, name)
             tenant_id, engine_id = tenant.id, tenants.engine_tenant_id(tenant)
             refs = await tenants.delete_tenant(session, name)
+        self.gate.authenticator.drop_tenant(tenant_id)
         self.gate.revoke(tenant_id, deleted=True)
         await self.catalog.forget(refs)
         device, host, disk = await self.engine.purge_tenant(engine_id)
-        if self.replica_events is not None:
-            await self.replica_events.tenant_deleted(engine_id)
+        await self._publish(replica_events.TenantDeleted(engine_id, tenant_id, name))
         return TenantDeleted(name, len(refs), device + host + disk)
 
-    async def _purge_deleted_elsewhere(self, engine_tenant_id: str) -> None:
-        device, host, disk = await self.engine.purge_tenant(engine_tenant_id)
+    # -- changes the other replicas must hear of ---------------------------------------------
+    async def tenant_changed(self, tenant: Tenant) -> None:
+        """``tenant``'s row changed and is committed (quotas, weight, disabled): its cached key
+        checks go here now (and its running requests end if it is disabled), then elsewhere."""
+        self.gate.authenticator.drop_tenant(tenant.id)
+        if tenant.disabled:
+            self.gate.revoke(tenant.id, deleted=False)
+        await self._publish(replica_events.TenantChanged(tenant.id, tenant.disabled))
+
+    async def key_revoked(self, key_id: int, tenant_id: int) -> None:
+        """Key ``key_id`` was revoked (committed): its cached check goes here now, then elsewhere."""
+        self.gate.authenticator.drop_key(key_id)
+        await self._publish(replica_events.KeyRevoked(key_id, tenant_id))
+
+    async def adapter_changed(self, owner: str, name: str) -> None:
+        """``owner``'s adapter ``name`` got a version or lost some (committed; the catalog calls this):
+        cached resolutions of it go here now, then elsewhere, where its engine versions go too."""
+        self.gate.drop_resolutions(owner, name)
+        await self._publish(replica_events.AdapterChanged(owner, name))
+
+    async def _publish(self, event: replica_events.ReplicaEvent) -> None:
+        if self.replica_events is not None:
+            await self.replica_events.publish(event)
+
+    async def _on_replica_event(self, event: replica_events.ReplicaEvent) -> None:
+        """Another replica changed something this one caches: drop it (``replica_events``)."""
+        if isinstance(event, replica_events.TenantDeleted):
+            await self._deleted_elsewhere(event)
+        elif isinstance(event, replica_events.TenantChanged):
+            self.gate.authenticator.drop_tenant(event.tenant_id)
+            if event.disabled:
+                self.gate.revoke(event.tenant_id, deleted=False)
+        elif isinstance(event, replica_events.KeyRevoked):
+            self.gate.authenticator.drop_key(event.key_id)
+        else:
+            self.gate.drop_resolutions(event.owner, event.name)
+            await self.engine_adapters.unload_name(event.owner, event.name)
+
+    async def _deleted_elsewhere(self, event: replica_events.TenantDeleted) -> None:
+        if event.tenant_id is not None:
+            self.gate.authenticator.drop_tenant(event.tenant_id)
+            self.gate.revoke(event.tenant_id, deleted=True)
+        if event.name is not None:
+            await self.engine_adapters.unload_owner(event.name)
+        device, host, disk = await self.engine.purge_tenant(event.tenant)
         logger.info(
             "tenant %s was deleted on another replica: purged %d cached KV blocks here "
             "(device %d, host %d, disk %d)",
-            engine_tenant_id,
+            event.tenant,
             device + host + disk,
             device,
             host,

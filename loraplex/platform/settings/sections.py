@@ -143,6 +143,14 @@ class GatewaySettings(BaseModel):
     admin_signin_max_failures: int = Field(default=5, ge=1)
     """Failed admin web UI sign-ins one client address may make per minute before it must wait."""
 
+    operator_tenant: str = "operator"
+    """Tenant that owns the adapters the operator loads with /v1/load_lora_adapter: they are public,
+    and every tenant names them by their bare name (its own adapter of that name comes first) or
+    as operator_tenant/name."""
+    lora_load_root: Path | None = None
+    """Server folder under which /v1/load_lora_adapter may read lora_path (a path that resolves
+    outside it is refused); unset: only versions already in the adapter store (a 64-hex sha256)."""
+
     api_docs: bool | None = None
     """Serve /docs and /openapi.json (they list every route, the admin API's too); default: on
     in open mode, off with auth=keys."""

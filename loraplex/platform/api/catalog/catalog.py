@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from pathlib import Path
 
@@ -64,6 +65,9 @@ class AdapterCatalog:
         self.publishing = asyncio.Lock()
         """Held around publish + commit and around removals, so a folder another upload is about
         to commit is never removed as unreferenced."""
+        self.on_change: Callable[[str, str], Awaitable[None]] | None = None
+        """Called with (owner, name) after a version of an adapter was committed or deleted (the
+        gateway tells the other replicas); None: nobody is told."""
 
     async def upload(
         self,
@@ -107,6 +111,8 @@ class AdapterCatalog:
                     await self._remove_unreferenced(new.path)
                 raise
         logger.info("tenant %s uploaded adapter %s version %s", tenant.name, name, facts.version[:12])
+        if self.on_change is not None:
+            await self.on_change(tenant.name, name)
         return adapter
 
     async def newest(self, tenant: Tenant) -> list[Adapter]:
@@ -120,6 +126,8 @@ class AdapterCatalog:
             async with self.db.transaction(write=True) as session:
                 refs = await adapters.delete_adapter(session, owner, name, version)
             await self._forget_locked(refs)
+        if self.on_change is not None:
+            await self.on_change(owner.name, name)
         return refs
 
     async def forget(self, refs: list[AdapterRef]) -> None:

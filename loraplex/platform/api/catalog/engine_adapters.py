@@ -37,9 +37,10 @@ NameKey = tuple[str, str]
 class EngineAdapters:
     """The gateway's view of the engine's adapter registry (this process only)."""
 
-    def __init__(self, engine: AsyncEngine, store: AdapterStore) -> None:
+    def __init__(self, engine: AsyncEngine, store: AdapterStore, shared_tenant: str | None = None) -> None:
         self.engine = engine
         self.store = store
+        self.shared_tenant = shared_tenant
         self._loaded: dict[int, LoRARequest] = {}
         self._current: dict[NameKey, int] = {}  # the newest loaded version of each name
         self._versions: dict[tuple[str, str, str], int] = {}  # (owner, name, version) -> int_id
@@ -49,11 +50,12 @@ class EngineAdapters:
     def engine_name(adapter: Adapter) -> str:
         return f"{adapter.owner.name}/{adapter.name}@{adapter.version[:12]}#{adapter.id}"
 
-    @staticmethod
-    def served_name(adapter: Adapter) -> str:
+    def served_name(self, adapter: Adapter) -> str:
         """How clients name it in ``model`` (what metrics and KV events show routers): its owner's
-        name for it if private, ``owner/name`` if public."""
-        return adapter.name if adapter.visibility == "private" else f"{adapter.owner.name}/{adapter.name}"
+        name for it if private, ``owner/name`` if public, the bare name for the shared tenant's."""
+        if adapter.visibility == "private" or adapter.owner.name == self.shared_tenant:
+            return adapter.name
+        return f"{adapter.owner.name}/{adapter.name}"
 
     async def ensure(self, adapter: Adapter) -> LoRARequest:
         """The ``LoRARequest`` of this adapter version, registered in the engine on first use."""
@@ -97,6 +99,21 @@ class EngineAdapters:
         await self._unload(int_id)
         if self._current.get((owner, name)) == int_id:
             del self._current[(owner, name)]
+
+    async def unload_name(self, owner: str, name: str) -> None:
+        """Forget every version of ``owner``'s ``name`` this process loaded (another replica changed
+        or deleted it): running requests finish, the next one loads what the database says."""
+        async with self._lock:
+            for int_id in {i for (o, n, _), i in self._versions.items() if (o, n) == (owner, name)}:
+                await self._unload(int_id)
+            self._current.pop((owner, name), None)
+
+    async def unload_owner(self, owner: str) -> None:
+        """Forget every version of every adapter of ``owner`` (a tenant deleted elsewhere)."""
+        async with self._lock:
+            for int_id in {i for (o, _, _), i in self._versions.items() if o == owner}:
+                await self._unload(int_id)
+            self._current = {key: i for key, i in self._current.items() if key[0] != owner}
 
     async def _unload(self, int_id: int) -> None:
         lora = self._loaded.pop(int_id, None)

@@ -86,14 +86,16 @@ async def update_tenant(
     tenant = await tenants.update_quotas(session, name, body.quota_changes())
     if body.disabled is not None:
         tenant = await tenants.set_disabled(session, name, body.disabled)
-        if body.disabled:
-            await session.commit()  # disabled for good before its running requests are stopped
-            gateway.gate.revoke(tenant.id, deleted=False)
     if "weight" in body.model_fields_set:
         if body.weight is None:
             raise InvalidInput("weight", "must be a number greater than 0 (it cannot be null)")
         tenant = await tenants.set_weight(session, name, body.weight)
-    return TenantPublic.of(tenant)
+    # Committed first: a replica that re-reads the row when it hears of the change must find it
+    # changed (and a disabled tenant is disabled for good before its requests are stopped).
+    public = TenantPublic.of(tenant)
+    await session.commit()
+    await gateway.tenant_changed(tenant)
+    return public
 
 
 @router.delete("/tenants/{name}")
@@ -130,8 +132,14 @@ _MAX_ROW_ID = (1 << 63) - 1
 
 
 @router.delete("/keys/{key_id}")
-async def revoke_key(key_id: Annotated[int, Path(ge=1, le=_MAX_ROW_ID)], session: SessionDep) -> KeyPublic:
-    return KeyPublic.of(await keys.revoke_key(session, key_id))
+async def revoke_key(
+    key_id: Annotated[int, Path(ge=1, le=_MAX_ROW_ID)], session: SessionDep, gateway: GatewayDep
+) -> KeyPublic:
+    row = await keys.revoke_key(session, key_id)
+    public, tenant_id = KeyPublic.of(row), row.tenant_id
+    await session.commit()  # before the other replicas hear of it (see update_tenant)
+    await gateway.key_revoked(key_id, tenant_id)
+    return public
 
 
 @router.get("/adapters")

@@ -16,8 +16,12 @@ Rules:
   registered without one keeps the name's (private for a new name).
 - A request names its own adapter ``name`` (or ``own-tenant/name``) and another tenant's
   public one ``owner/name``. Another tenant's private adapter, a disabled tenant's adapter and
-  a name that does not exist all give the same ``NotFound("model", model)``, after the same
-  single query, so a caller cannot learn which names exist.
+  a name that does not exist all give the same ``NotFound("model", model)``, so a caller
+  cannot learn which names exist.
+- The shared tenant (the operator's, ``operator_tenant``: what ``/v1/load_lora_adapter`` loads
+  into) is the one exception to ``owner/name``: its public adapters answer to their bare name
+  too, for any caller without an adapter of its own by that name, as a vLLM server's loaded
+  adapters do. ``/v1/models`` lists them so.
 """
 
 from __future__ import annotations
@@ -79,9 +83,17 @@ class AdapterUsage:
     """All stored versions together."""
 
 
-def model_name(caller: Tenant, adapter: Adapter) -> str:
-    """How ``caller`` names ``adapter`` in a request: ``name`` if it owns it, else ``owner/name``."""
-    return adapter.name if adapter.owner_id == caller.id else f"{adapter.owner.name}/{adapter.name}"
+def model_name(
+    caller: Tenant, adapter: Adapter, shared: str | None = None, own: frozenset[str] = frozenset()
+) -> str:
+    """How ``caller`` names ``adapter`` in a request: ``name`` if it owns it, or if the shared tenant
+    ``shared`` does and ``caller`` has no adapter of that name (``own``: its names); else
+    ``owner/name``."""
+    if adapter.owner_id == caller.id:
+        return adapter.name
+    if shared is not None and adapter.owner.name == shared and adapter.name not in own:
+        return adapter.name
+    return f"{adapter.owner.name}/{adapter.name}"
 
 
 async def register_adapter(session: AsyncSession, owner: Tenant, new: NewAdapter) -> Adapter:
@@ -137,25 +149,43 @@ async def register_adapter(session: AsyncSession, owner: Tenant, new: NewAdapter
     return adapter
 
 
-async def resolve_adapter(session: AsyncSession, caller: Tenant, model: str) -> Adapter:
+async def resolve_adapter(
+    session: AsyncSession, caller: Tenant, model: str, shared: str | None = None
+) -> Adapter:
     """The adapter version a request of ``caller`` for ``model`` runs on; ``NotFound`` otherwise.
 
-    ``model`` is ``name`` (the caller's own) or ``owner/name``. The caller checks first
-    whether ``model`` is the base model's name (which may contain a slash itself).
+    ``model`` is ``name`` (the caller's own; else, with ``shared``, that tenant's public one) or
+    ``owner/name``. The caller checks first whether ``model`` is the base model's name (which
+    may contain a slash itself).
     """
     owner_name, slash, name = model.rpartition("/")
-    if not slash:
-        owner_name = caller.name
-    adapter = await session.scalar(
+    adapter = await _newest_named(session, owner_name if slash else caller.name, name)
+    if adapter is None and not slash and shared is not None and shared != caller.name:
+        adapter = await _newest_named(session, shared, name)
+    if adapter is None or not _may_use(caller, adapter):
+        raise NotFound("model", model)
+    return adapter
+
+
+async def _newest_named(session: AsyncSession, owner_name: str, name: str) -> Adapter | None:
+    return await session.scalar(
         select(Adapter)
         .join(Tenant, Adapter.owner_id == Tenant.id)
         .where(Tenant.name == owner_name, Adapter.name == name)
         .order_by(Adapter.id.desc())
         .limit(1)
     )
-    if adapter is None or not _may_use(caller, adapter):
-        raise NotFound("model", model)
-    return adapter
+
+
+async def find_version(session: AsyncSession, version: str) -> Adapter | None:
+    """Some adapter row (of any tenant) that holds content ``version``, or None."""
+    return await session.scalar(select(Adapter).where(Adapter.version == version).limit(1))
+
+
+async def get_by_id(session: AsyncSession, owner: Tenant, adapter_id: int) -> Adapter | None:
+    """``owner``'s adapter version with row id ``adapter_id`` (the engine's ``int_id``), or None."""
+    adapter = await session.get(Adapter, adapter_id)
+    return adapter if adapter is not None and adapter.owner_id == owner.id else None
 
 
 async def get_adapter(session: AsyncSession, owner: Tenant, name: str) -> Adapter:

@@ -14,6 +14,11 @@ never 401: the gateway cannot know whether the key is good.
 Only keys that passed are cached: a wrong key is checked against the database every time, so a
 new key works at once. Adapter resolutions (``model`` -> the version it runs on) use the same
 ``TTLCache`` in ``tenant_gate``, as the fallback of an outage only.
+
+A change made through another replica reaches this one as a replica event (``replica_events``):
+``drop_tenant`` (quotas, weight, disabled, deleted) and ``drop_key`` (revoked) make the cached
+checks they concern stale at once, in O(1): each check remembers its tenant's epoch when it was
+stored, and a revoked key id is remembered for as long as a cached check could outlive it.
 """
 
 from __future__ import annotations
@@ -78,6 +83,9 @@ class TTLCache(Generic[K, V]):
 class _Checked:
     tenant: Tenant
     expires_at: datetime | None
+    key_id: int | None = None
+    epoch: int = 0
+    """The tenant's epoch when this was checked: a later ``drop_tenant`` makes it stale."""
 
 
 class Authenticator:
@@ -93,11 +101,34 @@ class Authenticator:
         """Authentications answered from the cache within the TTL (no database round trip)."""
         self.num_outage_hits = 0
         """Authentications answered from the cache because the database was unreachable."""
+        self._epochs: dict[int, int] = {}  # tenant id -> bumped by drop_tenant
+        self._num_drops = 0  # drop_tenant calls so far
+        self._revoked: dict[int, float] = {}  # key id -> monotonic time of the drop_key
 
     def forget(self) -> None:
         """Drop every cached check: after an operator changed keys or tenants through this replica,
-        which then sees the change at once (the others within the TTL)."""
+        which then sees the change at once (the others through replica events, or the TTL)."""
         self.cache.clear()
+
+    def drop_tenant(self, tenant_id: int) -> None:
+        """Every cached check of tenant ``tenant_id``'s keys is stale from now on (its row changed)."""
+        self._epochs[tenant_id] = self._epochs.get(tenant_id, 0) + 1
+        self._num_drops += 1
+
+    def drop_key(self, key_id: int) -> None:
+        """The cached check of key ``key_id`` is stale from now on (it was revoked)."""
+        now = time.monotonic()
+        self._revoked[key_id] = now
+        # Past ttl + stale no cached check is used any more: its mark can go.
+        horizon = now - self.ttl_s - self.stale_s
+        if len(self._revoked) > 1024:
+            self._revoked = {k: t for k, t in self._revoked.items() if t > horizon}
+
+    def _current(self, entry: _Checked) -> bool:
+        """Not made stale by a replica event since it was checked."""
+        if entry.epoch != self._epochs.get(entry.tenant.id, 0):
+            return False
+        return entry.key_id is None or entry.key_id not in self._revoked
 
     async def tenant(self, request: Request) -> Tenant:
         """The request's tenant; 401 for a missing, wrong, revoked or expired key or a disabled
@@ -117,14 +148,14 @@ class Authenticator:
 
     async def _through_cache(self, key: str, token: str | None) -> Tenant:
         fresh = self.cache.get(key, self.ttl_s)
-        if fresh is not None and _valid(fresh):
+        if fresh is not None and _valid(fresh) and self._current(fresh):
             self.num_cache_hits += 1
             return fresh.tenant
         try:
             checked = await self._check(token)
         except DatabaseUnavailable:
             stale = self.cache.get(key, self.ttl_s + self.stale_s)
-            if stale is None or not _valid(stale):
+            if stale is None or not _valid(stale) or not self._current(stale):
                 raise
             self.num_outage_hits += 1
             return stale.tenant
@@ -135,11 +166,22 @@ class Authenticator:
         return checked.tenant
 
     async def _check(self, token: str | None) -> _Checked | None:
+        # A tenant event that lands while the database is read (the row may predate the change)
+        # leaves this check stale, never current: it is stored under an epoch no tenant has.
+        drops = self._num_drops
         if token is None:  # open mode: local_tenant raises 401 itself while it is disabled
-            return _Checked(await local_tenant(self.db), None)
+            tenant = await local_tenant(self.db)
+            return _Checked(tenant, None, None, self._epoch_since(tenant.id, drops))
         async with self.db.transaction() as session:
             checked = await keys.check_key(session, token)
-        return None if checked is None else _Checked(checked.tenant, checked.expires_at)
+        if checked is None:
+            return None
+        return _Checked(
+            checked.tenant, checked.expires_at, checked.key_id, self._epoch_since(checked.tenant.id, drops)
+        )
+
+    def _epoch_since(self, tenant_id: int, drops: int) -> int:
+        return self._epochs.get(tenant_id, 0) if drops == self._num_drops else -1
 
 
 def _valid(entry: _Checked) -> bool:

@@ -1,23 +1,31 @@
-"""Events one replica tells the others through Redis pub/sub: a tenant deleted here, purge its KV there.
+"""Events one replica tells the others through Redis pub/sub, so that what they cache follows a change
+made through it within the delivery time (milliseconds), not a cache's TTL.
 
     events = ReplicaEvents.from_url(redis_url, key_prefix)
-    await events.start(on_tenant_deleted)        subscribe, then deliver others' events to the callback
-    await events.tenant_deleted(engine_tenant)   after this replica deleted the tenant and purged its KV
+    await events.start(on_event)        subscribe, then hand the others' events to ``on_event``
+    await events.publish(event)         after this replica made the change (and acted on it itself)
     await events.aclose()
 
-Only the purge travels this way. Everything else replicas share is read from the database or
-Redis: adapter versions per request (a re-upload is current on every replica at its next
-request), API keys through a cache of checks (a revocation within ``auth_cache_ttl_s``), quotas
-in Redis. A deleted tenant's cached KV is the one
-thing no request looks up again (its prefix-cache salt binds the tenant's row id and creation
-time, so nothing can hit it), so a version check on the request path would never find it: the
-other replicas must be told. Their disk tiers hold records derived from its prompts.
+| event | published when | each other replica drops |
+|---|---|---|
+| ``TenantDeleted`` | a tenant is deleted | its key checks, running requests, adapters, cached KV |
+| ``TenantChanged`` | quotas, weight, ``disabled`` | its key checks (the row); if disabled, its requests |
+| ``KeyRevoked`` | a key is revoked | that key's cached check |
+| ``AdapterChanged`` | a new version, or deleted | cached resolutions of the name; its engine versions |
 
-Delivery is Redis pub/sub's, at most once: a replica subscribed at the time gets the event within
-Redis' delivery plus one engine step; one that was cut off from Redis (or not yet started) misses
-it, and those blocks stay until the LRU reuses them or an operator resets the prefix cache. The
-channel is ``<key_prefix>:replica-events``, so deployments that share a Redis (different
-``quota_key_prefix``) do not hear each other.
+Everything else replicas share is read from the database or Redis per request: quotas are one
+count in Redis, a new key or adapter name is looked up when first used.
+
+Delivery is Redis pub/sub's, at most once: a replica subscribed at the time gets an event within
+Redis' delivery (and one engine step for a purge); one that was cut off from Redis (or not yet
+started) misses it. The caches' TTL is the backstop: a missed key revocation, disabled tenant
+or changed quota still reaches every replica within ``auth_cache_ttl_s`` (60 s by default) of
+the change, the worst case while Redis is down; a missed adapter change at the next request
+that reads the database (adapter resolutions are cached only as an outage's fallback); a missed
+deletion leaves that tenant's cached KV until the LRU reuses it or an operator resets the
+prefix cache. The channel is ``<key_prefix>:replica-events``, so deployments that share a Redis
+(different ``quota_key_prefix``) do not hear each other. Events name tenants by row id (and a
+deleted tenant by its engine id, for the purge), never carry a key.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import json
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from redis.asyncio import Redis
@@ -37,10 +46,77 @@ from redis.exceptions import RedisError
 logger = logging.getLogger(__name__)
 
 _RECONNECT_S = 1.0
-TENANT_DELETED = "tenant_deleted"
 
-OnTenantDeleted = Callable[[str], Awaitable[None]]
-"""Called with the engine tenant id (``services.tenants.engine_tenant_id``) of a tenant deleted elsewhere."""
+
+@dataclass(frozen=True)
+class TenantDeleted:
+    """A tenant and everything it owned are gone."""
+
+    tenant: str
+    """Its engine tenant id (``services.tenants.engine_tenant_id``): the owner of its cached KV."""
+    tenant_id: int | None = None
+    """Its row id, whose cached key checks go."""
+    name: str | None = None
+    """Its name: the owner of the adapter versions the engines hold."""
+
+
+@dataclass(frozen=True)
+class TenantChanged:
+    """A tenant's row changed: quotas, weight, ``disabled``."""
+
+    tenant_id: int
+    disabled: bool = False
+
+
+@dataclass(frozen=True)
+class KeyRevoked:
+    """An API key stopped working before its time."""
+
+    key_id: int
+    tenant_id: int
+
+
+@dataclass(frozen=True)
+class AdapterChanged:
+    """An adapter name got a new version, or lost versions (deleted)."""
+
+    owner: str
+    name: str
+
+
+ReplicaEvent = TenantDeleted | TenantChanged | KeyRevoked | AdapterChanged
+OnEvent = Callable[[ReplicaEvent], Awaitable[None]]
+"""Called with each event another replica published."""
+
+_TYPES: dict[str, type[ReplicaEvent]] = {
+    "tenant_deleted": TenantDeleted,
+    "tenant_changed": TenantChanged,
+    "key_revoked": KeyRevoked,
+    "adapter_changed": AdapterChanged,
+}
+_NAMES = {cls: name for name, cls in _TYPES.items()}
+
+
+def encode(event: ReplicaEvent, origin: str) -> str:
+    """The JSON message of ``event`` (``type`` names it; ``origin`` is the publishing replica)."""
+    return json.dumps({"type": _NAMES[type(event)], "origin": origin, **asdict(event)})
+
+
+def decode(data: str | bytes) -> tuple[ReplicaEvent, str] | None:
+    """(event, origin) of a message; None for an event type this replica does not know (a newer
+    replica's); ``ValueError`` for a malformed one."""
+    try:
+        message = json.loads(data)
+        kind, origin = message.pop("type"), message.pop("origin")
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"not a replica event: {exc}") from None
+    cls = _TYPES.get(kind)
+    if cls is None:
+        return None
+    try:
+        return cls(**message), str(origin)
+    except TypeError as exc:
+        raise ValueError(f"malformed {kind}: {exc}") from None
 
 
 class ReplicaEvents:
@@ -60,7 +136,7 @@ class ReplicaEvents:
         # No socket timeout: the subscriber's connection waits for events indefinitely.
         return cls(Redis.from_url(url), f"{key_prefix}:replica-events")
 
-    async def start(self, on_tenant_deleted: OnTenantDeleted) -> None:
+    async def start(self, on_event: OnEvent) -> None:
         """Subscribe (before returning, so no event published after this is missed), then listen."""
         pubsub = self.client.pubsub()
         subscribed: PubSub | None = pubsub
@@ -70,17 +146,16 @@ class ReplicaEvents:
             logger.warning("replica events: cannot subscribe to %s yet (%s); retrying", self.channel, exc)
             await _close(pubsub)
             subscribed = None
-        self._task = asyncio.create_task(self._listen(subscribed, on_tenant_deleted), name="replica-events")
+        self._task = asyncio.create_task(self._listen(subscribed, on_event), name="replica-events")
 
-    async def tenant_deleted(self, engine_tenant_id: str) -> None:
-        """Tell the other replicas to purge this tenant's cached KV (a failure is logged, not raised:
-        the tenant is deleted either way)."""
-        event = {"type": TENANT_DELETED, "tenant": engine_tenant_id, "origin": self.replica_id}
+    async def publish(self, event: ReplicaEvent) -> None:
+        """Tell the other replicas (a failure is logged and counted, not raised: the change is made
+        either way, and the caches' TTL is the backstop)."""
         try:
-            await self.client.publish(self.channel, json.dumps(event))
+            await self.client.publish(self.channel, encode(event, self.replica_id))
         except (RedisError, OSError) as exc:
             self.num_publish_failures += 1
-            logger.warning("replica events: could not publish the deletion of %s: %s", engine_tenant_id, exc)
+            logger.warning("replica events: could not publish %s: %s", event, exc)
 
     async def aclose(self) -> None:
         if self._task is not None:
@@ -89,7 +164,7 @@ class ReplicaEvents:
                 await self._task
         await self.client.aclose()
 
-    async def _listen(self, pubsub: PubSub | None, on_tenant_deleted: OnTenantDeleted) -> None:
+    async def _listen(self, pubsub: PubSub | None, on_event: OnEvent) -> None:
         current = pubsub
         while True:
             try:
@@ -97,7 +172,7 @@ class ReplicaEvents:
                     current = self.client.pubsub()
                     await current.subscribe(self.channel)
                 async for message in current.listen():
-                    await self._handle(message, on_tenant_deleted)
+                    await self._handle(message, on_event)
             except (RedisError, OSError) as exc:
                 logger.warning("replica events: lost %s (%s); resubscribing", self.channel, exc)
                 await _close(current)
@@ -107,22 +182,24 @@ class ReplicaEvents:
                 await _close(current)
                 raise
 
-    async def _handle(self, message: dict[str, Any], on_tenant_deleted: OnTenantDeleted) -> None:
+    async def _handle(self, message: dict[str, Any], on_event: OnEvent) -> None:
         if message.get("type") != "message":
             return  # subscribe confirmations
         try:
-            event = json.loads(message["data"])
-            kind, tenant, origin = event["type"], event["tenant"], event["origin"]
-        except (ValueError, KeyError, TypeError):
+            decoded = decode(message["data"])
+        except (ValueError, KeyError):
             logger.warning("replica events: ignored a malformed message on %s", self.channel)
             return
-        if origin == self.replica_id or kind != TENANT_DELETED:
+        if decoded is None:
+            return
+        event, origin = decoded
+        if origin == self.replica_id:
             return
         self.num_received += 1
         try:
-            await on_tenant_deleted(str(tenant))
-        except Exception:  # the listener must outlive one failed purge (e.g. the engine stopping)
-            logger.exception("replica events: purging tenant %s deleted on another replica failed", tenant)
+            await on_event(event)
+        except Exception:  # the listener must outlive one failed handler (e.g. the engine stopping)
+            logger.exception("replica events: acting on %s from another replica failed", event)
 
 
 async def _close(pubsub: PubSub | None) -> None:

@@ -145,9 +145,14 @@ class TenantCall:
         gate = self.gate
         async with gate.db.transaction() as session:
             visible = await adapters.list_visible(session, self.tenant)
+        own = frozenset(a.name for a in visible if a.owner_id == self.tenant.id)
         cards = [ModelCard(gate.served_model_name, "loraplex", None)]
         cards += [
-            ModelCard(adapters.model_name(self.tenant, a), a.owner.name, gate.served_model_name)
+            ModelCard(
+                adapters.model_name(self.tenant, a, gate.shared_tenant, own),
+                a.owner.name,
+                gate.served_model_name,
+            )
             for a in visible
         ]
         return cards
@@ -198,6 +203,7 @@ class TenantGate:
         background: BackgroundWork,
         authenticator: Authenticator,
         usage_buffer: UsageBuffer,
+        shared_tenant: str | None = None,
     ) -> None:
         self.db = db
         self.auth = auth
@@ -208,8 +214,14 @@ class TenantGate:
         self.background = background
         self.authenticator = authenticator
         self.usage_buffer = usage_buffer
-        self.resolutions: TTLCache[tuple[int, str], Adapter] = TTLCache(authenticator.cache.size)
-        """(tenant id, model) -> the adapter version it last resolved to: an outage's fallback."""
+        self.shared_tenant = shared_tenant
+        """The operator's tenant, whose public adapters answer to their bare name too."""
+        self.resolutions: TTLCache[tuple[int, str], tuple[Adapter, int]] = TTLCache(authenticator.cache.size)
+        """(tenant id, model) -> the adapter version it last resolved to, with the name's epoch then:
+        an outage's fallback."""
+        self._adapter_epochs: dict[tuple[str, str], int] = {}
+        """(owner, name) -> bumped when the adapter changes (``drop_resolutions``)."""
+        self._num_adapter_drops = 0
         self.num_resolution_outage_hits = 0
         self.num_quota_refusals = 0
         """Requests (and uploads) refused by a quota: counted here, never written one row each."""
@@ -234,20 +246,30 @@ class TenantGate:
         window old, so a tenant's adapters keep serving; else ``DatabaseUnavailable`` (503).
         """
         key = (tenant.id, model)
+        drops = self._num_adapter_drops  # a change while the database answers: cached as stale
         try:
             async with self.db.transaction() as session:
-                adapter = await adapters.resolve_adapter(session, tenant, model)
+                adapter = await adapters.resolve_adapter(session, tenant, model, self.shared_tenant)
         except NotFound:
             self.resolutions.discard(key)
             raise UnknownAdapterError(model) from None
         except DatabaseUnavailable:
             cached = self.resolutions.get(key, self.authenticator.ttl_s + self.authenticator.stale_s)
-            if cached is None:
+            if cached is None or cached[1] != self._epoch_of(cached[0]):
                 raise
             self.num_resolution_outage_hits += 1
-            return cached
-        self.resolutions.put(key, adapter)
+            return cached[0]
+        epoch = self._epoch_of(adapter) if drops == self._num_adapter_drops else -1
+        self.resolutions.put(key, (adapter, epoch))
         return adapter
+
+    def drop_resolutions(self, owner: str, name: str) -> None:
+        """Cached resolutions to ``owner``'s ``name`` are stale from now on (a new version, or gone)."""
+        self._adapter_epochs[(owner, name)] = self._adapter_epochs.get((owner, name), 0) + 1
+        self._num_adapter_drops += 1
+
+    def _epoch_of(self, adapter: Adapter) -> int:
+        return self._adapter_epochs.get((adapter.owner.name, adapter.name), 0)
 
     def forget(self, admission: TenantAdmission) -> None:
         """``admission`` has closed."""
