@@ -40,6 +40,8 @@ MANAGED: dict[str, str] = {
     "admin_token": "the Secret (adminToken, or existingSecret)",
     "database_url": "the Secret (database.url, existingSecret, or the in-chart postgresql)",
     "redis_url": "the Secret (redis.url, existingSecret, or the in-chart redisTrial)",
+    "metrics_port": "metricsPort",
+    "kv_events_config": "router.kvEvents: PUB and replay ports, the topic with the pod's IP",
 }
 """Settings the chart sets itself, and from what (they are not keys of ``config``)."""
 

@@ -1,8 +1,10 @@
-"""Schemas of the two custom resources the chart can render, which kubernetes-validate does not know.
+"""Schemas of the custom resources the chart can render, which kubernetes-validate does not know.
 
 Subsets of the CRDs' OpenAPI schemas (prometheus-operator's ServiceMonitor, monitoring.coreos.com/v1;
-KEDA's ScaledObject, keda.sh/v1alpha1), written down from their CRD definitions: each field the
-chart sets, with its type; unknown fields refused, as ``kubernetes-validate --strict`` does.
+KEDA's ScaledObject, keda.sh/v1alpha1; the Gateway API Inference Extension's InferencePool,
+inference.networking.k8s.io/v1, from its Go types ``api/v1/inferencepool_types.go``), written down
+from their CRD definitions: each field the chart sets, with its type and the CRD's bounds; unknown
+fields refused, as ``kubernetes-validate --strict`` does.
 """
 
 from __future__ import annotations
@@ -113,7 +115,52 @@ SCALED_OBJECT = _resource(
     },
 )
 
+_PORT: dict[str, Any] = {
+    "type": "object",
+    "required": ["number"],
+    "properties": {"number": {"type": "integer", "minimum": 1, "maximum": 65535}},
+    "additionalProperties": False,
+}
+_LABEL_VALUE: dict[str, Any] = {
+    "type": "string",
+    "maxLength": 63,
+    "pattern": "^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$",
+}
+
+INFERENCE_POOL = _resource(
+    "inference.networking.k8s.io/v1",
+    "InferencePool",
+    {
+        "type": "object",
+        "required": ["selector", "targetPorts"],
+        "properties": {
+            "selector": {
+                "type": "object",
+                "required": ["matchLabels"],
+                "properties": {"matchLabels": {"type": "object", "additionalProperties": _LABEL_VALUE}},
+                "additionalProperties": False,
+            },
+            "targetPorts": {"type": "array", "minItems": 1, "maxItems": 8, "items": _PORT},
+            "appProtocol": {"enum": ["http", "kubernetes.io/h2c"]},
+            "endpointPickerRef": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {
+                    "group": {"type": "string", "maxLength": 253},
+                    "kind": {"type": "string", "minLength": 1, "maxLength": 63},
+                    "name": {"type": "string", "minLength": 1, "maxLength": 253},
+                    "port": _PORT,
+                    "failureMode": {"enum": ["FailOpen", "FailClose"]},
+                },
+                "additionalProperties": False,
+            },
+        },
+        "additionalProperties": False,
+    },
+)
+
 CUSTOM_RESOURCES: dict[tuple[str, str], dict[str, Any]] = {
+    ("inference.networking.k8s.io/v1", "InferencePool"): INFERENCE_POOL,
     ("monitoring.coreos.com/v1", "ServiceMonitor"): SERVICE_MONITOR,
     ("keda.sh/v1alpha1", "ScaledObject"): SCALED_OBJECT,
 }

@@ -101,6 +101,30 @@ graceful_shutdown_s when a settings model has both. */}}
 {{- end }}
 {{- end }}
 
+{{/* KV events are published when the router is on with them. */}}
+{{- define "loraplex.kvEvents" -}}
+{{- if and .Values.router.enabled .Values.router.kvEvents.enabled }}true{{ end }}
+{{- end }}
+
+{{/* The model name routers see: config.served_model_name, else "model". */}}
+{{- define "loraplex.modelName" -}}
+{{- default "model" .Values.config.served_model_name }}
+{{- end }}
+
+{{/* vLLM's --kv-events-config as JSON; $(POD_IP) is expanded by the kubelet. */}}
+{{- define "loraplex.kvEventsConfig" -}}
+{{- $topic := printf "kv@$(POD_IP):%d@%s" (int .Values.containerPort) (include "loraplex.modelName" .) }}
+{{- dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" (printf "tcp://*:%d" (int .Values.router.kvEvents.port)) "replay_endpoint" (printf "tcp://*:%d" (int .Values.router.kvEvents.replayPort)) "topic" $topic | toJson }}
+{{- end }}
+
+{{/* Labels inference routers read on the model server pods. */}}
+{{- define "loraplex.routerPodLabels" -}}
+llm-d.ai/engine-type: vllm
+llm-d.ai/role: decode
+{{- end }}
+
+{{- define "loraplex.picker.fullname" -}}{{ include "loraplex.fullname" . | trunc 50 }}-epp{{- end }}
+
 {{/* Paths inside the pod. */}}
 {{- define "loraplex.paths.data" }}/var/lib/loraplex{{ end }}
 {{- define "loraplex.paths.cache" }}/var/cache/loraplex{{ end }}
@@ -145,6 +169,17 @@ graceful_shutdown_s when a settings model has both. */}}
 {{- if .Values.kvCache.disk.enabled }}
 {{- if kindIs "invalid" .Values.config.disk_kv_cache_bytes }}
 {{- fail "kvCache.disk.enabled needs config.disk_kv_cache_bytes (the tier's cap, below kvCache.disk.size)" }}
+{{- end }}
+{{- end }}
+{{- if and .Values.router.enabled (kindIs "invalid" .Values.metricsPort) }}
+{{- fail "router.enabled needs metricsPort: the endpoint picker scrapes the metrics port (the serving port's /metrics is the operator's)" }}
+{{- end }}
+{{- if and .Values.router.enabled (eq .Values.router.picker.prefixScorer "precise-prefix-cache-scorer") }}
+{{- if not .Values.router.kvEvents.enabled }}
+{{- fail "router.picker.prefixScorer=precise-prefix-cache-scorer reads KV events: set router.kvEvents.enabled" }}
+{{- end }}
+{{- if not .Values.router.picker.tokenizer }}
+{{- fail "router.picker.prefixScorer=precise-prefix-cache-scorer tokenizes prompts: set router.picker.tokenizer to the served model's tokenizer" }}
 {{- end }}
 {{- end }}
 {{- if and .Values.config.auth (eq (toString .Values.config.auth) "open") }}
