@@ -41,7 +41,7 @@ MANAGED: dict[str, str] = {
     "database_url": "the Secret (database.url, existingSecret, or the in-chart postgresql)",
     "redis_url": "the Secret (redis.url, existingSecret, or the in-chart redisTrial)",
     "metrics_port": "metricsPort",
-    "kv_events_config": "router.kvEvents: PUB and replay ports, the topic with the pod's IP",
+    "kv_events_config": "router.kvEvents: PUB and replay ports, the topic with the pod's IP, the encoding",
 }
 """Settings the chart sets itself, and from what (they are not keys of ``config``)."""
 

@@ -1,7 +1,8 @@
 """A KV event subscriber as a router writes one: pyzmq SUB + a replay DEALER, msgpack decoding.
 
 It decodes vLLM's array layout by position, the way llm-d's and AIBrix's subscribers do, so a
-field out of place fails here too. Not a copy of the server's encoder: nothing is imported from
+field out of place fails here too; and events in vLLM's map layout (since vllm#42892) by name,
+with no field beyond vLLM's. Not a copy of the server's encoder: nothing is imported from
 ``loraplex``.
 """
 
@@ -50,7 +51,33 @@ class Cleared:
 Event = Stored | Removed | Cleared
 
 
-def decode_event(raw: list[Any]) -> Event:
+STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+)
+
+
+def decode_map_event(raw: dict[str, Any]) -> Event:
+    tag = raw["type"]
+    if tag == "BlockStored":
+        assert set(raw) - {"type"} <= set(STORED_FIELDS) and set(STORED_FIELDS[:7]) <= set(raw), raw
+        return Stored(*(raw.get(name) for name in STORED_FIELDS))
+    if tag == "BlockRemoved":
+        assert set(raw) == {"type", "block_hashes", "medium"}, raw
+        return Removed(raw["block_hashes"], raw["medium"])
+    assert raw == {"type": "AllBlocksCleared"}, raw
+    return Cleared()
+
+
+def decode_event(raw: list[Any] | dict[str, Any]) -> Event:
+    if isinstance(raw, dict):
+        return decode_map_event(raw)
     tag, fields = raw[0], raw[1:]
     if tag == "BlockStored":
         assert 5 <= len(fields) <= 8, raw
@@ -69,13 +96,17 @@ class Batch:
     ts: float
     events: list[Event]
     data_parallel_rank: int | None
+    layouts: frozenset[str] = frozenset()
+    """How its events came: "array", "map" (both would be a publisher bug)."""
 
 
 def decode_batch(seq_bytes: bytes, payload: bytes) -> Batch:
     decoded = msgpack.unpackb(payload, raw=False)
     assert isinstance(decoded, list) and len(decoded) in (2, 3), decoded
     rank = decoded[2] if len(decoded) == 3 else None
-    return Batch(int.from_bytes(seq_bytes, "big"), decoded[0], [decode_event(e) for e in decoded[1]], rank)
+    layouts = frozenset("map" if isinstance(e, dict) else "array" for e in decoded[1])
+    events = [decode_event(e) for e in decoded[1]]
+    return Batch(int.from_bytes(seq_bytes, "big"), decoded[0], events, rank, layouts)
 
 
 class Subscriber:

@@ -74,7 +74,7 @@ def test_the_picker_scrapes_the_metrics_port_and_subscribes_to_kv_events(routed:
     # The server's own parser reads what the chart wrote.
     events = KVEventsConfig.parse(env["LORAPLEX_KV_EVENTS_CONFIG"]["value"])
     assert events.publishes and events.endpoint == "tcp://*:5557" and events.replay_endpoint == "tcp://*:5558"
-    assert events.topic == "kv@$(POD_IP):8000@llama-3.2-1b"
+    assert events.topic == "kv@$(POD_IP):8000@llama-3.2-1b" and events.encoding == "array"
     config = picker_config(routed)
     (precise,) = [p for p in config["plugins"] if p["type"] == "precise-prefix-cache-scorer"]
     parameters = precise["parameters"]

@@ -114,7 +114,7 @@ graceful_shutdown_s when a settings model has both. */}}
 {{/* vLLM's --kv-events-config as JSON; $(POD_IP) is expanded by the kubelet. */}}
 {{- define "loraplex.kvEventsConfig" -}}
 {{- $topic := printf "kv@$(POD_IP):%d@%s" (int .Values.containerPort) (include "loraplex.modelName" .) }}
-{{- dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" (printf "tcp://*:%d" (int .Values.router.kvEvents.port)) "replay_endpoint" (printf "tcp://*:%d" (int .Values.router.kvEvents.replayPort)) "topic" $topic | toJson }}
+{{- dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" (printf "tcp://*:%d" (int .Values.router.kvEvents.port)) "replay_endpoint" (printf "tcp://*:%d" (int .Values.router.kvEvents.replayPort)) "topic" $topic "encoding" (default "array" .Values.router.kvEvents.encoding) | toJson }}
 {{- end }}
 
 {{/* Labels inference routers read on the model server pods. */}}

@@ -141,7 +141,8 @@ class EngineConfig:
     kv_events_config: str | None = None
     """KV cache events for routers, as vLLM's JSON: {"enable_kv_cache_events": true, "endpoint":
     "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "...", "buffer_steps": 10000, "hwm":
-    100000, "max_queue_size": 100000} (ZeroMQ PUB, msgpack; docs/deployment.md)."""
+    100000, "max_queue_size": 100000}, and loraplex's "encoding": "array" or "map" (ZeroMQ PUB,
+    msgpack; docs/operations.md, KV cache events)."""
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):

@@ -34,8 +34,16 @@ PROMPT = [(11 * i) % 400 + 5 for i in range(2 * BLOCK + 3)]  # two full blocks a
 TOPIC = "kv@replica-0@tiny"
 
 
-def _config(tiny_dirs: dict[str, Path], endpoint: str, replay: str, **extra: object) -> EngineConfig:
-    events = {"enable_kv_cache_events": True, "endpoint": endpoint, "replay_endpoint": replay, "topic": TOPIC}
+def _config(
+    tiny_dirs: dict[str, Path], endpoint: str, replay: str | None, encoding: str = "array", **extra: object
+) -> EngineConfig:
+    events = {
+        "enable_kv_cache_events": True,
+        "endpoint": endpoint,
+        "replay_endpoint": replay,
+        "topic": TOPIC,
+        "encoding": encoding,
+    }
     return EngineConfig(
         model=str(tiny_dirs["gqa_tied"]),
         dtype="float32",
@@ -135,6 +143,30 @@ def test_eviction_reset_and_replay(engine_and_subscriber: tuple[LLMEngine, Subsc
     replayed = subscriber.request_replay(0)
     assert [(b.seq, b.events) for b in replayed] == [(b.seq, b.events) for b in live + cleared]
     assert subscriber.request_replay(live[-1].seq + 1) == cleared
+
+
+def test_map_encoding_carries_the_same_events_by_name(tmp_path: Path, tiny_dirs: dict[str, Path]) -> None:
+    """``encoding: "map"`` (vLLM since vllm#42892): the same events as the array layout, named."""
+    adapter = make_small_adapter(tiny_dirs["gqa_tied"], tmp_path / "style")
+    seen: dict[str, list[Stored | Removed | Cleared]] = {}
+    for encoding in ("array", "map"):
+        port = free_port()
+        engine = LLMEngine(_config(tiny_dirs, f"tcp://*:{port}", None, encoding))
+        subscriber = Subscriber(f"tcp://127.0.0.1:{port}", TOPIC)
+        try:
+            lora = LoRARequest("style", 7, str(adapter))
+            _run(engine, "a", PROMPT, lora_request=lora, tenant_id="1:acme:1700000000000000")
+            _run(engine, "b", PROMPT, tenant_id="2:globex:2")
+            batches = subscriber.receive_all()
+        finally:
+            subscriber.close()
+            engine.shutdown()
+        assert batches and {layout for b in batches for layout in b.layouts} == {encoding}
+        seen[encoding] = events_of(batches)
+    assert seen["map"] == seen["array"]
+    assert any(isinstance(e, Stored) and e.lora_name == "style" for e in seen["map"])
+    with pytest.raises(ValueError, match="encoding must be one of"):
+        EngineConfig(kv_events_config='{"enable_kv_cache_events": true, "encoding": "json"}')
 
 
 def test_bad_kv_events_config_is_refused_with_the_field_named(tiny_dirs: dict[str, Path]) -> None:

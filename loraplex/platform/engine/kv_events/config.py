@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 PublisherName = Literal["null", "zmq"]
 PUBLISHERS: tuple[PublisherName, ...] = ("null", "zmq")
+EncodingName = Literal["array", "map"]
+ENCODINGS: tuple[EncodingName, ...] = ("array", "map")
 
 
 @dataclass(frozen=True)
@@ -39,12 +41,18 @@ class KVEventsConfig:
     waited for."""
     topic: str = ""
     """First frame of every message; subscribers filter on its prefix (llm-d: ``kv@<pod>@<model>``)."""
+    encoding: EncodingName = "array"
+    """loraplex's own field (vLLM has none): how each event is encoded. "array": positional, as
+    vLLM before vllm#42892 and every llm-d decoder; "map": named fields, as vLLM since (the
+    batch around them stays an array). See ``wire``."""
 
     def __post_init__(self) -> None:
         if self.publisher is not None and self.publisher not in PUBLISHERS:
             raise ValueError(
                 f"kv_events_config.publisher must be one of {PUBLISHERS}, got {self.publisher!r}"
             )
+        if self.encoding not in ENCODINGS:
+            raise ValueError(f"kv_events_config.encoding must be one of {ENCODINGS}, got {self.encoding!r}")
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

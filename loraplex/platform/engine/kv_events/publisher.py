@@ -160,7 +160,7 @@ class ZmqEventPublisher:
             if batch is None:
                 return
             try:
-                payload = encode_batch(batch, self.block_size)
+                payload = encode_batch(batch, self.block_size, encoding=self.config.encoding)
                 pub.send_multipart((self._topic, batch.seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
             except (zmq.ZMQError, ValueError, TypeError):
                 logger.exception("KV events: batch %d could not be published", batch.seq)

@@ -12,6 +12,13 @@ trailing fields equal to their default are left out. Field order of the release 
     BlockRemoved     = ["BlockRemoved", block_hashes, medium]
     AllBlocksCleared = ["AllBlocksCleared"]
 
+With ``encoding: "map"`` (vLLM since vllm#42892, merged 2026-06-09) each event is instead a map
+of the same fields named, its class name under ``"type"`` and ``extra_keys`` left out when it is
+``None``: ``{"type": "BlockStored", "block_hashes": [...], "parent_block_hash": ...,
+"token_ids": [...], "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None,
+"extra_keys": [...]}``; the batch stays the array above (that change left it alone, and llm-d's
+decoder reads events of either form inside it).
+
 Block hashes are 64-bit unsigned integers, as vLLM sends them by default
 (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``): the low 64 bits of the 32-byte key read
 big-endian. ``extra_keys`` has one entry per block: the adapter's served name (vLLM hashes the
@@ -81,6 +88,25 @@ def _stored(event: BlocksStored, block_size: int) -> list[object]:
     ]
 
 
+_FIELDS = {
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+    ),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
+"""Each event's fields in declaration order (vLLM's ``BlockStored``, ``BlockRemoved``, ...)."""
+_DEFAULT_NONE = frozenset({"extra_keys"})
+"""Fields with a default (``None``), which msgspec's ``omit_defaults`` leaves out of a map."""
+
+
 def encode_event(event: KVEvent, block_size: int) -> list[object]:
     """One event in vLLM's array layout (the module docstring)."""
     if isinstance(event, BlocksStored):
@@ -92,7 +118,24 @@ def encode_event(event: KVEvent, block_size: int) -> list[object]:
     raise TypeError(f"not a KV event: {event!r}")
 
 
-def encode_batch(batch: EventBatch, block_size: int, data_parallel_rank: int = 0) -> bytes:
+def as_map(array: list[object]) -> dict[str, object]:
+    """An event of the array layout as the map layout: the tag under "type", fields by name."""
+    tag = array[0]
+    if not isinstance(tag, str) or tag not in _FIELDS:
+        raise TypeError(f"not a KV event: {array!r}")
+    mapped: dict[str, object] = {"type": tag}
+    for name, value in zip(_FIELDS[tag], array[1:], strict=True):
+        if value is None and name in _DEFAULT_NONE:
+            continue
+        mapped[name] = value
+    return mapped
+
+
+def encode_batch(
+    batch: EventBatch, block_size: int, data_parallel_rank: int = 0, encoding: str = "array"
+) -> bytes:
     """The msgpack payload of one batch (the last frame of a published message)."""
-    events = [encode_event(event, block_size) for event in batch.events]
+    events: list[object] = [encode_event(event, block_size) for event in batch.events]
+    if encoding == "map":
+        events = [as_map(event) for event in events]  # type: ignore[arg-type]
     return msgpack.packb([batch.ts, events, data_parallel_rank], use_bin_type=True)
