@@ -28,6 +28,7 @@ from loraplex.platform.api.gateway import Gateway
 from loraplex.platform.api.lifecycle import Lifecycle
 from loraplex.platform.api.middleware import BodyLimits
 from loraplex.platform.api.observability.access_log import log_access
+from loraplex.platform.api.observability.kv_events_metrics import KVEventsCollector
 from loraplex.platform.api.observability.metrics import ServerMetrics
 from loraplex.platform.api.observability.metrics_listener import MetricsListener
 from loraplex.platform.api.observability.observer import RequestObserver
@@ -113,6 +114,7 @@ def build_app(
             engine, name, settings.engine.gpu_memory_utilization, settings.engine.enable_prefix_caching
         )
     )
+    server_metrics.registry.register(KVEventsCollector(engine))
     lifecycle = Lifecycle()
     app.state.loraplex = AppState(
         engine=engine,

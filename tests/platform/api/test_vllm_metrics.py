@@ -35,7 +35,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from loraplex import SamplingParams
 from loraplex.adapters import LoRARequest
+from loraplex.platform.api.observability.kv_events_metrics import KVEventsCollector
 from loraplex.platform.api.observability.vllm_metrics import MAX_LOADED_ADAPTER_SERIES, VLLMCollector
 from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.engine.config import EngineConfig
@@ -185,6 +187,44 @@ def test_residency_series_stay_capped_with_2000_adapters(tiny_dirs: dict[str, Pa
         assert len(families["vllm:lora_requests_info"][1]) == 1
     finally:
         async_engine.shutdown()
+
+
+def test_kv_event_counters_are_exported_only_with_events_on(tiny_dirs: dict[str, Path]) -> None:
+    port = free_port()
+    events = f'{{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:{port}"}}'
+    for kv_events_config in (None, events):
+        config = EngineConfig(
+            model=str(tiny_dirs["gqa_tied"]),
+            dtype="float32",
+            num_kv_blocks=16,
+            kv_events_config=kv_events_config,
+        )
+        llm = LLMEngine(config)
+        llm.add_request("a", list(range(5, 40)), SamplingParams(max_tokens=2))
+        while llm.has_unfinished_requests():
+            llm.step()
+        deadline = time.monotonic() + 10
+        llm.publish_stats()
+        # The publisher thread sends after the step: wait until a snapshot shows it.
+        while kv_events_config and not (llm.stats.kv_events and llm.stats.kv_events.num_batches_published):
+            assert time.monotonic() < deadline, "no batch was published"
+            time.sleep(0.05)
+            llm.publish_stats()
+        engine = AsyncEngine(llm)
+        try:
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(KVEventsCollector(engine))
+            families = parse(generate_latest(registry).decode())
+            if kv_events_config is None:
+                assert families == {}
+                continue
+            outcomes = {s.labels["outcome"]: s.value for s in families["loraplex_kv_events_batches"][1]}
+            assert outcomes["published"] >= 1 and outcomes["dropped"] == 0
+            stored = {s.labels["outcome"]: s.value for s in families["loraplex_kv_events"][1]}
+            assert stored["published"] >= outcomes["published"] and stored["dropped"] == 0
+            assert single(families, "loraplex_kv_events_errors").value == 0
+        finally:
+            engine.shutdown()
 
 
 @pytest.mark.asyncio
