@@ -115,3 +115,35 @@ def test_changes_through_a_are_in_force_on_b_within_2s_and_within_the_ttl_withou
     assert elapsed > EVENT_BOUND_S  # it took the TTL, not an event
     with httpx.Client(base_url=str(a.client.base_url)) as client:
         assert client.get("/health").status_code == 200  # A served through the outage too
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
+def test_changes_through_the_cli_are_in_force_on_a_running_replica_within_2s(
+    pair: tuple[Replica, Replica, RedisProcess],
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``loraplex keys revoke`` / ``tenants disable`` / ``tenants update`` talk to the database, and
+    through Redis to the running replicas, which drop their cached checks at once (not at the TTL)."""
+    from loraplex.platform.cli import main
+
+    a, _, redis = pair
+    keys = {name: tenant_key(a, name) for name in ("cli-revoked", "cli-switched", "cli-metered")}
+    for key, _ in keys.values():
+        assert call(a, key) == 200  # A caches each key's check
+    monkeypatch.setenv("LORAPLEX_DATABASE_URL", database_url)
+    monkeypatch.setenv("LORAPLEX_REDIS_URL", redis.url)
+    monkeypatch.setenv("LORAPLEX_QUOTA_KEY_PREFIX", "lpx-invalidation")
+
+    def cli(*argv: str) -> None:
+        assert main(list(argv)) == 0, capsys.readouterr().err
+
+    cli("keys", "revoke", str(keys["cli-revoked"][1]))
+    took = seconds_until(lambda: call(a, keys["cli-revoked"][0]) == 401, EVENT_BOUND_S)
+    cli("tenants", "disable", "cli-switched")
+    took = max(took, seconds_until(lambda: call(a, keys["cli-switched"][0]) == 401, EVENT_BOUND_S))
+    cli("tenants", "update", "cli-metered", "--rpm", "1")
+    took = max(took, seconds_until(lambda: call(a, keys["cli-metered"][0]) == 429, EVENT_BOUND_S))
+    print(f"slowest CLI change in force on the replica: {took:.2f} s")

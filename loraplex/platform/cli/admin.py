@@ -41,6 +41,7 @@ from loraplex.platform.api.services import adapters, keys, tenants
 from loraplex.platform.api.services.errors import ServiceError
 from loraplex.platform.api.services.pages import DEFAULT_LIMIT, MAX_LIMIT, Page, PageRequest
 from loraplex.platform.api.services.tenants import QUOTA_FIELDS, QuotaField, TenantQuotas
+from loraplex.platform.api.tenancy import replica_events
 from loraplex.platform.cli.flags import given, settings_options
 from loraplex.platform.cli.serve import fail, settings_error
 from loraplex.platform.engine.config import parse_dtype
@@ -77,8 +78,9 @@ NewByteQuota = Annotated[
     int | None, typer.Option(parser=_byte_size, metavar="BYTES", help="unset: unchanged; 10MiB, 1e9, ...")
 ]
 
-_GROUP_OPTIONS = ("database_url", "data_dir", "adapter_store")
-"""The settings every group takes as options before its subcommand."""
+_GROUP_OPTIONS = ("database_url", "data_dir", "adapter_store", "redis_url", "quota_key_prefix")
+"""The settings every group takes as options before its subcommand (Redis: to tell the running
+replicas of a change, as the admin API does)."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,20 @@ def _run(ctx: typer.Context, work: Callable[[Database], Awaitable[T]]) -> T:
         raise typer.Exit(1) from None
 
 
+async def _tell_replicas(settings: ServerSettings, event: replica_events.ReplicaEvent) -> None:
+    """Publish ``event`` (a committed change) on the replicas' channel when Redis is configured, so
+    running servers drop what they cached of it at once, as when the admin API made the change;
+    without Redis (or when it is down: logged) they see it within ``auth_cache_ttl_s``."""
+    gateway = settings.gateway
+    if gateway.redis_url is None:
+        return
+    events = replica_events.ReplicaEvents.from_url(gateway.redis_url, gateway.quota_key_prefix)
+    try:
+        await events.publish(event)
+    finally:
+        await events.aclose()
+
+
 def _quota_text(value: int | None) -> str:
     return "-" if value is None else str(value)
 
@@ -207,11 +223,12 @@ def tenants_update(
 
     async def work(db: Database) -> None:
         async with db.transaction(write=True) as session:
-            await tenants.get_tenant(session, name)  # NotFound before anything changes
+            tenant = await tenants.get_tenant(session, name)  # NotFound before anything changes
             if changes:
                 await tenants.update_quotas(session, name, changes)
             if weight is not None:
                 await tenants.set_weight(session, name, weight)
+        await _tell_replicas(_settings(ctx), replica_events.TenantChanged(tenant.id, tenant.disabled))
 
     _run(ctx, work)
     typer.echo(f"updated tenant {name}")
@@ -257,7 +274,8 @@ def tenants_disable(
 
     async def work(db: Database) -> None:
         async with db.transaction(write=True) as session:
-            await tenants.set_disabled(session, name, not enable)
+            tenant = await tenants.set_disabled(session, name, not enable)
+        await _tell_replicas(_settings(ctx), replica_events.TenantChanged(tenant.id, tenant.disabled))
 
     _run(ctx, work)
     typer.echo(f"{'enabled' if enable else 'disabled'} tenant {name}")
@@ -312,7 +330,8 @@ def keys_revoke(ctx: typer.Context, key_id: int) -> None:
 
     async def work(db: Database) -> None:
         async with db.transaction(write=True) as session:
-            await keys.revoke_key(session, key_id)
+            key = await keys.revoke_key(session, key_id)
+        await _tell_replicas(_settings(ctx), replica_events.KeyRevoked(key.id, key.tenant_id))
 
     _run(ctx, work)
     typer.echo(f"revoked key id {key_id}")
@@ -374,6 +393,9 @@ def adapters_upload(
             async with db.transaction() as session:
                 owner = await tenants.get_tenant(session, tenant)
             catalog = AdapterCatalog(db, store, validator, settings.served_model_name)
+            catalog.on_change = lambda owner, changed: _tell_replicas(
+                settings, replica_events.AdapterChanged(owner, changed)
+            )
             adapter = await catalog.upload(owner, uploaded, staging, name, parse_visibility(visibility))
             return adapter.version
         finally:
@@ -440,6 +462,9 @@ def adapters_delete(
             owner = await tenants.get_tenant(session, tenant)
         # No validator: deleting needs no base model, only rows and folders go.
         catalog = AdapterCatalog(db, AdapterStore(settings.gateway.adapter_store_dir))
+        catalog.on_change = lambda owner, changed: _tell_replicas(
+            settings, replica_events.AdapterChanged(owner, changed)
+        )
         return len(await catalog.delete(owner, name, version))
 
     typer.echo(f"deleted {_run(ctx, work)} version(s) of {tenant}/{name}")
