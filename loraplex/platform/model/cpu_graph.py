@@ -80,6 +80,7 @@ class CpuGraph:
                 proj(layer.down_weight),
                 ptr(layer.down_bias),
                 layer.scale,
+                layer.sliding_window or 0,  # a windowed layer's window (Mistral, Qwen2); 0: none
             )
             for layer in model.layers
         ]
@@ -201,7 +202,7 @@ class CpuGraph:
         norm, rope, kv_write = k["add_rms_norm"], k["rope_neox"], k["kv_write"]
         decode, extend, silu = k["decode"], k["extend"], k["silu_mul"]
         rot_heads = heads + kv_heads
-        for i, (w_in, p_qkv, b_qkv, p_o, b_o, w_post, p_gu, b_gu, p_down, b_down, scale) in enumerate(
+        for i, (w_in, p_qkv, b_qkv, p_o, b_o, w_post, p_gu, b_gu, p_down, b_down, scale, window) in enumerate(
             self._layers
         ):
             (f_qkv, w_qkv, t_qkv), (f_o, w_o, t_o) = p_qkv, p_o
@@ -231,7 +232,9 @@ class CpuGraph:
                 raise IndexError(f"KV slots outside the cache's {num_slots} slots")
             bad = 0
             if nd:
-                bad += decode(qkv_p, kc, vc, tables_p, seq_lens, ao_p, qkv_w, nd, *attn_shape, scale, nt)
+                bad += decode(
+                    qkv_p, kc, vc, tables_p, seq_lens, ao_p, qkv_w, nd, *attn_shape, scale, window, 0.0, nt
+                )
             if ns > nd:
                 bad += extend(
                     qkv_p,
@@ -246,6 +249,8 @@ class CpuGraph:
                     ns - nd,
                     *attn_shape,
                     scale,
+                    window,
+                    0.0,  # no logit soft-capping (models that have it take the layer-by-layer path)
                     0,  # max row vectors: the kernel's choice
                     nt,
                 )

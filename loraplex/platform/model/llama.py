@@ -53,6 +53,8 @@ class DecoderLayer(nn.Module):
         self.down_weight = param(h, i)
         self.down_bias = param(h) if arch.mlp_bias else None
         self.scale = arch.head_dim**-0.5
+        self.sliding_window: int | None = None  # this layer's attention window (None: global)
+        self.logit_softcap: float | None = None  # attention logit soft-capping (None: none)
         self.out_features = {"qkv": q + 2 * kv, "o": h, "gate_up": 2 * i, "down": h}
         self.linear: LinearBackend = PortableLinearBackend()
         self.pointwise: PointwiseBackend = PortablePointwiseBackend()
@@ -106,7 +108,15 @@ class DecoderLayer(nn.Module):
         k = k.view(num_tokens, arch.num_kv_heads, arch.head_dim)
         v = v.view(num_tokens, arch.num_kv_heads, arch.head_dim)
         attn.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = attn.forward(q, k_cache, v_cache, meta, self.scale).reshape(num_tokens, arch.q_size)
+        out = attn.forward(
+            q,
+            k_cache,
+            v_cache,
+            meta,
+            self.scale,
+            sliding_window=self.sliding_window,
+            logit_softcap=self.logit_softcap,
+        ).reshape(num_tokens, arch.q_size)
         o = self._project("o", out)
         if lora is not None:
             lora(self.layer_idx, "o", out, o)
