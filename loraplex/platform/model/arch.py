@@ -68,12 +68,9 @@ class ModelArch:
         if rope_type not in ("default", "linear", "llama3"):
             raise ValueError(f"rope type {rope_type!r} is not supported; supported: default, linear, llama3")
         scaling = None if rope_type == "default" else {**rope_params, "rope_type": rope_type}
-        sliding = getattr(config, "sliding_window", None)
-        use_sliding = getattr(config, "use_sliding_window", model_type == "mistral")
+        # Sliding windows are served past the window: each layer's attention applies its own
+        # (``window.layer_sliding_windows``) and the block manager frees what all have left.
         max_pos = int(config.max_position_embeddings)
-        if sliding and use_sliding:
-            # Attention is exact only while the context fits the window.
-            max_pos = min(max_pos, int(sliding))
         return cls(
             model_type=model_type,
             vocab_size=int(config.vocab_size),

@@ -20,6 +20,7 @@ from loraplex.kernels.contracts import LinearBackend, PackedWeight, PointwiseBac
 from loraplex.platform.model.arch import ModelArch
 from loraplex.platform.model.llama import PROJECTIONS, LlamaForCausalLM
 from loraplex.platform.model.packed_weights import HF_NAMES, describe, quantize_int8, read_gguf_weights
+from loraplex.platform.model.window import layer_sliding_windows
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +148,8 @@ def load_model(
 
     with torch.device(device):
         model = LlamaForCausalLM(arch, dtype, max_positions=max_positions)
+    for layer, window in zip(model.layers, layer_sliding_windows(hf_config, arch.num_layers), strict=True):
+        layer.sliding_window = window  # type: ignore[assignment]
     for key, weight in packed.items():
         model.set_packed(key, weight.to(device))
     if packed:

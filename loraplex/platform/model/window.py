@@ -16,21 +16,29 @@ from typing import Any
 SLIDING = "sliding_attention"
 
 
-def kv_sliding_window(config: Any) -> int | None:
-    """Every layer's sliding window when all layers slide, else None (free nothing).
+def layer_sliding_windows(config: Any, num_layers: int) -> list[int | None]:
+    """Each layer's attention window as HF's attention applies it (None: the whole context).
 
     Reads ``layer_types`` where the config has it (transformers 4.53+: Qwen2, Gemma 2/3);
     otherwise a set ``sliding_window`` applies to every layer (Mistral, Phi-3), unless
-    ``use_sliding_window`` says it is off (Qwen2's older configs).
+    ``use_sliding_window`` says it is off, and Qwen2's first ``max_window_layers`` are global.
     """
     window = getattr(config, "sliding_window", None)
     if not window or int(window) < 1:
-        return None
+        return [None] * num_layers
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
-        return int(window) if layer_types and all(t == SLIDING for t in layer_types) else None
+        return [int(window) if t == SLIDING else None for t in layer_types[:num_layers]]
     if not getattr(config, "use_sliding_window", True):
+        return [None] * num_layers
+    first = int(getattr(config, "max_window_layers", 0) or 0) if hasattr(config, "use_sliding_window") else 0
+    return [int(window) if i >= first else None for i in range(num_layers)]
+
+
+def kv_sliding_window(config: Any) -> int | None:
+    """Every layer's sliding window when all layers slide (the largest), else None: free nothing."""
+    num_layers = int(config.num_hidden_layers)
+    windows = layer_sliding_windows(config, num_layers)
+    if not windows or any(w is None for w in windows):
         return None
-    if getattr(config, "max_window_layers", 0):
-        return None  # Qwen2 without layer_types: the first max_window_layers layers are global
-    return int(window)
+    return max(w for w in windows if w is not None)
