@@ -10,8 +10,9 @@ Two peers in one process, on the same random weights, dtype and threads:
   something else past the window: this is the cost of not having one), with a pool that
   holds the whole context.
 
-Each engine step is timed; the figure per position bin (``--bin``, 256 tokens) is tokens /
-seconds of the steps in it, and the KV blocks the sequence holds at the bin's end::
+Each engine step is timed; the figure per position bin (``--bin``, 256 tokens) is 1 / the
+median step time in it (the mean is in the JSON too), and the most KV blocks the sequence
+held in it::
 
     .venv/bin/python benchmarks/sliding_window.py --plot docs/img/sliding_window.png   # full run
     .venv/bin/python benchmarks/sliding_window.py --gen 1024 --window 128              # quick check
@@ -147,17 +148,20 @@ def run_peer(name: str, model_dir: Path, args: argparse.Namespace) -> dict[str, 
 
 
 def bins(run: dict[str, Any], width: int) -> list[dict[str, Any]]:
-    """Decode steps (the prefill step aside) grouped by position: tokens/s and blocks held."""
+    """Decode steps (the prefill step aside) grouped by position: tokens/s (1 / the median step,
+    so a hiccup of the machine does not move a bin) and the most blocks held in the bin (the
+    last step frees the request's blocks)."""
     out: list[dict[str, Any]] = []
     steps = list(zip(run["positions"][1:], run["seconds"][1:], run["blocks"][1:], strict=True))
     for lo in range(0, max(p for p, _, _ in steps) + 1, width):
-        chunk = [(s, b) for p, s, b in steps if lo <= p < lo + width]
+        chunk = [(p, s, b) for p, s, b in steps if lo <= p < lo + width]
         if chunk:
             out.append(
                 {
-                    "position": lo + width,
-                    "tokens_per_s": len(chunk) / sum(s for s, _ in chunk),
-                    "blocks": chunk[-1][1],
+                    "position": chunk[-1][0] + 1,
+                    "tokens_per_s": 1.0 / statistics.median(s for _, s, _ in chunk),
+                    "mean_tokens_per_s": len(chunk) / sum(s for _, s, _ in chunk),
+                    "blocks": max(b for _, _, b in chunk),
                 }
             )
     return out
