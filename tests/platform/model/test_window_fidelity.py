@@ -11,6 +11,7 @@ test checks the window changes HF's own output first.
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from pathlib import Path
@@ -139,3 +140,47 @@ def test_prefix_hits_past_the_window_match_hf(mistral_dir: Path) -> None:
     _run(llm, prompts, refs, "warm")
     stats = llm.llm_engine.block_manager.prefix_cache_stats()
     assert stats.num_hit_blocks > 0
+
+
+def test_tight_pool_with_host_tier_and_swap_matches_hf(mistral_dir: Path) -> None:
+    """Preemption with swap (the partial tail to the host tier), evictions demoting blocks freed
+    out of the window, promotions of prefixes: all with PAD entries in the tables."""
+    prompts = _prompts(2)
+    refs = _references(mistral_dir, prompts)
+    llm = LLM(
+        model=str(mistral_dir),
+        dtype="float32",
+        block_size=8,
+        num_kv_blocks=12,
+        max_num_seqs=8,
+        enable_prefix_caching=True,
+        host_kv_cache_bytes=4 << 20,
+        preemption_mode="swap",
+    )
+    _run(llm, prompts, refs, "tiered cold")
+    _run(llm, prompts, refs, "tiered warm")
+    sched = llm.llm_engine.scheduler
+    assert sched.num_preemptions > 0 and sched.num_swapped_out > 0
+
+
+@pytest.mark.parametrize("max_window_layers", [0, 1])
+def test_qwen2_sliding_window_matches_hf(max_window_layers: int, tmp_path: Path, smollm2_dir: Path) -> None:
+    """Qwen2 with ``use_sliding_window``: all layers windowed (blocks freed), or the first
+    ``max_window_layers`` global (a mixed model: nothing freed, each layer its own window)."""
+    from helpers import make_tiny_model_dir
+
+    model_dir = make_tiny_model_dir(tmp_path / "qwen2", smollm2_dir, model_type="qwen2", kv_heads=2, seed=6)
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    config.update(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=max_window_layers)
+    config.pop("layer_types", None)  # derived again from max_window_layers on load
+    config_path.write_text(json.dumps(config))
+    prompts = _prompts(3)[3:]
+    refs = _references(model_dir, prompts)
+    llm = LLM(model=str(model_dir), dtype="float32", block_size=8, num_kv_blocks=64, max_num_seqs=4)
+    _run(llm, prompts, refs, f"qwen2 max_window_layers={max_window_layers}")
+    bm = llm.llm_engine.block_manager
+    if max_window_layers == 0:
+        assert bm.sliding_window == WINDOW and bm.num_window_freed_blocks > 0
+    else:
+        assert bm.sliding_window is None and bm.num_window_freed_blocks == 0
