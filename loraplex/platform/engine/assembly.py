@@ -32,7 +32,6 @@ from loraplex.platform.model.arch import ModelArch
 from loraplex.platform.model.loader import load_hf_config, load_model
 from loraplex.platform.model.packed_weights import resolve_quantization
 from loraplex.platform.model.source import gguf_source, resolve_model_dir
-from loraplex.platform.model.window import kv_sliding_window
 from loraplex.storage.kv.kv_arena import KVPageArena
 from loraplex.storage.kv.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_budget
 from loraplex.storage.kv.tiered_kv import TieredKV
@@ -165,8 +164,9 @@ def assemble(config: EngineConfig) -> EngineParts:
         host_kv_cache_bytes=config.host_kv_cache_bytes,
         disk_kv_path=config.disk_kv_path,
         disk_kv_cache_bytes=config.disk_kv_cache_bytes,
-        # Blocks every layer's window has passed go back to the pool while a sequence runs.
-        sliding_window=kv_sliding_window(loaded_hf_config),
+        # Blocks every layer's window has passed go back to the pool while a sequence runs;
+        # one global layer (Gemma 2/3, Qwen2's first max_window_layers) needs them all.
+        sliding_window=loaded_arch.sliding_window if loaded_arch.all_layers_windowed else None,
     )
     lora: LoRARuntime | None = None
     if config.enable_lora:

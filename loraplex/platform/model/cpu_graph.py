@@ -109,6 +109,22 @@ class CpuGraph:
         if not isinstance(attn, CpuAttentionBackend) or not attn.extend_in_c:
             return None, "attention is not on the C decode and extend kernels (attention_backend)"
         arch = model.arch
+        # The graph runs Llama's layer (with biases and per-layer windows: Qwen2, Mistral,
+        # Phi-3 once fused); the parts other families add run on the layer-by-layer path.
+        extras = [
+            name
+            for name, present in (
+                ("q/k norm", arch.qk_norm),
+                ("Gemma norms", arch.gemma_norms),
+                ("embedding scale", arch.embed_scale is not None),
+                ("GeLU", arch.activation != "silu"),
+                ("attention soft-capping", arch.attn_logit_softcap is not None),
+                ("several RoPE tables", getattr(model, "num_ropes", 1) > 1),
+            )
+            if present
+        ]
+        if extras:
+            return None, f"the graph runs Llama-shaped layers; {arch.family} has {', '.join(extras)}"
         query = torch.empty(1, arch.num_heads, arch.head_dim)
         cache = torch.empty(1, 16, arch.num_kv_heads, arch.head_dim)
         if not (paged_decode.supports(query, cache) and paged_extend.supports(query, cache)):

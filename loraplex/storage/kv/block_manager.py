@@ -51,7 +51,7 @@ from typing import NamedTuple
 
 import torch
 
-from loraplex.kernels.metadata import PAD_BLOCK_ID
+from loraplex.kernels.metadata import PAD_BLOCK_ID, first_visible_block
 from loraplex.storage.kv.block_hash import BlockKey, ExtraKeys
 from loraplex.storage.kv.block_pool import BlockPool, KVBlock
 from loraplex.storage.kv.kv_events import NO_ORIGIN, BlockOrigin
@@ -129,9 +129,8 @@ class KVBlockManager:
     def first_kept_block(self, position: int) -> int:
         """The first table entry a query at ``position`` (or any later one) reads: the block
         of key ``position - W + 1``; 0 without a window. Entries before it may be freed."""
-        if self.sliding_window is None:
-            return 0
-        return max(0, position - self.sliding_window + 1) // self.block_size
+        # The kernels' own rule (``metadata.first_visible_block``): they never read before it.
+        return first_visible_block(position, self.sliding_window, self.block_size)
 
     @property
     def window_step_blocks(self) -> int | None:
