@@ -184,7 +184,13 @@ class GatewaySettings(BaseModel):
         return self.adapter_store or self.data_dir / "adapters"
 
 
-_ZERO_ALLOWED = ("max_completion_logprobs", "max_top_logprobs", "graceful_shutdown_s", "request_timeout_s")
+_ZERO_ALLOWED = (
+    "max_completion_logprobs",
+    "max_top_logprobs",
+    "graceful_shutdown_s",
+    "request_timeout_s",
+    "stream_write_timeout_s",
+)
 """A logprobs cap of 0 still returns the sampled token's own logprob; 0 s means no grace (no
 deadline, for request_timeout_s)."""
 
@@ -226,6 +232,11 @@ class ServerLimits:
     request_timeout_s: int = 600
     """Deadline of each request in seconds, waiting and running together: past it the request
     ends with an error (408, request_timeout) and frees its KV blocks; 0 = no deadline."""
+    # Hostile clients (docs/operations.md, "Hostile tenants").
+    stream_write_timeout_s: int = 30
+    """How long one write of a streamed answer may wait for a client that stopped reading; past it
+    the request is aborted and its slot, KV blocks and adapter pin freed (usage still recorded);
+    0 = wait forever."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
