@@ -28,6 +28,7 @@ from loraplex.platform.engine.engine import LLMEngine
 from loraplex.platform.settings import ServerLimits
 
 WRITE_TIMEOUT_S = 1
+MAX_SEQUENCES = 24
 RSS_BOUND_BYTES = 100 << 20
 """A stalled reader of n=16 long completions may cost the server at most this much memory."""
 
@@ -58,7 +59,12 @@ def live(tiny_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
     config = EngineConfig(model=str(tiny_dirs["gqa_tied"]), dtype="float32", num_kv_blocks=2200)
     engine = AsyncEngine(LLMEngine(config))
     limits = ServerLimits(stream_write_timeout_s=WRITE_TIMEOUT_S)
-    settings = settings_for(tmp, f"sqlite+aiosqlite:///{tmp / 'g.db'}", limits=limits)
+    settings = settings_for(
+        tmp,
+        f"sqlite+aiosqlite:///{tmp / 'g.db'}",
+        limits=limits,
+        max_sequences_per_tenant=MAX_SEQUENCES,
+    )
     # A small send buffer on the listening socket (connections inherit it): a stalled reader
     # blocks the server's writes after a few kilobytes, not after the kernel's 4 MiB.
     listener = socket.socket()
@@ -105,13 +111,13 @@ def _raw_request(
 def test_a_stalled_stream_reader_is_aborted_and_costs_bounded_memory(live: Live) -> None:
     """Class 1: a client that opens n=16 long streams and never reads. The engine's outputs for it
     coalesce (a backlog of one per request), the write times out after ``stream_write_timeout_s``,
-    the request is aborted, its concurrency slot freed: the same tenant (max_concurrency=1) is
-    served again, with the socket still open."""
+    the request is aborted and its 16 sequences released (the tenant may have 24 in flight):
+    it is served again, with the socket still open."""
     inner = engine_of(live.engine)
     before = _rss_bytes()
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2000, "n": 16, "stream": True, "logprobs": 5}
     body |= {"ignore_eos": True, "temperature": 1.0}
-    sock = _raw_request(live, "/v1/completions", body, live.mallory)
+    sock = _raw_request(live, "/v1/completions", body, live.alice)
     try:
         wait_until(lambda: live.engine.stats.num_running > 0, 30, "the stalled request to start")
         started = time.monotonic()
@@ -125,10 +131,92 @@ def test_a_stalled_stream_reader_is_aborted_and_costs_bounded_memory(live: Live)
         with httpx.Client(base_url=live.url, timeout=30) as client:
             again = client.post(
                 "/v1/completions",
-                json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
-                headers=bearer(live.mallory),
+                json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "n": 16},
+                headers=bearer(live.alice),
             )
         assert again.status_code == 200, again.text  # the slot is free while the socket is open
         assert time.monotonic() - started < WRITE_TIMEOUT_S + 10, freed_s
     finally:
         sock.close()
+
+
+def test_a_flood_of_chat_messages_is_refused_before_templating(live: Live) -> None:
+    """Class 4: 200,000 tiny messages (a 6 MB body) are refused on their count, in under 0.5 s,
+    before one of them is validated, templated or tokenized."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "a"}] * 200_000}
+    data = json.dumps(body).encode()
+    with httpx.Client(base_url=live.url, timeout=60) as client:
+        started = time.monotonic()
+        response = client.post(
+            "/v1/chat/completions",
+            content=data,
+            headers={**bearer(live.alice), "Content-Type": "application/json"},
+        )
+        took_s = time.monotonic() - started
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages" and "200000 entries" in error["message"], error
+    assert took_s < 0.5, f"refused after {took_s:.2f} s"
+
+
+def test_n_counts_against_concurrency_as_sequences(live: Live) -> None:
+    """Class 4: n is sequences. A tenant limited to one request at a time cannot run n=16 (it
+    would run 16 sequences); a tenant past the process's sequence cap waits its turn (429)."""
+    with httpx.Client(base_url=live.url, timeout=60) as client:
+        over = client.post(
+            "/v1/completions",
+            json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "n": 2},
+            headers=bearer(live.mallory),
+        )
+        assert over.status_code == 429, over.text
+        assert "2 sequences" in over.json()["error"]["message"]
+        one = client.post(
+            "/v1/completions",
+            json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+            headers=bearer(live.mallory),
+        )
+        assert one.status_code == 200, one.text
+
+        long = {"model": "tiny", "prompt": "hi", "max_tokens": 1500, "stream": True, "ignore_eos": True}
+        stop = threading.Event()
+        started = [threading.Event(), threading.Event()]
+
+        def read(n: int, started: threading.Event) -> None:
+            # Reads on (a stream nobody reads is aborted after the write timeout), until told.
+            with (
+                httpx.Client(base_url=live.url, timeout=60) as reader,
+                reader.stream(
+                    "POST", "/v1/completions", json=long | {"n": n}, headers=bearer(live.alice)
+                ) as response,
+            ):
+                assert response.status_code == 200
+                for _ in response.iter_lines():
+                    started.set()
+                    if stop.is_set():
+                        return
+
+        readers = [threading.Thread(target=read, args=(n, e)) for n, e in zip((16, 8), started, strict=True)]
+        for thread in readers:
+            thread.start()
+        try:
+            for event in started:
+                assert event.wait(30), "a stream did not start"
+            third = client.post(
+                "/v1/completions",
+                json={"model": "tiny", "prompt": "hi", "max_tokens": 1},
+                headers=bearer(live.alice),
+            )
+            assert third.status_code == 429, third.text
+            assert "sequence limit" in third.json()["error"]["message"]
+        finally:
+            stop.set()
+            for thread in readers:
+                thread.join(60)
+        # The streams closed: their sequences are released.
+        wait_until(lambda: live.engine.stats.num_running == 0, 30, "the closed streams aborted")
+        fourth = client.post(
+            "/v1/completions",
+            json={"model": "tiny", "prompt": "hi", "max_tokens": 1},
+            headers=bearer(live.alice),
+        )
+        assert fourth.status_code == 200, fourth.text

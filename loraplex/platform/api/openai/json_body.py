@@ -19,6 +19,7 @@ import asyncio
 import json
 import math
 import re
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -118,8 +119,13 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return value
 
 
-async def read_json(request: Request, model: type[ModelT]) -> ModelT:
-    """The request's body as ``model``; every failure is an ``APIError`` (400, 413 or 415)."""
+async def read_json(
+    request: Request, model: type[ModelT], max_items: Mapping[str, int] | None = None
+) -> ModelT:
+    """The request's body as ``model``; every failure is an ``APIError`` (400, 413 or 415).
+
+    ``max_items``: the most entries a top-level list field may hold (``messages``), checked right
+    after the JSON is parsed, before validating or rendering any of them."""
     media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
     if media_type != "application/json" and not media_type.endswith("+json"):
         # A web page can post text/plain or a form cross-site without a preflight; never JSON.
@@ -130,13 +136,18 @@ async def read_json(request: Request, model: type[ModelT]) -> ModelT:
         )
     raw = await request.body()
     if len(raw) > OFF_LOOP_BYTES:
-        return await asyncio.to_thread(parse_body, raw, model)
-    return parse_body(raw, model)
+        return await asyncio.to_thread(parse_body, raw, model, max_items)
+    return parse_body(raw, model, max_items)
 
 
-def parse_body(raw: bytes, model: type[ModelT]) -> ModelT:
-    """``parse_json`` then ``model``; every failure is an ``APIError`` (400)."""
+def parse_body(raw: bytes, model: type[ModelT], max_items: Mapping[str, int] | None = None) -> ModelT:
+    """``parse_json``, the list sizes of ``max_items``, then ``model``; every failure is an
+    ``APIError`` (400)."""
     value = parse_json(raw)
+    for name, most in (max_items or {}).items():
+        items = value.get(name)
+        if isinstance(items, list) and len(items) > most:
+            raise bad_request(f"'{name}' has {len(items)} entries, over this server's limit of {most}.", name)
     try:
         return model.model_validate(value)
     except ValidationError as exc:
