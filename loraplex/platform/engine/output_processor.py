@@ -20,6 +20,7 @@ from loraplex.platform.engine.config import RuntimeInfo
 from loraplex.platform.engine.errors import ErrorKind, RequestError
 from loraplex.platform.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.platform.engine.sampler import Sampler, non_finite_rows
+from loraplex.platform.engine.sampling_params import RequestOutputKind
 from loraplex.platform.engine.scheduler import Scheduler, SchedulerOutput
 from loraplex.platform.engine.sequence import Request, SeqStatus, Sequence
 from loraplex.platform.engine.stats import TenantCounters
@@ -113,7 +114,13 @@ class OutputProcessor:
         for req in touched.values():
             if req.finished:
                 self._retire(req)
-        return failed + [request_output(req) for req in touched.values()]
+        # A FINAL_ONLY request (a non-streamed answer) gets its one output when it ends: no
+        # copy of its text and tokens per step that nobody reads.
+        return failed + [
+            request_output(req)
+            for req in touched.values()
+            if req.finished or req.params.output_kind is not RequestOutputKind.FINAL_ONLY
+        ]
 
     def _fail_non_finite(self, row_logits: torch.Tensor, seqs: list[Sequence]) -> list[RequestOutput]:
         """Fail the requests whose rows cannot be sampled: NaN or +inf (an adapter that

@@ -37,7 +37,8 @@ def _render(state: AppState, messages: list[dict[str, str]]) -> list[int]:
 )
 async def create_chat_completion(request: Request, state: StateDep, call: CallDep) -> Response:
     """OpenAI chat completions over the model's own chat template."""
-    body = await read_json(request, ChatCompletionRequest)
+    # Cheap checks first: the message count before any message is validated or templated.
+    body = await read_json(request, ChatCompletionRequest, {"messages": state.limits.max_chat_messages})
     target = await call.resolve(body.model)
     if not getattr(state.tokenizer, "chat_template", None):
         raise bad_request("This model has no chat template; use /v1/completions.", "messages")
