@@ -16,8 +16,8 @@ Flat layout (see ``kernels/metadata.py`` for the index arithmetic)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
