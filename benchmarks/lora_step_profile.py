@@ -129,7 +129,7 @@ def run_path(path: str, args: argparse.Namespace, model_dir: Path, root: Path) -
     from loraplex import LLM, LoRARequest
     from loraplex.platform.model.source import resolve_model_dir
 
-    llm = LLM(**engine_kwargs(path, resolve_model_dir(None), args.threads))
+    llm = LLM(**engine_kwargs(path, resolve_model_dir(None), args.threads, args.page_rank))
     engine = llm.llm_engine
     prompts = [[1000 + 37 * i + j for j in range(48)] for i in range(args.seqs)]
     out: dict[str, Any] = {}
@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--seqs", type=int, default=32)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--page-rank", type=int, default=None, help="lora_page_rank (default: the engine's)")
     p.add_argument("--adapter-dir", default=None)
     p.add_argument("--out", default=str(RESULTS_DIR / "lora_step_profile.json"))
     args = p.parse_args(argv)

@@ -69,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scale", type=float, default=1.0, help="multiplies every workload's request count")
     p.add_argument("--many-requests", type=int, default=None, help="cap on r8x512 / r8x1024's requests")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--page-rank", type=int, default=None, help="lora_page_rank (default: the engine's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--adapter-dir", default=None, help="where the random adapters are written (reused)")
     p.add_argument("--out", default=str(DEFAULT_OUT))
@@ -94,7 +95,7 @@ def adapters_for(root: Path, model_dir: Path, count: int, rank: int, targets: tu
     return paths
 
 
-def engine_kwargs(path: str, model_dir: Path, threads: int) -> dict[str, Any]:
+def engine_kwargs(path: str, model_dir: Path, threads: int, page_rank: int | None = None) -> dict[str, Any]:
     kw: dict[str, Any] = {
         "enable_lora": True,
         "enable_prefix_caching": False,
@@ -102,6 +103,8 @@ def engine_kwargs(path: str, model_dir: Path, threads: int) -> dict[str, Any]:
         "num_threads": threads,
         "seed": 0,
     }
+    if page_rank is not None:
+        kw["lora_page_rank"] = page_rank
     if path == "float":
         kw.update(model=str(model_dir), quantization="none")
     return kw  # quant: the bundled GGUF, quantization auto (gguf)
@@ -112,7 +115,7 @@ def run_path(
 ) -> dict[str, Any]:
     from loraplex import LLM, LoRARequest, SamplingParams
 
-    llm = LLM(**engine_kwargs(path, model_dir, args.threads))
+    llm = LLM(**engine_kwargs(path, model_dir, args.threads, args.page_rank))
     engine = llm.llm_engine
     graph = getattr(engine.runner.model, "_graph", None) is not None
     print(f"[{path}] C graph in use: {graph}", flush=True)
