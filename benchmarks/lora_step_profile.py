@@ -16,7 +16,9 @@ steps of that batch, once with every request on the base model and once per work
 * ``one``: one rank-16 all-seven adapter for every sequence.
 
 Timers (``perf_counter`` around the call, medians over the steps, milliseconds per step):
-``step`` (``engine.step``: scheduling, batch building, forward, LM head, sampling, outputs),
+``prefill`` (the steps that run the prompts: 32 x 48 tokens, then three decode steps; one
+sample, not a median), ``step`` (``engine.step``: scheduling, batch building, forward, LM
+head, sampling, outputs),
 ``forward`` (the model's decoder stack), ``lora hook`` (the LoRA applier's calls from the
 stack: grouping, page passes, buffer look-up, the kernel) and ``lora kernel`` (the C grouped
 kernel alone), each per projection group, and ``lora plan`` (the per-step plan, where one is
@@ -90,10 +92,12 @@ def profile_batch(engine: Any, prompts: list[list[int]], loras: list[Any], steps
     for rid, prompt, lora in zip(ids, prompts, loras, strict=True):
         engine.add_request(rid, prompt, params, lora_request=lora)
     # Until every request decodes (its prefill and first token done).
+    start = time.perf_counter()
     while engine.scheduler.waiting:
         engine.step()
     for _ in range(3):  # the last prefill chunks, then decodes only
         engine.step()
+    prefill_s = time.perf_counter() - start  # the prompts' steps (and the first decodes)
     timers = StepTimers()
     undo = [
         timers.wrap(engine.runner.model, "forward", "forward"),
@@ -115,7 +119,7 @@ def profile_batch(engine: Any, prompts: list[list[int]], loras: list[Any], steps
         engine.abort_request(rid)
     while engine.has_unfinished_requests():
         engine.step()
-    return timers.medians_ms()
+    return {**timers.medians_ms(), "prefill": 1e3 * prefill_s}
 
 
 def _group_of(weights: Any) -> str:
@@ -157,11 +161,18 @@ def run_path(path: str, args: argparse.Namespace, model_dir: Path, root: Path) -
 def table(path: str, res: dict[str, dict[str, float]]) -> str:
     base = res["base"]
     keys = sorted({k for v in res.values() for k in v if k.startswith("lora")})
-    headers = ["workload", "step ms", "forward ms", "forward - base", *keys]
+    headers = ["workload", "prefill ms", "decode step ms", "forward ms", "forward - base", *keys]
     rows = []
     for name, v in res.items():
         rows.append(
-            [name, v["step"], v["forward"], v["forward"] - base["forward"], *[v.get(k, 0.0) for k in keys]]
+            [
+                name,
+                v["prefill"],
+                v["step"],
+                v["forward"],
+                v["forward"] - base["forward"],
+                *[v.get(k, 0.0) for k in keys],
+            ]
         )
     return f"{path}\n" + format_table(headers, rows, floatfmt=".2f")
 

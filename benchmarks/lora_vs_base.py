@@ -145,6 +145,10 @@ def run_path(
         base_s = sum(r.seconds for r in base_runs)
         base_rate = base_tok / base_s
         lora_rate = lora_run.output_tokens / lora_run.seconds
+        # Per CPU-second of this process (all threads): less moved by other processes on a
+        # shared machine than wall-clock rates, which the bracket can only expose.
+        base_cpu = base_tok / sum(r.cpu_seconds for r in base_runs)
+        lora_cpu = lora_run.output_tokens / lora_run.cpu_seconds
         rec = {
             "adapters": count,
             "rank": rank,
@@ -156,6 +160,9 @@ def run_path(
             "base_tok_s_pooled": base_rate,
             "lora_tok_s": lora_rate,
             "ratio": lora_rate / base_rate,
+            "base_tok_per_cpu_s": base_cpu,
+            "lora_tok_per_cpu_s": lora_cpu,
+            "cpu_ratio": lora_cpu / base_cpu,
             "lora_steps": lora_run.extra["engine_steps"],
             "base_steps": base_runs[0].extra["engine_steps"],
             "workload": wl.summary() if hasattr(wl, "summary") else wl.description,
@@ -163,7 +170,8 @@ def run_path(
         results["workloads"][name] = rec
         print(
             f"[{path}] {name}: base {', '.join(f'{v:.0f}' for v in rec['base_tok_s'])} tok/s, "
-            f"lora {lora_rate:.0f} tok/s, ratio {rec['ratio']:.3f} ({requests} requests)",
+            f"lora {lora_rate:.0f} tok/s, ratio {rec['ratio']:.3f}, per CPU-s {rec['cpu_ratio']:.3f} "
+            f"({requests} requests)",
             flush=True,
         )
         gc.collect()
@@ -205,12 +213,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             " / ".join(f"{v:.0f}" for v in w["base_tok_s"]),
             w["lora_tok_s"],
             f"{w['ratio']:.2f}x",
+            f"{w['cpu_ratio']:.2f}x",
         ]
         for path, res in report["paths"].items()
         for name, w in res["workloads"].items()
     ]
     print(
-        format_table(["path", "workload", "adapters", "requests", "base tok/s", "LoRA tok/s", "ratio"], rows)
+        format_table(
+            ["path", "workload", "adapters", "requests", "base tok/s", "LoRA tok/s", "ratio", "per CPU-s"],
+            rows,
+        )
     )
     write_json(args.out, report)
     return report
