@@ -20,6 +20,8 @@ MAX_SCHEMA_NODES = 100_000
 """Most values (objects, arrays, strings, numbers) in one schema."""
 MAX_CHOICES = 10_000
 """Most entries of ``choice``."""
+COMPILE_WORKERS = 2
+"""Threads compiling the server's constraints (each compile drops the GIL)."""
 COMPILE_TIMEOUT_S = 10.0
 """Longest the server waits for a compile before it answers 400 (llguidance's fuel ends it sooner)."""
 
