@@ -313,7 +313,7 @@ def test_finding6_openai_behaviour(live: LiveServer, client: httpx.Client) -> No
         assert info.value.param == param
     chat_refusals: list[tuple[str, dict[str, Any]]] = [
         ("response_format", {"response_format": {"type": "xml"}}),
-        ("tools.0.function.name", {"tools": [{"type": "function", "function": {"name": "f f", "parameters": {}}}]}),
+        ("tools.0.function.name", {"tools": [{"type": "function", "function": {"name": "f f"}}]}),
         ("max_completion_tokens", {"max_completion_tokens": 0}),
     ]
     for param, extra in chat_refusals:
