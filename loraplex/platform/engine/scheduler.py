@@ -225,6 +225,11 @@ class Scheduler:
         self.tier_io.drain(self.waiting)
 
     # -- the step ----------------------------------------------------------------
+    def preempt(self, seq: Sequence) -> None:
+        """Preempt running ``seq`` between steps (a beam search whose beams wait for memory that
+        their siblings hold while idle): its KV is freed, it waits at the head of the queue."""
+        self._preempt(seq, SchedulerOutput())
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Free ``seq``'s KV (its partial tail swapped out, if the policy says so) and put it
         back at the head of the waiting queue."""
