@@ -124,6 +124,8 @@ class Request:
     first_token_time: float | None = None
     error: RequestError | None = None  # why the engine ended it, when it was not the user
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    spec_proposed: int = 0  # draft tokens proposed for it (speculative decoding)
+    spec_accepted: int = 0  # of which the target accepted
 
     @property
     def cache_extra_keys(self) -> tuple[bytes, bytes]:
