@@ -15,6 +15,7 @@ tokens/s per family and its ratio to Llama's::
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -105,6 +106,12 @@ def make_model(family: str, root: Path) -> Path:
     model = AutoModelForCausalLM.from_config(family_config(family), dtype=torch.float32)
     out = root / family
     model.save_pretrained(out, safe_serialization=True)
+    # The engine loads a tokenizer with the weights: the bundled SmolLM2's (ids < 8192 decode).
+    from loraplex.platform.model.source import resolve_model_dir
+
+    tokenizer_dir = resolve_model_dir(None)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, out / name)
     return out
 
 
