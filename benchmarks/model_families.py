@@ -31,7 +31,9 @@ import torch  # noqa: E402
 
 from benchmarks.common import format_table, machine_info, set_torch_threads  # noqa: E402
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3")
+FAMILIES = ("llama", "llama_eager", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3")
+# "llama_eager": Llama with enforce_eager (layer by layer, no CPU graph): the path Qwen3 and Gemma
+# take, so the table separates the family's own cost from the graph's.
 WINDOW = 64
 
 
@@ -115,11 +117,17 @@ def make_model(family: str, root: Path) -> Path:
     return out
 
 
-def run(model_dir: Path, prompts: list[list[int]], output: int) -> tuple[float, str]:
-    """(generated tokens per second, why the CPU graph is off or "") of one run."""
+def run(model_dir: Path, prompts: list[list[int]], output: int, eager: bool = False) -> tuple[float, str]:
+    """(generated tokens per second, "graph" or "layers") of one run."""
     from loraplex import LLM, SamplingParams
 
-    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=1024, max_num_seqs=len(prompts))
+    llm = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        num_kv_blocks=1024,
+        max_num_seqs=len(prompts),
+        enforce_eager=eager,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm up
     start = time.perf_counter()
@@ -151,11 +159,12 @@ def main() -> None:
     rates: dict[str, list[float]] = {f: [] for f in families}
     paths: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        dirs = {f: make_model(f, Path(tmp)) for f in families}
+        dirs = {f: make_model(f, Path(tmp)) for f in families if f != "llama_eager"}
+        dirs["llama_eager"] = dirs.get("llama") or make_model("llama", Path(tmp))
         for r in range(args.rounds):
             order = families if r % 2 == 0 else list(reversed(families))
             for f in order:
-                rate, paths[f] = run(dirs[f], prompts, args.output)
+                rate, paths[f] = run(dirs[f], prompts, args.output, eager=f == "llama_eager")
                 rates[f].append(rate)
     base = statistics.median(rates["llama"]) if "llama" in rates else float("nan")
     rows = []
