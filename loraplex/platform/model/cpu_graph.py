@@ -87,6 +87,7 @@ class CpuGraph:
                 proj(layer.down_weight),
                 ptr(layer.down_bias),
                 layer.scale,
+                layer.sliding_window or 0,  # a windowed layer's window (Mistral, Qwen2); 0: none
             )
             for layer in model.layers
         ]
@@ -118,6 +119,22 @@ class CpuGraph:
         if not isinstance(attn, CpuAttentionBackend) or not attn.extend_in_c:
             return None, "attention is not on the C decode and extend kernels (attention_backend)"
         arch = model.arch
+        # The graph runs Llama's layer (with biases and per-layer windows: Qwen2, Mistral,
+        # Phi-3 once fused); the parts other families add run on the layer-by-layer path.
+        extras = [
+            name
+            for name, present in (
+                ("q/k norm", arch.qk_norm),
+                ("Gemma norms", arch.gemma_norms),
+                ("embedding scale", arch.embed_scale is not None),
+                ("GeLU", arch.activation != "silu"),
+                ("attention soft-capping", arch.attn_logit_softcap is not None),
+                ("several RoPE tables", getattr(model, "num_ropes", 1) > 1),
+            )
+            if present
+        ]
+        if extras:
+            return None, f"the graph runs Llama-shaped layers; {arch.family} has {', '.join(extras)}"
         query = torch.empty(1, arch.num_heads, arch.head_dim)
         cache = torch.empty(1, 16, arch.num_kv_heads, arch.head_dim)
         if not (paged_decode.supports(query, cache) and paged_extend.supports(query, cache)):
@@ -229,7 +246,7 @@ class CpuGraph:
         norm, rope, kv_write = k["add_rms_norm"], k["rope_neox"], k["kv_write"]
         decode, extend, silu = k["decode"], k["extend"], k["silu_mul"]
         rot_heads = heads + kv_heads
-        for i, (w_in, p_qkv, b_qkv, p_o, b_o, w_post, p_gu, b_gu, p_down, b_down, scale) in enumerate(
+        for i, (w_in, p_qkv, b_qkv, p_o, b_o, w_post, p_gu, b_gu, p_down, b_down, scale, window) in enumerate(
             self._layers
         ):
             (f_qkv, w_qkv, t_qkv), (f_o, w_o, t_o) = p_qkv, p_o
@@ -261,7 +278,9 @@ class CpuGraph:
                 raise IndexError(f"KV slots outside the cache's {num_slots} slots")
             bad = 0
             if nd:
-                bad += decode(qkv_p, kc, vc, tables_p, seq_lens, ao_p, qkv_w, nd, *attn_shape, scale, nt)
+                bad += decode(
+                    qkv_p, kc, vc, tables_p, seq_lens, ao_p, qkv_w, nd, *attn_shape, scale, window, 0.0, nt
+                )
             if ns > nd:
                 bad += extend(
                     qkv_p,
@@ -276,6 +295,8 @@ class CpuGraph:
                     ns - nd,
                     *attn_shape,
                     scale,
+                    window,
+                    0.0,  # no logit soft-capping (models that have it take the layer-by-layer path)
                     0,  # max row vectors: the kernel's choice
                     nt,
                 )
