@@ -16,12 +16,12 @@ their answers, so the engine loading an adapter the gateway validated does not m
 from __future__ import annotations
 
 import functools
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraplex import strict_json
 from loraplex.adapters.errors import AdapterValidationError, ValidationReason
 from loraplex.adapters.patterns import LinearPattern, UnsupportedPattern
 from loraplex.adapters.spec import FUSED_MODULES, MODULE_NAMES
@@ -135,15 +135,22 @@ def _check_targets(raw: Any, source: str) -> tuple[str, ...] | str:
 def parse_lora_config(raw: bytes, source: str) -> LoraSettings:
     """Parse ``adapter_config.json`` bytes; raise ``AdapterValidationError`` on anything unservable."""
     try:
-        config = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _fail("bad_config", source, f"not valid JSON ({exc})") from exc
+        # The request bodies' parser: bounded depth and integer digits, so a config nested 100,000
+        # deep or holding a 5,000-digit number is a 400 with a reason, not a crash.
+        config = strict_json.loads(raw)
+    except strict_json.JSONLimitError as exc:
+        raise _fail("bad_config", source, f"not valid JSON: {exc}") from None
     if not isinstance(config, dict):
         raise _fail("bad_config", source, f"must hold a JSON object, got {type(config).__name__}")
 
+    # PEFT's own values only: its PeftType enum is upper case, and PEFT refuses "lora".
     peft_type = config.get("peft_type", "LORA")
-    if not isinstance(peft_type, str) or peft_type.upper() != "LORA":
-        raise _fail("unsupported_peft_type", source, f"peft_type is {peft_type!r}; only LORA is supported")
+    if peft_type != "LORA":
+        raise _fail(
+            "unsupported_peft_type",
+            source,
+            f"peft_type is {peft_type!r}; only 'LORA' (PEFT's spelling) is supported",
+        )
     if _is_set(config.get("use_dora")):
         raise _fail("dora", source, "use_dora=true: DoRA adapters are not supported; train without use_dora")
     bias = config.get("bias", "none")

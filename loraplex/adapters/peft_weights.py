@@ -34,9 +34,19 @@ from loraplex.adapters.spec import (
 )
 
 _LORA_KEY = re.compile(
-    r"^(?:base_model\.model\.)?(?P<module_key>(?:model\.)?layers\.(?P<layer>\d+)\."
-    r"(?P<parent>\w+)\.(?P<module>\w+))\.(?P<kind>lora_A|lora_B)\.weight$"
+    r"^base_model\.model\.(?P<module_key>model\.layers\.(?P<layer>0|[1-9][0-9]*)\."
+    r"(?P<parent>[A-Za-z_][A-Za-z0-9_]*)\.(?P<module>[A-Za-z_][A-Za-z0-9_]*))\.(?P<kind>lora_A|lora_B)\.weight$",
+    re.ASCII,
 )
+"""The one name PEFT saves and loads a LoRA weight under (``get_peft_model_state_dict``): its
+``base_model.model.`` prefix, the base model's module path, ASCII layer numbers without leading
+zeros. PEFT's loader ignores any other spelling, so serving one would run weights PEFT never
+applies; and two spellings of one module would make which one wins an accident of order."""
+_ALIAS_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>\w+)\.(?P<module>\w+)"
+    r"\.(?P<kind>lora_A|lora_B)(?:\.[^.]+)?\.weight$"
+)
+"""Names a lenient loader would have taken for a LoRA weight: refused with the reason why."""
 
 ModuleKey = tuple[int, ModuleName]  # (layer_idx, module name)
 
@@ -145,6 +155,14 @@ def _classify_unknown(name: str, source: str) -> AdapterValidationError:
             f"tensor {name!r} adapts {match['parent']}.{match['module']}; "
             f"supported modules are {[f'{MODULE_PARENT[m]}.{m}' for m in MODULE_NAMES]}",
         )
+    alias = _ALIAS_KEY.match(name)
+    if alias is not None:
+        return _fail(
+            "unexpected_tensor",
+            source,
+            f"tensor {name!r} is not spelled as PEFT saves it (base_model.model.model.layers.<n>.<module>"
+            ".lora_A.weight, <n> in ASCII digits without leading zeros); PEFT would not load it",
+        )
     return _fail("unexpected_tensor", source, f"tensor {name!r} is not a LoRA weight of a decoder layer")
 
 
@@ -180,7 +198,15 @@ def _parse_names(
                 source,
                 f"tensor {name!r} is for layer {layer}, but the base model has {spec.num_layers} layers",
             )
-        found.setdefault((layer, module), {})[match["kind"]] = (match["module_key"], tensors[name])
+        key = (layer, module)
+        pair = found.setdefault(key, {})
+        if match["kind"] in pair:  # unreachable with one spelling per module; kept as the rule
+            raise _fail(
+                "unexpected_tensor",
+                source,
+                f"tensor {name!r} is a second {match['kind']} for layer {layer} {module}",
+            )
+        pair[match["kind"]] = (match["module_key"], tensors[name])
     return found
 
 

@@ -273,6 +273,12 @@ class LlamaForCausalLM(nn.Module):
         self._graph_attn = attn if self._graph is not None else None
         return why
 
+    @property
+    def cpu_graph(self) -> CpuGraph | None:
+        """The graph serving the layers (``use_cpu_graph``), or None; its ``lora_steps`` counts
+        how each step with adapters ran (``c``: inside the graph, ``hook``: called back)."""
+        return self._graph
+
     def forward(
         self, batch: ForwardBatch, kv_cache: KVCache, attn: AttentionBackend
     ) -> torch.Tensor:  # [num_tokens, hidden]

@@ -366,6 +366,22 @@ class KVBlockManager:
             self._num_padded[child_id] = self._num_padded[parent_id]
         self.prefix_cache.fork(parent_id, child_id)
 
+    def truncate(self, seq_id: int, num_tokens: int) -> int:
+        """Keep only the blocks holding ``seq_id``'s first ``num_tokens`` tokens; the blocks past
+        them go back (speculative tokens the target rejected). Returns how many were released.
+
+        The released blocks hold only rejected positions, which are never registered with the
+        prefix cache, so none of them carries a key this sequence's chain knows."""
+        table = self._tables.get(seq_id)
+        if table is None:
+            return 0
+        keep = self.num_blocks_for(num_tokens)
+        dropped = table[keep:]
+        del table[keep:]
+        for block_id in reversed(dropped):
+            self.pool.decref(block_id)
+        return len(dropped)
+
     def free(self, seq_id: int) -> None:
         """Release every block of ``seq_id`` and its key chain (no-op if it holds none).
 
