@@ -14,6 +14,7 @@ from typing import Any, TypeVar, cast
 from tqdm.auto import tqdm
 
 from loraplex.adapters.request import LoRARequest
+from loraplex.platform.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from loraplex.platform.engine.config import EngineConfig
 from loraplex.platform.engine.engine import LLMEngine
 from loraplex.platform.engine.outputs import RequestOutput
@@ -93,6 +94,34 @@ class LLM:
                 engine.abort_request(rid)
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Seq[PromptType | dict[str, Any]],
+        params: BeamSearchParams,
+        *,
+        lora_request: LoRARequest | None = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (vLLM's ``LLM.beam_search``), outputs in prompt order.
+
+        ``prompts`` are strings, ``{"prompt": text}`` or ``{"prompt_token_ids": [...]}``; each
+        output holds the best ``beam_width`` sequences, best first (HF ``generate``'s search:
+        ``engine/beam_search.py``). Beams share their KV blocks copy-on-write.
+        """
+        del use_tqdm  # accepted for vLLM's signature; the search reports no progress
+        plain: list[str | list[int]] = []
+        for p in prompts:
+            if isinstance(p, dict):
+                if "prompt_token_ids" in p:
+                    plain.append(list(p["prompt_token_ids"]))
+                elif "prompt" in p:
+                    plain.append(str(p["prompt"]))
+                else:
+                    raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            else:
+                plain.append(p)
+        return BeamSearch(self.llm_engine, plain, params, lora_request).run()
 
     def chat(
         self,

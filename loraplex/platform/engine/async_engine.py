@@ -5,7 +5,8 @@ what it needs through typed accessors (``tokenizer``, ``limits``, ``adapter_spec
 changes the engine only through commands (add, abort, adapters added and removed, the
 prefix cache reset, a tenant's KV purged). Only the engine thread ever touches the engine's
 state: commands go to an inbox that the thread drains before every step; each request's
-outputs travel back through its own ``asyncio.Queue``, fed with ``call_soon_threadsafe``.
+outputs travel back through its own ``RequestStream`` (a backlog of one output: a newer one
+replaces an unread one), fed with ``call_soon_threadsafe``.
 The one exception is reading (staging) an adapter's files, which changes nothing the engine
 serves and runs in a worker thread so the engine never waits for a disk read.
 
@@ -112,16 +113,25 @@ class RequestStream:
     Iterating yields a ``RequestOutput`` after every step that advanced the request
     and stops after the finished one; it raises ``EngineDeadError`` if the engine
     dies meanwhile. ``abort()`` is synchronous, idempotent and safe in a cancelled task.
+
+    The backlog is one output: outputs are cumulative (or only the final one), so an output
+    not read yet is replaced by the next one (``num_coalesced`` counts them). A reader that
+    falls behind (a client that stopped reading its stream) costs one output's memory,
+    however many steps the engine runs meanwhile; the finished output and an error are
+    never replaced.
     """
 
     def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self._engine = engine
         self.request_id = request_id
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._pending: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+        self.num_coalesced = 0
+        """Outputs replaced by a newer one before they were read."""
         self.finished = False
         self.failure: BaseException | None = None
-        """Set by ``fail``: raised by the next read, before any output still queued."""
+        """Set by ``fail``: raised by the next read, before any output still pending."""
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -129,15 +139,33 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = self.failure or await self.queue.get()
-        if self.failure is not None:
-            item = self.failure
+        while self.failure is None and self._pending is None:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self.failure if self.failure is not None else self._pending
+        self._pending = None
         if isinstance(item, BaseException):
             self.finished = True
             raise item
+        assert item is not None
         if item.finished:
             self.finished = True
         return item
+
+    @property
+    def pending(self) -> RequestOutput | BaseException | None:
+        """The output (or error) posted and not read yet: what an unread request used so far."""
+        return self._pending
+
+    def post(self, item: RequestOutput | BaseException) -> None:
+        """Hand the reader ``item`` (on the stream's loop): it replaces an unread running output."""
+        pending = self._pending
+        if isinstance(pending, BaseException) or (pending is not None and pending.finished):
+            return  # the end is known already: nothing after it matters
+        if pending is not None:
+            self.num_coalesced += 1
+        self._pending = item
+        self._ready.set()
 
     def abort(self) -> None:
         """Stop the request and free what it holds (a no-op once it finished)."""
@@ -150,7 +178,7 @@ class RequestStream:
         engine stops the request. A no-op once it finished."""
         if not self.finished and self.failure is None:
             self.failure = error
-            self.queue.put_nowait(error)  # wakes a reader waiting for the next output
+            self._ready.set()  # wakes a reader waiting for the next output
             self._engine.abort(self.request_id)
 
 
@@ -574,7 +602,7 @@ def _call_in(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) ->
 
 
 def _deliver(stream: RequestStream, item: RequestOutput | BaseException) -> None:
-    _call_in(stream.loop, lambda: stream.queue.put_nowait(item))
+    _call_in(stream.loop, lambda: stream.post(item))
 
 
 def _resolve(

@@ -39,6 +39,7 @@ from loraplex.platform.engine.sampler import Sampler
 from loraplex.platform.engine.sampling_params import SamplingParams
 from loraplex.platform.engine.scheduler import SchedulerOutput
 from loraplex.platform.engine.sequence import Request, Sequence, tenant_cache_salt
+from loraplex.platform.engine.speculative import Speculator
 from loraplex.platform.engine.stats import EngineStats, RejectionCounters, TenantCounters, build_stats
 from loraplex.platform.engine.structured import GrammarCompiler, GrammarMasker, StepMasks
 from loraplex.platform.engine.validation import (
@@ -95,6 +96,12 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, self.info.eos_token_ids)
         """Compiled output constraints (``structured_outputs``), an LRU shared by every request."""
         self._masker: GrammarMasker | None = None  # made on the first constrained request
+        spec = config.speculative
+        self.speculator = None if spec is None else Speculator(spec)
+        """Speculative decoding (``speculative_config``): drafts in the scheduler, verification in
+        the output processor; None when off."""
+        self.scheduler.speculator = self.outputs.speculator = self.speculator
+        self.scheduler.spec_max_len = self.info.max_model_len
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_batched_tokens = 0  # tokens run through the model (prefill, recompute and decode)

@@ -20,8 +20,10 @@ from loraplex.platform.engine.config import RuntimeInfo
 from loraplex.platform.engine.errors import ErrorKind, RequestError
 from loraplex.platform.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.platform.engine.sampler import Sampler, non_finite_rows
+from loraplex.platform.engine.sampling_params import RequestOutputKind
 from loraplex.platform.engine.scheduler import Scheduler, SchedulerOutput
 from loraplex.platform.engine.sequence import Request, SeqStatus, Sequence
+from loraplex.platform.engine.speculative import Speculator, verify
 from loraplex.platform.engine.stats import TenantCounters
 from loraplex.platform.engine.structured import StepMasks
 
@@ -50,6 +52,8 @@ class OutputProcessor:
         self._new_sequence = new_sequence
         self._fail_request = fail_request
         self._retire = retire
+        self.speculator: Speculator | None = None
+        """Verifies speculative drafts (``speculative_config``); None: off."""
 
     def process(
         self,
@@ -62,9 +66,13 @@ class OutputProcessor:
         fork the siblings of a request whose prompt just completed (all ``n`` first tokens come
         from the same logits), apply the grammar ``masks`` and the stops; the outputs of every
         request that progressed."""
+        spec_rows: dict[int, list[int]] = {}  # scheduled index -> its rows (speculative)
         rows: list[int] = []
         seqs: list[Sequence] = []
         for row, i in enumerate(sample_idx):
+            if out.scheduled[i].num_draft:
+                spec_rows.setdefault(i, []).append(row)
+                continue
             seq = out.scheduled[i].seq
             req = seq.request
             if req.params.n > 1 and not req.forked:
@@ -78,8 +86,9 @@ class OutputProcessor:
                     seqs.append(child)
             rows.append(row)
             seqs.append(seq)
+        spec_outputs = self._verify(out, logits, spec_rows) if spec_rows else []
         if not seqs:
-            return []
+            return spec_outputs
         in_order = rows == list(range(logits.shape[0]))  # the usual case: one row per sequence
         row_logits = logits
         if not in_order:
@@ -134,7 +143,17 @@ class OutputProcessor:
         for req in touched.values():
             if req.finished:
                 self._retire(req)
-        return failed + [request_output(req) for req in touched.values()]
+        # A FINAL_ONLY request (a non-streamed answer) gets its one output when it ends: no
+        # copy of its text and tokens per step that nobody reads.
+        return (
+            spec_outputs
+            + failed
+            + [
+                request_output(req)
+                for req in touched.values()
+                if req.finished or req.params.output_kind is not RequestOutputKind.FINAL_ONLY
+            ]
+        )
 
     def _fail_grammar(self, rows: list[int], seqs: list[Sequence]) -> list[RequestOutput]:
         """Fail the requests whose grammar admits no next token (it failed: e.g. over its
@@ -148,6 +167,48 @@ class OutputProcessor:
                 msg = f"the output constraint cannot be followed further: {why}"
                 failed[req.request_id] = self._fail_request(req, RequestError(ErrorKind.INVALID, msg))
         return list(failed.values())
+
+    def _verify(
+        self, out: SchedulerOutput, logits: torch.Tensor, spec_rows: dict[int, list[int]]
+    ) -> list[RequestOutput]:
+        """Verify each speculative sequence's drafts against its rows of ``logits``: emit the
+        accepted tokens and the target's own, roll its KV back to them (``speculative.verify``)."""
+        assert self.speculator is not None
+        outputs: list[RequestOutput] = []
+        for i, row_ids in spec_rows.items():
+            item = out.scheduled[i]
+            seq = item.seq
+            k = item.num_draft
+            drafts = seq.token_ids[-k:]
+            del seq.token_ids[-k:]
+            base = seq.num_tokens  # tokens before the drafts; the KV of all but the drafts is valid
+            rows = logits[torch.tensor(row_ids, dtype=torch.long, device=logits.device)]
+            if non_finite_rows(rows):
+                msg = "the model produced non-finite logits for this request (check the adapter's weights)"
+                outputs.append(self._fail_request(seq.request, RequestError(ErrorKind.ENGINE_FAILURE, msg)))
+                continue
+            gen = seq.generator or self.sampler.default_generator
+            tokens, accepted = verify(rows, drafts, seq.params, gen)
+            self.speculator.record(seq, k, accepted)
+            status = None
+            for tok in tokens:
+                seq.token_ids.append(tok)
+                self.usage.generated(seq.request.tenant_id, 1)
+                status = self._stop_status(seq, tok, seq.detokenizer.append(tok))
+                if status is not None:
+                    break
+            if status is not None:
+                self.scheduler.finish(seq, status)
+            else:
+                self.scheduler.rollback(seq, base + accepted)
+            req = seq.request
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            if req.finished:
+                self._retire(req)
+            if req.finished or req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                outputs.append(request_output(req))
+        return outputs
 
     def _fail_non_finite(self, row_logits: torch.Tensor, seqs: list[Sequence]) -> list[RequestOutput]:
         """Fail the requests whose rows cannot be sampled: NaN or +inf (an adapter that

@@ -12,6 +12,7 @@ with ``param`` naming the field.
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
@@ -58,6 +59,18 @@ def _bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise InvalidParameterError(f"{name} must be true or false, got {value!r}", param=name)
     return value
+
+
+class RequestOutputKind(enum.Enum):
+    """What each output of a request carries (vLLM's ``RequestOutputKind``).
+
+    ``CUMULATIVE``: every output holds all the text and tokens so far (the offline API, streams,
+    which read the newest). ``FINAL_ONLY``: the engine posts nothing until the request finished
+    (a non-streamed answer needs only its end, so no step copies text and token lists for it).
+    """
+
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
 
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -160,6 +173,8 @@ class SamplingParams:
     """Return the sampled token's logprob and this many top alternatives per step."""
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    """Which outputs the engine posts for this request (``RequestOutputKind``)."""
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, a regex, a choice or a grammar (guided decoding)."""
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
@@ -212,6 +227,10 @@ class SamplingParams:
         self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
         self.skip_special_tokens = _bool("skip_special_tokens", self.skip_special_tokens)
         self.include_stop_str_in_output = _bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise InvalidParameterError(
+                f"output_kind must be a RequestOutputKind, got {self.output_kind!r}", param="output_kind"
+            )
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):

@@ -129,6 +129,8 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     grammar: CompiledGrammar | None = None
     """The compiled constraint of ``params.structured_outputs``; each sequence copies its start state."""
+    spec_proposed: int = 0  # draft tokens proposed for it (speculative decoding)
+    spec_accepted: int = 0  # of which the target accepted
 
     @property
     def cache_extra_keys(self) -> tuple[bytes, bytes]:

@@ -70,7 +70,8 @@ def _with_tools(
 async def create_chat_completion(request: Request, state: StateDep, call: CallDep) -> Response:
     """OpenAI chat completions over the model's own chat template; structured outputs
     (``response_format``, vLLM's guided fields) and tool calling (``tools``, ``tool_choice``)."""
-    body = await read_json(request, ChatCompletionRequest)
+    # Cheap checks first: the message count before any message is validated or templated.
+    body = await read_json(request, ChatCompletionRequest, {"messages": state.limits.max_chat_messages})
     target = await call.resolve(body.model)
     template = getattr(state.tokenizer, "chat_template", None)
     if not template:
