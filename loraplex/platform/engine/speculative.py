@@ -25,7 +25,8 @@ verification, up to the accepted tokens: a rejected token is never cached.
 Policy: speculation is off for a step when more than ``disable_by_batch_size`` sequences run
 (vLLM's knob: a batch already reads the weights once for many tokens), and off for a request
 whose measured acceptance fell below ``min_acceptance`` (it backs off, trying again later).
-Requests with penalties, logprobs, ``n > 1`` or pending ``min_tokens`` decode normally.
+Requests with penalties, logprobs, ``n > 1``, pending ``min_tokens`` or structured outputs
+(a grammar) decode normally.
 """
 
 from __future__ import annotations
@@ -179,9 +180,11 @@ class Speculator:
 
 def eligible(params: SamplingParams, seq: Sequence) -> bool:
     """Whether ``verify`` reproduces the sampler for this request: no penalties (they change
-    with every token), no logprobs, one completion, ``min_tokens`` reached."""
+    with every token), no logprobs, one completion, ``min_tokens`` reached, no output grammar
+    (``verify`` does not apply grammar masks; such requests decode normally, masked)."""
     return (
-        not params.needs_penalties
+        seq.grammar is None
+        and not params.needs_penalties
         and params.logprobs is None
         and params.n == 1
         and seq.num_output_tokens >= params.min_tokens
