@@ -142,7 +142,7 @@ class EngineConfig:
     speculative_config: str | dict[str, Any] | None = None
     """Speculative decoding, as vLLM's dict (or its JSON text): {"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4,
-    "disable_by_batch_size": 16} (engine/speculative.py; docs/operations.md). None: off."""
+    "disable_by_batch_size": 4} (engine/speculative.py; docs/operations.md). None: off."""
     kv_events_config: str | None = None
     """KV cache events for routers, as vLLM's JSON: {"enable_kv_cache_events": true, "endpoint":
     "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "...", "buffer_steps": 10000, "hwm":

@@ -1,7 +1,7 @@
 """Speculative decoding: prompt-lookup (n-gram) drafts verified in one forward, KV rolled back.
 
 ``speculative_config`` is vLLM's: ``{"method": "ngram", "num_speculative_tokens": k,
-"prompt_lookup_min": 1, "prompt_lookup_max": 4, "disable_by_batch_size": 16}``.
+"prompt_lookup_min": 1, "prompt_lookup_max": 4, "disable_by_batch_size": 4}``.
 
 Per decode step of a running sequence the proposer looks for the last ``n`` tokens
 (``prompt_lookup_max`` down to ``prompt_lookup_min``) earlier in the sequence and proposes
@@ -51,7 +51,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    disable_by_batch_size: int | None = 16
+    disable_by_batch_size: int | None = 4
     """Speculate only while at most this many sequences run (None: always)."""
     min_acceptance: float = 0.2
     """A request whose acceptance rate (after ``warmup`` drafts) falls below this stops proposing
