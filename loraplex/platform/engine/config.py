@@ -7,7 +7,7 @@ lives in ``RuntimeInfo``, never written back into the config.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
 import torch
 
@@ -139,8 +139,8 @@ class EngineConfig:
     less than recomputing, by measured rates; recompute without a tier)."""
     max_logprobs: int = 20
     """Most logprobs (top alternatives per token) one request may ask for (vLLM's default)."""
-    speculative_config: str | dict[str, Any] | None = None
-    """Speculative decoding, as vLLM's dict (or its JSON text): {"method": "ngram",
+    speculative_config: str | None = None
+    """Speculative decoding, as vLLM's JSON (``LLM`` also takes the dict): {"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4,
     "disable_by_batch_size": 4} (engine/speculative.py; docs/operations.md). None: off."""
     kv_events_config: str | None = None

@@ -115,6 +115,12 @@ class SpecCounters:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
 
+    def snapshot(self) -> SpecCounters:
+        """A copy (for ``EngineStats``: other threads read it)."""
+        return SpecCounters(
+            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, list(self.accepted_per_pos)
+        )
+
     def count(self, proposed: int, accepted: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += proposed

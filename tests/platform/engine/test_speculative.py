@@ -14,7 +14,13 @@ import torch
 from loraplex import LLM, SamplingParams
 from loraplex.platform.engine.speculative import SpeculativeConfig, ngram_propose, verify
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SPEC: dict[str, Any] = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+    "disable_by_batch_size": None,  # on in every batch here: the mixed batches are the point
+}
 
 
 def copy_prompt(seed: int, length: int = 24) -> list[int]:
