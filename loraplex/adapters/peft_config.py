@@ -16,15 +16,15 @@ their answers, so the engine loading an adapter the gateway validated does not m
 from __future__ import annotations
 
 import functools
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraplex import strict_json
 from loraplex.adapters.errors import AdapterValidationError, ValidationReason
 from loraplex.adapters.patterns import LinearPattern, UnsupportedPattern
-from loraplex.adapters.spec import MODULE_NAMES
+from loraplex.adapters.spec import FUSED_MODULES, MODULE_NAMES
 
 # init_lora_weights values whose adapters only work on a *modified* base model
 # (PEFT rewrites the base weights at init). PEFT resets the field to True when it
@@ -119,12 +119,15 @@ def _check_targets(raw: Any, source: str) -> tuple[str, ...] | str:
         return raw or ""
     if not isinstance(raw, list) or not raw or not all(isinstance(t, str) for t in raw):
         raise _fail("bad_config", source, f"target_modules must be a non-empty list or a string, got {raw!r}")
-    bad = sorted(t for t in raw if t.rsplit(".", 1)[-1] not in MODULE_NAMES)
+    # Phi-3's fused qkv_proj / gate_up_proj too; the tensors are checked against the served
+    # family's own module names later (BaseModelSpec.adaptable_modules).
+    known = (*MODULE_NAMES, *FUSED_MODULES)
+    bad = sorted(t for t in raw if t.rsplit(".", 1)[-1] not in known)
     if bad:
         raise _fail(
             "unsupported_target",
             source,
-            f"target_modules {bad} are not supported; LoRA may target only {list(MODULE_NAMES)}",
+            f"target_modules {bad} are not supported; LoRA may target only {list(known)}",
         )
     return tuple(raw)
 
@@ -132,15 +135,22 @@ def _check_targets(raw: Any, source: str) -> tuple[str, ...] | str:
 def parse_lora_config(raw: bytes, source: str) -> LoraSettings:
     """Parse ``adapter_config.json`` bytes; raise ``AdapterValidationError`` on anything unservable."""
     try:
-        config = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _fail("bad_config", source, f"not valid JSON ({exc})") from exc
+        # The request bodies' parser: bounded depth and integer digits, so a config nested 100,000
+        # deep or holding a 5,000-digit number is a 400 with a reason, not a crash.
+        config = strict_json.loads(raw)
+    except strict_json.JSONLimitError as exc:
+        raise _fail("bad_config", source, f"not valid JSON: {exc}") from None
     if not isinstance(config, dict):
         raise _fail("bad_config", source, f"must hold a JSON object, got {type(config).__name__}")
 
+    # PEFT's own values only: its PeftType enum is upper case, and PEFT refuses "lora".
     peft_type = config.get("peft_type", "LORA")
-    if not isinstance(peft_type, str) or peft_type.upper() != "LORA":
-        raise _fail("unsupported_peft_type", source, f"peft_type is {peft_type!r}; only LORA is supported")
+    if peft_type != "LORA":
+        raise _fail(
+            "unsupported_peft_type",
+            source,
+            f"peft_type is {peft_type!r}; only 'LORA' (PEFT's spelling) is supported",
+        )
     if _is_set(config.get("use_dora")):
         raise _fail("dora", source, "use_dora=true: DoRA adapters are not supported; train without use_dora")
     bias = config.get("bias", "none")

@@ -191,6 +191,7 @@ class Gateway:
             authenticator,
             self.usage,
             shared_tenant=settings.operator_tenant,
+            max_sequences_per_tenant=settings.max_sequences_per_tenant,
         )
         self.uploads = UploadAdmission(self.gate, settings.max_uploads_per_tenant)
         self.runtime_loras = RuntimeLoRAs(

@@ -153,9 +153,11 @@ class Server:
         """True once the socket is bound and requests are served."""
         return bool(self.uvicorn.started)
 
-    def run(self) -> int:
+    def run(self, sockets: list[socket.socket] | None = None) -> int:
+        """Serve until stopped; ``sockets``: listening sockets bound already (socket activation,
+        or a socket with its own options), instead of binding ``host:port``."""
         try:
-            self.uvicorn.run()
+            self.uvicorn.run(sockets=sockets)
         finally:
             self.state.engine.shutdown()  # idempotent: covers a failed start-up and SIGINT
         return 1 if self.state.engine.error is not None else 0

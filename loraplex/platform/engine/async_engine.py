@@ -5,7 +5,8 @@ what it needs through typed accessors (``tokenizer``, ``limits``, ``adapter_spec
 changes the engine only through commands (add, abort, adapters added and removed, the
 prefix cache reset, a tenant's KV purged). Only the engine thread ever touches the engine's
 state: commands go to an inbox that the thread drains before every step; each request's
-outputs travel back through its own ``asyncio.Queue``, fed with ``call_soon_threadsafe``.
+outputs travel back through its own ``RequestStream`` (a backlog of one output: a newer one
+replaces an unread one), fed with ``call_soon_threadsafe``.
 The one exception is reading (staging) an adapter's files, which changes nothing the engine
 serves and runs in a worker thread so the engine never waits for a disk read.
 
@@ -36,11 +37,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from loraplex.adapters import BaseModelSpec, LoRARequest
 from loraplex.platform.engine.engine import LLMEngine
-from loraplex.platform.engine.errors import EngineDeadError, EngineOverloadedError
+from loraplex.platform.engine.errors import EngineDeadError, EngineOverloadedError, StructuredOutputError
 from loraplex.platform.engine.limits import EngineLimits
 from loraplex.platform.engine.outputs import RequestOutput
-from loraplex.platform.engine.sampling_params import SamplingParams
+from loraplex.platform.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from loraplex.platform.engine.stats import EngineStats
+from loraplex.platform.engine.structured.bounds import COMPILE_TIMEOUT_S, COMPILE_WORKERS
 from loraplex.storage.kv.sliced import SlicedJob
 
 if TYPE_CHECKING:
@@ -111,16 +113,25 @@ class RequestStream:
     Iterating yields a ``RequestOutput`` after every step that advanced the request
     and stops after the finished one; it raises ``EngineDeadError`` if the engine
     dies meanwhile. ``abort()`` is synchronous, idempotent and safe in a cancelled task.
+
+    The backlog is one output: outputs are cumulative (or only the final one), so an output
+    not read yet is replaced by the next one (``num_coalesced`` counts them). A reader that
+    falls behind (a client that stopped reading its stream) costs one output's memory,
+    however many steps the engine runs meanwhile; the finished output and an error are
+    never replaced.
     """
 
     def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self._engine = engine
         self.request_id = request_id
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._pending: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+        self.num_coalesced = 0
+        """Outputs replaced by a newer one before they were read."""
         self.finished = False
         self.failure: BaseException | None = None
-        """Set by ``fail``: raised by the next read, before any output still queued."""
+        """Set by ``fail``: raised by the next read, before any output still pending."""
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -128,15 +139,33 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = self.failure or await self.queue.get()
-        if self.failure is not None:
-            item = self.failure
+        while self.failure is None and self._pending is None:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self.failure if self.failure is not None else self._pending
+        self._pending = None
         if isinstance(item, BaseException):
             self.finished = True
             raise item
+        assert item is not None
         if item.finished:
             self.finished = True
         return item
+
+    @property
+    def pending(self) -> RequestOutput | BaseException | None:
+        """The output (or error) posted and not read yet: what an unread request used so far."""
+        return self._pending
+
+    def post(self, item: RequestOutput | BaseException) -> None:
+        """Hand the reader ``item`` (on the stream's loop): it replaces an unread running output."""
+        pending = self._pending
+        if isinstance(pending, BaseException) or (pending is not None and pending.finished):
+            return  # the end is known already: nothing after it matters
+        if pending is not None:
+            self.num_coalesced += 1
+        self._pending = item
+        self._ready.set()
 
     def abort(self) -> None:
         """Stop the request and free what it holds (a no-op once it finished)."""
@@ -149,7 +178,7 @@ class RequestStream:
         engine stops the request. A no-op once it finished."""
         if not self.finished and self.failure is None:
             self.failure = error
-            self.queue.put_nowait(error)  # wakes a reader waiting for the next output
+            self._ready.set()  # wakes a reader waiting for the next output
             self._engine.abort(self.request_id)
 
 
@@ -175,6 +204,11 @@ class AsyncEngine:
         # their difference is the adds in the inbox, which the overload check counts as queued.
         self._num_adds_posted = 0
         self._num_adds_applied = 0
+        # Grammar compiles: a tenant's schema is compiled here, never on the event loop or the
+        # engine thread; a few workers, so a hostile compile queues no more than a few others.
+        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=COMPILE_WORKERS, thread_name_prefix="loraplex-grammar-compile"
+        )
         self.error: BaseException | None = None
         """What stopped the engine loop (None while it runs, and after a clean shutdown)."""
         self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
@@ -207,6 +241,21 @@ class AsyncEngine:
 
     def next_request_id(self) -> str:
         return self._engine.next_request_id()
+
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile ``spec`` into the engine's grammar cache, in a worker thread (llguidance drops
+        the GIL), so ``add_request`` finds it compiled. Raises ``StructuredOutputError`` naming the
+        problem: invalid, over the bounds, or not compiled within ``COMPILE_TIMEOUT_S`` (the
+        compile goes on in its worker until llguidance's fuel ends it; its result is cached)."""
+        loop = asyncio.get_running_loop()
+        work = loop.run_in_executor(self._grammar_pool, self._engine.grammars.compile, spec)
+        try:
+            await asyncio.wait_for(asyncio.shield(work), COMPILE_TIMEOUT_S)
+        except TimeoutError:
+            raise StructuredOutputError(
+                f"{spec.param}: the constraint did not compile within {COMPILE_TIMEOUT_S:g} s; simplify it",
+                param=spec.param,
+            ) from None
 
     # -- caller side -----------------------------------------------------------------
     @property
@@ -378,6 +427,7 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=30)
         self._fail_everything(EngineDeadError("the server is shutting down"))
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         if not self._thread.is_alive():
             self._engine.shutdown()  # persist cached KV to the disk tier for a warm restart
 
@@ -552,7 +602,7 @@ def _call_in(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) ->
 
 
 def _deliver(stream: RequestStream, item: RequestOutput | BaseException) -> None:
-    _call_in(stream.loop, lambda: stream.queue.put_nowait(item))
+    _call_in(stream.loop, lambda: stream.post(item))
 
 
 def _resolve(

@@ -20,10 +20,12 @@ from loraplex.platform.engine.config import RuntimeInfo
 from loraplex.platform.engine.errors import ErrorKind, RequestError
 from loraplex.platform.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.platform.engine.sampler import Sampler, non_finite_rows
+from loraplex.platform.engine.sampling_params import RequestOutputKind
 from loraplex.platform.engine.scheduler import Scheduler, SchedulerOutput
 from loraplex.platform.engine.sequence import Request, SeqStatus, Sequence
 from loraplex.platform.engine.speculative import Speculator, verify
 from loraplex.platform.engine.stats import TenantCounters
+from loraplex.platform.engine.structured import StepMasks
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +56,16 @@ class OutputProcessor:
         """Verifies speculative drafts (``speculative_config``); None: off."""
 
     def process(
-        self, out: SchedulerOutput, logits: torch.Tensor, sample_idx: list[int]
+        self,
+        out: SchedulerOutput,
+        logits: torch.Tensor,
+        sample_idx: list[int],
+        masks: StepMasks | None = None,
     ) -> list[RequestOutput]:
         """Sample every row of ``logits`` (``sample_idx[row]`` is its ``out.scheduled`` index),
         fork the siblings of a request whose prompt just completed (all ``n`` first tokens come
-        from the same logits), apply the stops; the outputs of every request that progressed."""
+        from the same logits), apply the grammar ``masks`` and the stops; the outputs of every
+        request that progressed."""
         spec_rows: dict[int, list[int]] = {}  # scheduled index -> its rows (speculative)
         rows: list[int] = []
         seqs: list[Sequence] = []
@@ -87,7 +94,12 @@ class OutputProcessor:
         if not in_order:
             row_logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
         row_logits = self._ban_early_stops(row_logits, seqs, owned=not in_order)
-        failed = self._fail_non_finite(row_logits, seqs)
+        failed: list[RequestOutput] = []
+        if masks is not None:
+            plain_greedy = [s.params.greedy and not s.params.needs_penalties for s in seqs]
+            row_logits, empty = masks.apply(row_logits, [sample_idx[r] for r in rows], plain_greedy)
+            failed = self._fail_grammar(empty, seqs)
+        failed += self._fail_non_finite(row_logits, seqs)
         if failed:
             keep = [r for r, s in enumerate(seqs) if not s.request.finished]
             seqs = [seqs[r] for r in keep]
@@ -104,6 +116,13 @@ class OutputProcessor:
         now = time.monotonic()
         touched: dict[str, Request] = {}
         for seq, res in zip(seqs, results, strict=True):
+            if seq.status.finished:  # its request failed in this loop (a sibling's grammar)
+                continue
+            if seq.grammar is not None and not seq.grammar.accept_token(res.token_id):
+                # The mask allowed it, so the grammar cannot refuse it: a bug, this request's only.
+                msg = f"the output grammar refused the sampled token {res.token_id}"
+                failed.append(self._fail_request(seq.request, RequestError(ErrorKind.ENGINE_FAILURE, msg)))
+                continue
             seq.token_ids.append(res.token_id)
             self.usage.generated(seq.request.tenant_id, 1)
             if seq.params.logprobs is not None:
@@ -121,7 +140,30 @@ class OutputProcessor:
         for req in touched.values():
             if req.finished:
                 self._retire(req)
-        return spec_outputs + failed + [request_output(req) for req in touched.values()]
+        # A FINAL_ONLY request (a non-streamed answer) gets its one output when it ends: no
+        # copy of its text and tokens per step that nobody reads.
+        return (
+            spec_outputs
+            + failed
+            + [
+                request_output(req)
+                for req in touched.values()
+                if req.finished or req.params.output_kind is not RequestOutputKind.FINAL_ONLY
+            ]
+        )
+
+    def _fail_grammar(self, rows: list[int], seqs: list[Sequence]) -> list[RequestOutput]:
+        """Fail the requests whose grammar admits no next token (it failed: e.g. over its
+        per-step fuel); their rows would otherwise look like non-finite logits."""
+        failed: dict[str, RequestOutput] = {}
+        for r in rows:
+            req = seqs[r].request
+            if req.request_id not in failed and not req.finished:
+                grammar = seqs[r].grammar
+                why = (grammar.error if grammar is not None else None) or "no token can continue the output"
+                msg = f"the output constraint cannot be followed further: {why}"
+                failed[req.request_id] = self._fail_request(req, RequestError(ErrorKind.INVALID, msg))
+        return list(failed.values())
 
     def _verify(
         self, out: SchedulerOutput, logits: torch.Tensor, spec_rows: dict[int, list[int]]
@@ -161,7 +203,8 @@ class OutputProcessor:
                 req.first_token_time = time.monotonic()
             if req.finished:
                 self._retire(req)
-            outputs.append(request_output(req))
+            if req.finished or req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                outputs.append(request_output(req))
         return outputs
 
     def _fail_non_finite(self, row_logits: torch.Tensor, seqs: list[Sequence]) -> list[RequestOutput]:
@@ -175,7 +218,7 @@ class OutputProcessor:
         failed: dict[str, RequestOutput] = {}
         for r in bad_rows:
             req = seqs[r].request
-            if req.request_id not in failed:
+            if req.request_id not in failed and not req.finished:  # (a failed grammar ended it)
                 logger.warning("request %s produced non-finite logits; failing it", req.request_id)
                 msg = (
                     "the model produced non-finite logits for this request, or its stop tokens ban "
@@ -191,7 +234,8 @@ class OutputProcessor:
         made for this step), else in a copy (the model's output is an inference tensor)."""
         for r, seq in enumerate(seqs):
             p = seq.params
-            if p.min_tokens and seq.num_output_tokens < p.min_tokens:
+            # Under a grammar, the grammar decides where the answer ends (it may admit only EOS).
+            if p.min_tokens and seq.num_output_tokens < p.min_tokens and seq.grammar is None:
                 banned = list(p.stop_token_ids or [])
                 if not p.ignore_eos:
                     banned.extend(self.info.eos_token_ids)
@@ -213,6 +257,8 @@ class OutputProcessor:
                 return SeqStatus.FINISHED_STOPPED
             if not p.ignore_eos and token_id in self.info.eos_token_ids:
                 return SeqStatus.FINISHED_STOPPED
+        if seq.grammar is not None and seq.grammar.is_terminated and token_id in self.info.eos_token_ids:
+            return SeqStatus.FINISHED_STOPPED  # the answer is complete: nothing may follow (ignore_eos)
         if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
             return SeqStatus.FINISHED_LENGTH
         if seq.num_tokens >= seq_len_cap:

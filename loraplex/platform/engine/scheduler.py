@@ -159,6 +159,10 @@ class Scheduler:
         self._memory_hook = memory_hook
         self.num_preemptions = 0
         self.num_planning_failures = 0
+        # Sliding window: a sequence may be longer than the pool, but one step's chunk (and the
+        # window before it) must fit the pool (``KVBlockManager.max_chunk_tokens``).
+        cap = self.kv.max_chunk_tokens()
+        self._max_chunk = limits.max_num_batched_tokens if cap is None else max(1, cap)
 
     # -- queue management --------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -185,6 +189,10 @@ class Scheduler:
             seq.num_computed_tokens += item.num_new_tokens
             if item.num_draft == 0:  # drafts: cached after verification, rejected ones never
                 self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+                # Sliding window: blocks no later query reads go back to the pool now (once
+                # cached above, so they stay findable until reused), before the next admission.
+                # Not under drafts: a rollback may move the window back over them.
+                self.kv.free_outside_window(seq.seq_id, seq.num_computed_tokens)
 
     def rollback(self, seq: Sequence, num_computed: int) -> None:
         """After verification: ``seq`` keeps the KV of its first ``num_computed`` tokens (blocks
@@ -312,7 +320,7 @@ class Scheduler:
             if self.speculator is not None and self._schedule_drafts(seq, budget, out, scheduled):
                 budget -= scheduled[seq.seq_id].num_new_tokens
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(seq.num_uncomputed_tokens, budget, self._max_chunk)
             if num_new <= 0:
                 continue
             copies = self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
@@ -412,7 +420,7 @@ class Scheduler:
         if swapped is Wait.PREFIX:
             return _SKIP  # the rest of its prefix is still coming back: the tail stays useful
         resume = swapped.num_computed_tokens if swapped is not None else cached
-        num_new = min(seq.num_tokens - resume, budget)
+        num_new = min(seq.num_tokens - resume, budget, self._max_chunk)
         # Blocks for everything from the hit on: the swapped tail lands in the first.
         to_allocate = resume + num_new - cached
         status = self.kv.can_allocate(seq.seq_id, cached + to_allocate, hit)

@@ -110,6 +110,10 @@ class GatewaySettings(BaseModel):
     max_uploads_per_tenant: int = Field(default=2, ge=1)
     """Uploads of one tenant in flight at once in this process (more: 429); uploads also count
     against the tenant's rpm and max_concurrency."""
+    max_sequences_per_tenant: int | None = Field(default=None, ge=1)
+    """Sequences one tenant may have in flight in this process (each request counts n per prompt);
+    more: 429. Unset: bounded only by max_queued_requests and the tenant's max_concurrency (which
+    counts sequences too)."""
     upload_workers: int = Field(default=2, ge=1)
     """Threads that validate uploads (extraction, parsing); uploads beyond them wait, so they never
     take the threads that tokenize and render requests."""
@@ -184,7 +188,13 @@ class GatewaySettings(BaseModel):
         return self.adapter_store or self.data_dir / "adapters"
 
 
-_ZERO_ALLOWED = ("max_completion_logprobs", "max_top_logprobs", "graceful_shutdown_s", "request_timeout_s")
+_ZERO_ALLOWED = (
+    "max_completion_logprobs",
+    "max_top_logprobs",
+    "graceful_shutdown_s",
+    "request_timeout_s",
+    "stream_write_timeout_s",
+)
 """A logprobs cap of 0 still returns the sampled token's own logprob; 0 s means no grace (no
 deadline, for request_timeout_s)."""
 
@@ -205,6 +215,9 @@ class ServerLimits:
     max_prompt_chars: int = 1_000_000
     """Most characters of prompt text per request (all prompts, or all chat messages),
     checked before tokenization; token-id prompts are bounded by the context length."""
+    max_chat_messages: int = 1024
+    """Most messages in one chat request, checked right after the JSON is parsed (before validating,
+    templating or tokenizing any of them)."""
     max_stop_strings: int = 16
     """Most entries in stop."""
     max_stop_string_chars: int = 256
@@ -226,6 +239,11 @@ class ServerLimits:
     request_timeout_s: int = 600
     """Deadline of each request in seconds, waiting and running together: past it the request
     ends with an error (408, request_timeout) and frees its KV blocks; 0 = no deadline."""
+    # Hostile clients (docs/operations.md, "Hostile tenants").
+    stream_write_timeout_s: int = 30
+    """How long one write of a streamed answer may wait for a client that stopped reading; past it
+    the request is aborted and its slot, KV blocks and adapter pin freed (usage still recorded);
+    0 = wait forever."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from loraplex.kernels.metadata import PAD_BLOCK_ID
 from loraplex.storage.kv.block_hash import BlockKey, BlockKeyChain, ExtraKeys, root_key
 from loraplex.storage.kv.block_pool import BlockPool
 from loraplex.storage.kv.kv_events import GPU, NO_ORIGIN, BlockOrigin, BlocksStored
@@ -175,6 +176,9 @@ class PrefixCache:
         num_cached = 0
         run: list[int] = []  # block indices made findable in a row (one event each run)
         for idx in range(start, num_full):
+            if table[idx] == PAD_BLOCK_ID:  # freed out of the sliding window before it was cached
+                self._report(seq_id, chain, run, token_ids)
+                continue
             block = self.pool.blocks[table[idx]]
             if block.key is not None:
                 if block.key != keys[idx]:

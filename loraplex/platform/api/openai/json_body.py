@@ -3,8 +3,9 @@
 FastAPI's own body parsing accepts ``NaN``, lone surrogates (``"\\ud800"``, which later
 break the tokenizer) and reports decode errors as ``32: JSON decode error``. The OpenAI
 routes read their body through ``read_json`` instead, so every failure is a 400 that names
-what is wrong (the size limit is the middleware's, before this): integers over Python's
-4,300-digit limit and numbers that overflow to infinity included.
+what is wrong (the size limit is the middleware's, before this). The JSON itself is read by
+``loraplex.strict_json`` (depth, integer digits, no NaN, numbers that overflow to infinity), the
+parser ``adapter_config.json`` goes through too.
 
 The cost of a body is bounded by its size, never by its shape: the check for lone surrogates
 looks at the raw text first (a lone surrogate can only arrive as a ``\\uD8xx``-``\\uDFxx``
@@ -16,14 +17,14 @@ stays responsive while a large, deeply structured body is decoded.
 from __future__ import annotations
 
 import asyncio
-import json
-import math
 import re
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
+from loraplex import strict_json
 from loraplex.platform.api.errors import APIError, bad_request, validation_error
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -33,17 +34,6 @@ OFF_LOOP_BYTES = 64 * 1024
 _MAX_WALK = 100_000
 """Values walked to name the field that holds a lone surrogate (past it: the body is named)."""
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise bad_request(f"Invalid JSON: the number {text[:32]} is too large.")
-    return value
-
-
-def _refuse_constant(name: str) -> Any:
-    raise bad_request(f"Invalid JSON: {name} is not a valid JSON value.")
 
 
 def _is_text(s: str) -> bool:
@@ -94,15 +84,9 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     if not text.strip():
         raise bad_request("Request body is empty; send a JSON object.")
     try:
-        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
-    except json.JSONDecodeError as exc:
-        raise bad_request(
-            f"Invalid JSON in request body: {exc.msg} (line {exc.lineno}, column {exc.colno})."
-        ) from None
-    except RecursionError:
-        raise bad_request("Invalid JSON in request body: nested too deeply.") from None
-    except ValueError:  # int("9" * 5000): over Python's limit on integer digits
-        raise bad_request("Invalid JSON in request body: an integer has too many digits.") from None
+        value = strict_json.loads(text)
+    except strict_json.JSONLimitError as exc:
+        raise bad_request(f"Invalid JSON in request body: {exc}") from None
     if not isinstance(value, dict):
         raise bad_request("Request body must be a JSON object.")
     if _SURROGATE_ESCAPE.search(text) is None:
@@ -118,8 +102,13 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return value
 
 
-async def read_json(request: Request, model: type[ModelT]) -> ModelT:
-    """The request's body as ``model``; every failure is an ``APIError`` (400, 413 or 415)."""
+async def read_json(
+    request: Request, model: type[ModelT], max_items: Mapping[str, int] | None = None
+) -> ModelT:
+    """The request's body as ``model``; every failure is an ``APIError`` (400, 413 or 415).
+
+    ``max_items``: the most entries a top-level list field may hold (``messages``), checked right
+    after the JSON is parsed, before validating or rendering any of them."""
     media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
     if media_type != "application/json" and not media_type.endswith("+json"):
         # A web page can post text/plain or a form cross-site without a preflight; never JSON.
@@ -130,13 +119,18 @@ async def read_json(request: Request, model: type[ModelT]) -> ModelT:
         )
     raw = await request.body()
     if len(raw) > OFF_LOOP_BYTES:
-        return await asyncio.to_thread(parse_body, raw, model)
-    return parse_body(raw, model)
+        return await asyncio.to_thread(parse_body, raw, model, max_items)
+    return parse_body(raw, model, max_items)
 
 
-def parse_body(raw: bytes, model: type[ModelT]) -> ModelT:
-    """``parse_json`` then ``model``; every failure is an ``APIError`` (400)."""
+def parse_body(raw: bytes, model: type[ModelT], max_items: Mapping[str, int] | None = None) -> ModelT:
+    """``parse_json``, the list sizes of ``max_items``, then ``model``; every failure is an
+    ``APIError`` (400)."""
     value = parse_json(raw)
+    for name, most in (max_items or {}).items():
+        items = value.get(name)
+        if isinstance(items, list) and len(items) > most:
+            raise bad_request(f"'{name}' has {len(items)} entries, over this server's limit of {most}.", name)
     try:
         return model.model_validate(value)
     except ValidationError as exc:

@@ -22,7 +22,7 @@ from loraplex.platform.api.state import AppState
 from loraplex.platform.api.tenancy.gate import GatedCall, ModelTarget, PromptSource, RequestEnd
 from loraplex.platform.engine.async_engine import RequestStream
 from loraplex.platform.engine.outputs import RequestOutput
-from loraplex.platform.engine.sampling_params import SamplingParams
+from loraplex.platform.engine.sampling_params import RequestOutputKind, SamplingParams
 
 T = TypeVar("T")
 
@@ -118,11 +118,20 @@ async def respond(
 
         def on_close() -> None:
             abort_all(submitted)
-            admission.close([s.last for s in submitted], _end_of(submitted))
+            # ``latest``: a stalled reader's request used more than it read; it pays for that.
+            admission.close([s.latest for s in submitted], _end_of(submitted))
 
         readers: list[RequestStream] = [*submitted]
         on_error = None if record is None else record.failed
-        return SSEResponse(sse_events(shape, readers, params.stop_strings, on_error), on_close=on_close)
+        write_timeout_s = state.limits.stream_write_timeout_s or None
+        return SSEResponse(
+            sse_events(shape, readers, params.stop_strings, on_error),
+            on_close=on_close,
+            write_timeout_s=write_timeout_s,
+        )
+
+    # Nobody reads a non-streamed answer before it ends: the engine posts only the final output.
+    params.output_kind = RequestOutputKind.FINAL_ONLY
 
     async def run() -> list[RequestOutput]:
         try:

@@ -14,11 +14,12 @@ from typing import Any
 
 import anyio
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from loraplex.platform.api.errors import APIError, to_api_error
 from loraplex.platform.api.openai.responses import ResponseShape
 from loraplex.platform.api.openai.submission import abort_all, merged, step_failure
+from loraplex.platform.api.openai.tool_stream import ToolStream
 from loraplex.platform.engine.async_engine import RequestStream
 from loraplex.platform.engine.errors import EngineError
 from loraplex.platform.engine.outputs import RequestOutput
@@ -39,22 +40,40 @@ class SSEResponse(StreamingResponse):
     otherwise notices it at the next write, which for a queued request may be
     minutes away; this always listens. ``on_close`` runs however the response ends,
     even if the body iterator never started (so its ``finally`` never ran).
+
+    A client that stops reading (its socket stays open, its receive window full) makes a
+    write wait; past ``write_timeout_s`` the response ends as if the client had left: the
+    request is aborted and its slot, KV blocks and adapter pin are freed, rather than held
+    until the engine reaches ``max_tokens`` or the socket closes.
     """
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(
+        self, content: AsyncIterator[str], on_close: Callable[[], None], write_timeout_s: float | None = None
+    ) -> None:
         super().__init__(
             content,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
         self._on_close = on_close
+        self._write_timeout_s = write_timeout_s
+        self.write_timed_out = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        timeout_s = self._write_timeout_s
+
+        async def timed_send(message: Message) -> None:
+            if timeout_s is None:
+                await send(message)
+                return
+            with anyio.fail_after(timeout_s):
+                await send(message)
+
         try:
             async with anyio.create_task_group() as group:
 
                 async def stream() -> None:
-                    await self.stream_response(send)
+                    await self.stream_response(timed_send)
                     group.cancel_scope.cancel()
 
                 group.start_soon(stream)
@@ -62,6 +81,13 @@ class SSEResponse(StreamingResponse):
                 group.cancel_scope.cancel()
         except* OSError:  # the socket closed under a write: the client left
             pass
+        except* TimeoutError:
+            self.write_timed_out = True
+            logger.warning(
+                "stream %s: the client read nothing for %.0f s; request aborted",
+                scope.get("path", ""),
+                timeout_s,
+            )
         finally:
             self._on_close()
 
@@ -109,6 +135,7 @@ async def _chunks(
     # Hold back a possible stop-string prefix until the completion ends, so a stop
     # string split across tokens is never half-sent.
     hold = max(map(len, stop_strings), default=1) - 1
+    tool_stream = ToolStream(shape.tools) if shape.tools is not None and shape.calls_tools else None
     progress: dict[int, _Progress] = {}
     finals: dict[int, RequestOutput] = {}
     async for p, out in merged(streams):
@@ -127,7 +154,12 @@ async def _chunks(
                 continue
             logprobs, sent.text_offset = shape.logprobs(c, sent.tokens, len(c.token_ids), sent.text_offset)
             delta = c.text[sent.chars : end]
-            choices.append(shape.delta_choice(index, delta, not sent.started, c.finish_reason, logprobs))
+            if tool_stream is not None:
+                # Tool calls go out as delta.tool_calls, one choice entry per chunk.
+                for entry in tool_stream.choices(index, delta, not sent.started, c):
+                    yield event(shape.chunk([entry]))
+            else:
+                choices.append(shape.delta_choice(index, delta, not sent.started, c.finish_reason, logprobs))
             sent.chars, sent.tokens, sent.started = end, len(c.token_ids), True
             sent.finished = c.finished()
         if choices:

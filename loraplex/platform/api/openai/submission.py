@@ -58,6 +58,13 @@ class MeteredStream(RequestStream):
     def finished(self, value: bool) -> None:
         self.inner.finished = value
 
+    @property
+    def latest(self) -> RequestOutput | None:
+        """The newest output the engine posted, read or not: what the request used so far (a
+        stalled reader's stream may hold a newer one than ``last``)."""
+        pending = self.inner.pending
+        return pending if isinstance(pending, RequestOutput) else self.last
+
     async def __anext__(self) -> RequestOutput:
         out = await self.inner.__anext__()
         self.last = out
@@ -65,7 +72,13 @@ class MeteredStream(RequestStream):
         if num_tokens > self._num_tokens:
             now = time.monotonic()
             if self.first_token_s is None:
-                self.first_token_s = now
+                # A final-only output (a non-streamed answer) is the first one read: the engine
+                # says when its first token came, and its other tokens came in between.
+                first = out.metrics.get("first_token_time") if out.finished else None
+                self.first_token_s = now if first is None else first
+                added = num_tokens - len(out.outputs)
+                if first is not None and added > 0:
+                    self.token_gaps_s.append((max(0.0, now - first) / added, added))
             else:
                 added = num_tokens - self._num_tokens
                 self.token_gaps_s.append(((now - self._last_token_s) / added, added))

@@ -5,9 +5,11 @@
     resolve(model)   base model | own adapter ``name`` | another tenant's public ``owner/name``;
                      a private adapter of another tenant and a missing name: the same 404;
                      while the database is unreachable, the last answer for it (``TTLCache``)
-    admit(...)       first the request and its concurrency slot (rpm, max_concurrency), before any
-                     CPU work; then the prompts made, tokenized and reserved (tpm: prompt +
-                     max_tokens * n per prompt, max_tokens unset: up to the context); 429 / 503
+    admit(...)       first the request and its concurrency slots (rpm; max_concurrency counts
+                     sequences: n per prompt, so n cannot multiply what a tenant runs), and the
+                     per-tenant sequences cap of this process, before any CPU work; then the
+                     prompts made, tokenized and reserved (tpm: prompt + max_tokens * n per
+                     prompt, max_tokens unset: up to the context); 429 / 503
                      when refused, counted in ``num_quota_refusals`` (no usage row: a refusal
                      must cost nothing but the count)
     close(...)       queue the usage record (``UsageBuffer``: an outage delays it), then settle
@@ -44,7 +46,7 @@ from loraplex.platform.api.tenancy.gate import (
     prompts_of,
 )
 from loraplex.platform.api.tenancy.latencies import RecentLatencies, time_to_first_token
-from loraplex.platform.api.tenancy.quotas import Quota, QuotaLimiter, Reservation
+from loraplex.platform.api.tenancy.quotas import Quota, QuotaDecision, QuotaLimiter, Reservation
 from loraplex.platform.api.usage_buffer import UsageBuffer
 from loraplex.platform.engine.async_engine import AsyncEngine, RequestStream
 from loraplex.platform.engine.errors import InvalidParameterError, UnknownAdapterError
@@ -81,6 +83,9 @@ class TenantAdmission:
     """The token reservation (tpm)."""
     slot: Reservation | None
     """The request and its concurrency slot (rpm, max_concurrency), taken before tokenizing."""
+    extra_slots: list[Reservation] = field(default_factory=list)
+    """One more concurrency slot per sequence past the first (n per prompt)."""
+    num_sequences: int = 1
     started_s: float = field(default_factory=time.monotonic)
     closed: bool = False
     streams: list[RequestStream] = field(default_factory=list)
@@ -118,8 +123,8 @@ class TenantAdmission:
                 self.tenant, self.target, self.request_id, (prompt, cached, completion), latency_ms, end
             )
         await self.gate.limiter.settle(self.reservation, prompt + completion)
-        if self.slot is not None:
-            await self.gate.limiter.settle(self.slot, 0)
+        for slot in ([] if self.slot is None else [self.slot]) + self.extra_slots:
+            await self.gate.limiter.settle(slot, 0)
 
 
 class TenantCall:
@@ -162,12 +167,27 @@ class TenantCall:
     ) -> Admission:
         gate = self.gate
         tenant = self.tenant
-        # Phase 1, before any CPU work: the request (rpm) and its concurrency slot.
+        # Phase 1, before any CPU work: the request (rpm) and its concurrency slots, one per
+        # sequence (a deferred source, a chat template, is one prompt).
+        num_seqs = params.n * (len(prompts) if isinstance(prompts, list) else 1)
+        gate.check_sequences(tenant, num_seqs)
         slot: Reservation | None = None
-        if tenant.rpm is not None or tenant.max_concurrency is not None:
-            slot = await gate.take_slot(
-                tenant, Quota(rpm=tenant.rpm, max_concurrency=tenant.max_concurrency), request_id
-            )
+        extra: list[Reservation] = []
+        gate.add_sequences(tenant.id, num_seqs)
+        try:
+            if tenant.rpm is not None or tenant.max_concurrency is not None:
+                slot = await gate.take_slot(
+                    tenant, Quota(rpm=tenant.rpm, max_concurrency=tenant.max_concurrency), request_id
+                )
+            if tenant.max_concurrency is not None:
+                for i in range(1, num_seqs):
+                    quota = Quota(max_concurrency=tenant.max_concurrency)
+                    extra.append(await gate.take_slot(tenant, quota, f"{request_id}/{i}"))
+        except BaseException:
+            gate.add_sequences(tenant.id, -num_seqs)
+            for taken in ([] if slot is None else [slot]) + extra:
+                gate.background.spawn(gate.limiter.settle(taken, 0), f"release {request_id}")
+            raise
         try:
             token_prompts = [await gate.tokenize(p) for p in await prompts_of(prompts)]
             max_len = gate.engine.limits.max_model_len
@@ -180,11 +200,14 @@ class TenantCall:
             # Phase 2: the tokens (tpm only: the request itself counted in phase 1).
             reservation = await gate.take_slot(tenant, Quota(tpm=tenant.tpm), request_id, reserve)
         except BaseException:
-            if slot is not None:
-                gate.background.spawn(gate.limiter.settle(slot, 0), f"release {request_id}")
+            gate.add_sequences(tenant.id, -num_seqs)
+            for taken in ([] if slot is None else [slot]) + extra:
+                gate.background.spawn(gate.limiter.settle(taken, 0), f"release {request_id}")
             raise
         prompts_out: list[Prompt] = list(token_prompts)
-        admission = TenantAdmission(gate, tenant, target, request_id, prompts_out, reservation, slot)
+        admission = TenantAdmission(
+            gate, tenant, target, request_id, prompts_out, reservation, slot, extra, num_seqs
+        )
         gate.running.setdefault(tenant.id, set()).add(admission)
         return admission
 
@@ -204,8 +227,12 @@ class TenantGate:
         authenticator: Authenticator,
         usage_buffer: UsageBuffer,
         shared_tenant: str | None = None,
+        max_sequences_per_tenant: int | None = None,
     ) -> None:
         self.db = db
+        self.max_sequences_per_tenant = max_sequences_per_tenant
+        self._sequences: dict[int, int] = {}
+        """Sequences admitted and not closed yet, by tenant id (this process)."""
         self.auth = auth
         self.limiter = limiter
         self.engine = engine
@@ -271,8 +298,37 @@ class TenantGate:
     def _epoch_of(self, adapter: Adapter) -> int:
         return self._adapter_epochs.get((adapter.owner.name, adapter.name), 0)
 
+    def check_sequences(self, tenant: Tenant, num_seqs: int) -> None:
+        """Refuse (429) a request whose sequences can never fit the tenant's max_concurrency, or that
+        would take the tenant past ``max_sequences_per_tenant`` in this process."""
+        cap = tenant.max_concurrency
+        if cap is not None and num_seqs > cap:
+            self.num_quota_refusals += 1
+            detail = (
+                f"this request runs {num_seqs} sequences (n per prompt), over the concurrency limit of "
+                f"{cap}: lower n"
+            )
+            raise quota_refusal(QuotaDecision.refused("concurrency", None, detail))
+        limit = self.max_sequences_per_tenant
+        in_flight = self._sequences.get(tenant.id, 0)
+        if limit is not None and in_flight + num_seqs > limit:
+            self.num_quota_refusals += 1
+            detail = (
+                f"sequence limit reached: {in_flight} in flight, this request adds {num_seqs} (limit {limit})"
+            )
+            raise quota_refusal(QuotaDecision.refused("concurrency", 1.0, detail))
+
+    def add_sequences(self, tenant_id: int, delta: int) -> None:
+        """Count ``delta`` more (or fewer) sequences in flight for ``tenant_id``."""
+        left = self._sequences.get(tenant_id, 0) + delta
+        if left > 0:
+            self._sequences[tenant_id] = left
+        else:
+            self._sequences.pop(tenant_id, None)
+
     def forget(self, admission: TenantAdmission) -> None:
         """``admission`` has closed."""
+        self.add_sequences(admission.tenant.id, -admission.num_sequences)
         live = self.running.get(admission.tenant.id)
         if live is not None:
             live.discard(admission)

@@ -1,0 +1,222 @@
+"""Hostile clients, round two: what a tenant can do with its sockets rather than its bodies.
+
+A real gateway (uvicorn on loopback, keys mode, SQLite) in a thread of the test process, so the
+tests can hold sockets the way a hostile client does (open and never read, half-sent) and still
+read the engine's state. Each test states the bound it checks; each fails on a gateway without the
+limit it covers (an unbounded per-request queue, no write timeout, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from e2e.live_server import wait_until
+from gateway_testlib import ADMIN, bearer, engine_of, make_gateway, settings_for
+
+from loraplex.platform.api.server import Server
+from loraplex.platform.engine.async_engine import AsyncEngine
+from loraplex.platform.engine.config import EngineConfig
+from loraplex.platform.engine.engine import LLMEngine
+from loraplex.platform.settings import ServerLimits
+
+WRITE_TIMEOUT_S = 1
+MAX_SEQUENCES = 24
+RSS_BOUND_BYTES = 100 << 20
+"""A stalled reader of n=16 long completions may cost the server at most this much memory."""
+
+
+@dataclass
+class Live:
+    url: str
+    engine: AsyncEngine
+    mallory: str
+    """A tenant limited to one request at a time."""
+    alice: str
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, port = self.url.removeprefix("http://").split(":")
+        return host, int(port)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.fixture(scope="module")
+def live(tiny_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    tmp = tmp_path_factory.mktemp("hostile-clients")
+    # Room for 16 sequences of 2,000 tokens: the stalled reader's request could run that long.
+    config = EngineConfig(model=str(tiny_dirs["gqa_tied"]), dtype="float32", num_kv_blocks=2200)
+    engine = AsyncEngine(LLMEngine(config))
+    limits = ServerLimits(stream_write_timeout_s=WRITE_TIMEOUT_S)
+    settings = settings_for(
+        tmp,
+        f"sqlite+aiosqlite:///{tmp / 'g.db'}",
+        limits=limits,
+        max_sequences_per_tenant=MAX_SEQUENCES,
+    )
+    # A small send buffer on the listening socket (connections inherit it): a stalled reader
+    # blocks the server's writes after a few kilobytes, not after the kernel's 4 MiB.
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+    listener.bind(("127.0.0.1", 0))
+    port = int(listener.getsockname()[1])
+    server = Server(make_gateway(engine, settings), "127.0.0.1", port, log_level="warning")
+    thread = threading.Thread(target=server.run, args=([listener],), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}"
+    with httpx.Client(base_url=url, headers=ADMIN, timeout=60) as admin:
+        keys = {}
+        for name, quotas in (("mallory", {"max_concurrency": 1}), ("alice", {})):
+            assert admin.post("/admin/api/tenants", json={"name": name, **quotas}).status_code == 201
+            keys[name] = admin.post(f"/admin/api/tenants/{name}/keys", json={}).json()["key"]
+    try:
+        yield Live(url, engine, keys["mallory"], keys["alice"])
+    finally:
+        server.stop()
+        thread.join(60)
+        engine.shutdown()
+
+
+def _raw_request(
+    live: Live, path: str, body: dict[str, object], key: str, rcvbuf: int = 4096
+) -> socket.socket:
+    """Send a whole request on a socket with a tiny receive buffer, and read nothing back."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # before connect: the window
+    sock.connect(live.host_port)
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def test_a_stalled_stream_reader_is_aborted_and_costs_bounded_memory(live: Live) -> None:
+    """Class 1: a client that opens n=16 long streams and never reads. The engine's outputs for it
+    coalesce (a backlog of one per request), the write times out after ``stream_write_timeout_s``,
+    the request is aborted and its 16 sequences released (the tenant may have 24 in flight):
+    it is served again, with the socket still open."""
+    inner = engine_of(live.engine)
+    before = _rss_bytes()
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2000, "n": 16, "stream": True, "logprobs": 5}
+    body |= {"ignore_eos": True, "temperature": 1.0}
+    sock = _raw_request(live, "/v1/completions", body, live.alice)
+    try:
+        wait_until(lambda: live.engine.stats.num_running > 0, 30, "the stalled request to start")
+        started = time.monotonic()
+        # The slot frees within the write timeout (plus the time to fill the socket's buffers).
+        freed_s = wait_until(
+            lambda: live.engine.stats.num_running == 0, WRITE_TIMEOUT_S + 10, "the stalled request aborted"
+        )
+        grown = _rss_bytes() - before
+        assert grown < RSS_BOUND_BYTES, f"+{grown >> 20} MiB for one stalled reader"
+        assert not inner.requests, "the engine still holds the stalled request"
+        with httpx.Client(base_url=live.url, timeout=30) as client:
+            again = client.post(
+                "/v1/completions",
+                json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "n": 16},
+                headers=bearer(live.alice),
+            )
+        assert again.status_code == 200, again.text  # the slot is free while the socket is open
+        assert time.monotonic() - started < WRITE_TIMEOUT_S + 10, freed_s
+    finally:
+        sock.close()
+
+
+def test_a_flood_of_chat_messages_is_refused_before_templating(live: Live) -> None:
+    """Class 4: 200,000 tiny messages (a 6 MB body) are refused on their count, in under 0.5 s,
+    before one of them is validated, templated or tokenized."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "a"}] * 200_000}
+    data = json.dumps(body).encode()
+    with httpx.Client(base_url=live.url, timeout=60) as client:
+        started = time.monotonic()
+        response = client.post(
+            "/v1/chat/completions",
+            content=data,
+            headers={**bearer(live.alice), "Content-Type": "application/json"},
+        )
+        took_s = time.monotonic() - started
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages" and "200000 entries" in error["message"], error
+    assert took_s < 0.5, f"refused after {took_s:.2f} s"
+
+
+def test_n_counts_against_concurrency_as_sequences(live: Live) -> None:
+    """Class 4: n is sequences. A tenant limited to one request at a time cannot run n=16 (it
+    would run 16 sequences); a tenant past the process's sequence cap waits its turn (429)."""
+    with httpx.Client(base_url=live.url, timeout=60) as client:
+        over = client.post(
+            "/v1/completions",
+            json={"model": "tiny", "prompt": "hi", "max_tokens": 2, "n": 2},
+            headers=bearer(live.mallory),
+        )
+        assert over.status_code == 429, over.text
+        assert "2 sequences" in over.json()["error"]["message"]
+        one = client.post(
+            "/v1/completions",
+            json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+            headers=bearer(live.mallory),
+        )
+        assert one.status_code == 200, one.text
+
+        long = {"model": "tiny", "prompt": "hi", "max_tokens": 1500, "stream": True, "ignore_eos": True}
+        stop = threading.Event()
+        started = [threading.Event(), threading.Event()]
+
+        def read(n: int, started: threading.Event) -> None:
+            # Reads on (a stream nobody reads is aborted after the write timeout), until told.
+            with (
+                httpx.Client(base_url=live.url, timeout=60) as reader,
+                reader.stream(
+                    "POST", "/v1/completions", json=long | {"n": n}, headers=bearer(live.alice)
+                ) as response,
+            ):
+                assert response.status_code == 200
+                for _ in response.iter_lines():
+                    started.set()
+                    if stop.is_set():
+                        return
+
+        readers = [threading.Thread(target=read, args=(n, e)) for n, e in zip((16, 8), started, strict=True)]
+        for thread in readers:
+            thread.start()
+        try:
+            for event in started:
+                assert event.wait(30), "a stream did not start"
+            third = client.post(
+                "/v1/completions",
+                json={"model": "tiny", "prompt": "hi", "max_tokens": 1},
+                headers=bearer(live.alice),
+            )
+            assert third.status_code == 429, third.text
+            assert "sequence limit" in third.json()["error"]["message"]
+        finally:
+            stop.set()
+            for thread in readers:
+                thread.join(60)
+        # The streams closed: their sequences are released.
+        wait_until(lambda: live.engine.stats.num_running == 0, 30, "the closed streams aborted")
+        fourth = client.post(
+            "/v1/completions",
+            json={"model": "tiny", "prompt": "hi", "max_tokens": 1},
+            headers=bearer(live.alice),
+        )
+        assert fourth.status_code == 200, fourth.text
