@@ -13,8 +13,9 @@ Cases:
   text: paragraphs and code from this repository), ``--gen`` tokens.
 * ``random x1``: one stream, a prompt of random tokens (nothing to look up: the policy's
   back-off must keep the cost near zero).
-* ``copy x16``: 16 such copy requests at once: past ``disable_by_batch_size`` (4) the policy
-  turns speculation off (at 16 a 2-core CPU is compute-bound: verifying k drafts costs k tokens).
+* ``copy x16``: 16 such copy requests at once. Past ``disable_by_batch_size`` (4 by default)
+  the policy turns speculation off: at 16 sequences a 2-core CPU is compute-bound, and verifying
+  k drafts costs k tokens of compute.
 
 Figures: generated tokens / wall second, the ratio on/off, and the acceptance rate (accepted /
 proposed draft tokens). llama.cpp's prompt lookup is compared only when ``llama_cpp`` imports

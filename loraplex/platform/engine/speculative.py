@@ -25,7 +25,9 @@ verification, up to the accepted tokens: a rejected token is never cached.
 Policy: speculation is off for a step when more than ``disable_by_batch_size`` sequences run
 (vLLM's knob: a batch already reads the weights once for many tokens), and off for a request
 whose measured acceptance fell below ``min_acceptance`` (it backs off, trying again later).
-Requests with penalties, logprobs, ``n > 1`` or pending ``min_tokens`` decode normally.
+Requests with penalties, logprobs, ``n > 1``, pending ``min_tokens`` or structured outputs
+(``structured_outputs``: the grammar masks are computed for one position per step) decode
+normally, token by token, beside speculating ones.
 """
 
 from __future__ import annotations
@@ -185,9 +187,11 @@ class Speculator:
 
 def eligible(params: SamplingParams, seq: Sequence) -> bool:
     """Whether ``verify`` reproduces the sampler for this request: no penalties (they change
-    with every token), no logprobs, one completion, ``min_tokens`` reached."""
+    with every token), no logprobs, one completion, ``min_tokens`` reached, and no output grammar
+    (structured outputs decode one token at a time for now: their masks are per position)."""
     return (
-        not params.needs_penalties
+        seq.grammar is None
+        and not params.needs_penalties
         and params.logprobs is None
         and params.n == 1
         and seq.num_output_tokens >= params.min_tokens

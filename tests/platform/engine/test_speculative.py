@@ -48,6 +48,7 @@ def test_config_errors() -> None:
     assert SpeculativeConfig.parse('{"num_speculative_tokens": 2}').num_speculative_tokens == 2
 
 
+@pytest.mark.slow
 def test_rejection_sampling_keeps_distribution() -> None:
     """Chi-square: tokens from ``verify`` with a fixed (often wrong) draft follow p exactly."""
     gen = torch.Generator().manual_seed(0)
