@@ -286,6 +286,9 @@ def request_output(req: Request) -> RequestOutput:
     metrics = {"arrival_time": req.arrival_time}
     if req.first_token_time is not None:
         metrics["first_token_time"] = req.first_token_time
+    if req.spec_proposed:  # speculative decoding: this request's drafts proposed / accepted
+        metrics["spec_num_draft_tokens"] = req.spec_proposed
+        metrics["spec_num_accepted_tokens"] = req.spec_accepted
     return RequestOutput(
         request_id=req.request_id,
         prompt=req.prompt,
