@@ -72,7 +72,7 @@ FAMILY_WINDOW = 32  # the tiny family models' sliding window: prompts go past it
 
 
 def family_config(
-    family: str, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2
+    family: str, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 0
 ) -> Any:
     """A tiny HF config of ``family`` (SmolLM2's vocabulary) with every part of the family on:
     a 32-token window where the family has one, soft-capping, two RoPE bases, LongRoPE."""
@@ -98,7 +98,7 @@ def family_config(
         eos_token_id=2,
         pad_token_id=2,
     )
-    head_dim = hidden // heads
+    head_dim = head_dim or hidden // heads
     w = FAMILY_WINDOW
     if family == "llama":
         return LlamaConfig(**common)

@@ -361,7 +361,10 @@ def test_hostile_schemas_answered_fast_and_others_not_delayed(base_url: str, nam
         assert code in (200, 400), body
         assert seconds < BOUND_S
         if code == 400:
-            assert body["error"]["param"] == "response_format" and body["error"]["message"]
+            error = body["error"]
+            # A body nested past the JSON reader's depth (loraplex.strict_json) is refused before
+            # the schema is looked at; anything else is the schema's own 400.
+            assert error["param"] == "response_format" or "nested" in error["message"], error
         else:
             text = body["choices"][0]["message"]["content"]
             if body["choices"][0]["finish_reason"] == "stop":
