@@ -147,7 +147,7 @@ def run_path(path: str, args: argparse.Namespace, model_dir: Path, root: Path) -
             reqs = [LoRARequest(f"{p.name}-{name}", next_id + i, str(p)) for i, p in enumerate(paths)]
             next_id += len(paths)
             loras = [reqs[0] if single else reqs[i % count] for i in range(args.seqs)]
-        profile_batch(engine, prompts[:4], loras[:4], 3)  # warm: adapters resident, paths touched
+        profile_batch(engine, prompts, loras, 2)  # warm: every adapter resident, paths touched
         gc.collect()
         out[name] = profile_batch(engine, prompts, loras, args.steps)
         print(

@@ -8,6 +8,7 @@ print(outs[0].outputs[0].text)
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence as Seq
 from typing import Any, TypeVar, cast
 
@@ -28,6 +29,9 @@ class LLM:
     """A model with its engine; ``generate`` and ``chat`` run batches to completion."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        spec = kwargs.get("speculative_config")
+        if isinstance(spec, dict):  # vLLM's LLM takes the dict; the config holds its JSON
+            kwargs["speculative_config"] = json.dumps(spec)
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
 
     def shutdown(self) -> None:

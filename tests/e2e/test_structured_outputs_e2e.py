@@ -19,9 +19,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel
-from structured_schemas import SCHEMAS
-
-from loraplex.platform.engine.structured.bounds import COMPILE_TIMEOUT_S, MAX_SCHEMA_DEPTH
+from structured_schemas import BOUND_S, HOSTILE, SCHEMAS
 
 MODEL = "SmolLM2-135M-Instruct"
 pytestmark = pytest.mark.slow
@@ -308,28 +306,6 @@ def test_completions_guided_fields(client: openai.OpenAI) -> None:
     assert grammar.choices[0].text.strip().isdigit()
 
 
-def _deep(levels: int) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "string"}
-    for _ in range(levels):
-        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
-    return schema
-
-
-HOSTILE: dict[str, dict[str, Any]] = {
-    "deep nesting": _deep(MAX_SCHEMA_DEPTH * 4),
-    "huge enum": {"enum": [f"value-{i}" for i in range(200_000)]},
-    "recursive $ref": {"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"},
-    "backtracking pattern": {
-        "type": "object",
-        "properties": {"s": {"type": "string", "pattern": "^(a+)+$", "maxLength": 12}},
-        "required": ["s"],
-    },
-}
-BOUND_S = COMPILE_TIMEOUT_S + 20
-"""What docs/operations.md states: a hostile schema is answered (200 or 400) within the compile
-timeout plus a generation of max_tokens."""
-
-
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_hostile_schemas_answered_fast_and_others_not_delayed(base_url: str, name: str) -> None:
     plain = {
@@ -361,7 +337,10 @@ def test_hostile_schemas_answered_fast_and_others_not_delayed(base_url: str, nam
         assert code in (200, 400), body
         assert seconds < BOUND_S
         if code == 400:
-            assert body["error"]["param"] == "response_format" and body["error"]["message"]
+            error = body["error"]
+            # A body nested past the JSON reader's depth (loraplex.strict_json) is refused before
+            # the schema is looked at; anything else is the schema's own 400.
+            assert error["param"] == "response_format" or "nested" in error["message"], error
         else:
             text = body["choices"][0]["message"]["content"]
             if body["choices"][0]["finish_reason"] == "stop":

@@ -108,9 +108,11 @@ def test_fork_siblings_free_shared_blocks_only_when_both_left_them() -> None:
 
 
 def test_prefix_hit_takes_only_the_window_and_pads_the_rest() -> None:
-    """The rule: a hit is the unbroken run of resident blocks from the prompt's start; of it,
-    only the blocks the next query reads are taken. Blocks freed out of a window keep their
-    key and KV until the pool reuses them, when the key goes too."""
+    """The rule: a hit of ``n`` blocks is used only where every block the next query (at
+    ``n * block_size``) reads is resident; of it only those blocks are taken, the entries before
+    are PAD, whether their blocks are still cached or gone. Blocks freed out of a window keep
+    their key and KV until the pool reuses them, when the key goes too: no key points at
+    missing KV."""
     m = KVBlockManager(num_blocks=20, block_size=4, enable_prefix_caching=True, sliding_window=8)
     prompt = list(range(100, 140))  # 40 tokens: 10 full blocks
     hit = m.get_computed_blocks(0, prompt)
@@ -123,7 +125,8 @@ def test_prefix_hit_takes_only_the_window_and_pads_the_rest() -> None:
 
     other = [*prompt, 7]
     hit = m.get_computed_blocks(1, other)
-    assert hit.num_cached_blocks == 10  # every block of the run is resident
+    assert hit.num_cached_blocks == 10
+    assert hit.block_ids[:8] == (PAD_BLOCK_ID,) * 8  # query 40 never reads them
     assert m.can_allocate(1, 41, hit) is AllocStatus.OK
     assert m.num_new_blocks_needed(1, 40, 1, hit) == 1  # blocks 8, 9 are shared, one fresh
     assert m.allocate_slots(1, 40, 1, hit) == []
@@ -132,12 +135,18 @@ def test_prefix_hit_takes_only_the_window_and_pads_the_rest() -> None:
     assert m.num_held_blocks(1) == 3 and m.num_free_blocks == 17
     m.check_integrity()
 
-    # Fill the pool: the freed cached blocks are evicted (oldest freed first), their keys leave
-    # the index, and the prompt's next lookup finds nothing rather than a run with holes.
+    # Fill the pool: the freed cached blocks are evicted (oldest freed first) and their keys
+    # leave the index. The window's blocks (8, 9: sequence 0 holds them) still give a full hit.
     m.free(1)
+    keys = m.block_keys(0)
     assert m.allocate_slots(2, 0, 4 * m.num_free_blocks) == []
     assert m.num_free_blocks == 0
+    assert all(m.pool.lookup(key) is None for key in keys[:8])
     hit = m.get_computed_blocks(3, other)
+    assert hit.num_cached_blocks == 10 and hit.block_ids[8:] == tuple(m.block_table(0)[8:10])
+    m.free(3)
+    # A shorter prompt whose window lies in the evicted blocks: block 4 is gone, so the longest
+    # hit whose window (query 20 reads 13..20: blocks 3, 4) is resident is none at all.
+    hit = m.get_computed_blocks(4, prompt[:21])
     assert hit.num_cached_blocks == 0
-    assert m.pool.lookup(m.block_keys(3)[0]) is None
     m.check_integrity()

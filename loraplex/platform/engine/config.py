@@ -7,7 +7,7 @@ lives in ``RuntimeInfo``, never written back into the config.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
 import torch
 
@@ -139,10 +139,10 @@ class EngineConfig:
     less than recomputing, by measured rates; recompute without a tier)."""
     max_logprobs: int = 20
     """Most logprobs (top alternatives per token) one request may ask for (vLLM's default)."""
-    speculative_config: str | dict[str, Any] | None = None
-    """Speculative decoding, as vLLM's dict (or its JSON text): {"method": "ngram",
+    speculative_config: str | None = None
+    """Speculative decoding, as vLLM's JSON (``LLM`` also takes the dict): {"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4,
-    "disable_by_batch_size": 16} (engine/speculative.py; docs/operations.md). None: off."""
+    "disable_by_batch_size": 4} (engine/speculative.py; docs/operations.md). None: off."""
     kv_events_config: str | None = None
     """KV cache events for routers, as vLLM's JSON: {"enable_kv_cache_events": true, "endpoint":
     "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "...", "buffer_steps": 10000, "hwm":

@@ -96,7 +96,10 @@ class OutputProcessor:
         row_logits = self._ban_early_stops(row_logits, seqs, owned=not in_order)
         failed: list[RequestOutput] = []
         if masks is not None:
-            plain_greedy = [s.params.greedy and not s.params.needs_penalties for s in seqs]
+            # Rows with logprobs get the whole mask, so their logprobs are always the masked ones.
+            plain_greedy = [
+                s.params.greedy and not s.params.needs_penalties and s.params.logprobs is None for s in seqs
+            ]
             row_logits, empty = masks.apply(row_logits, [sample_idx[r] for r in rows], plain_greedy)
             failed = self._fail_grammar(empty, seqs)
         failed += self._fail_non_finite(row_logits, seqs)
@@ -283,6 +286,9 @@ def request_output(req: Request) -> RequestOutput:
     metrics = {"arrival_time": req.arrival_time}
     if req.first_token_time is not None:
         metrics["first_token_time"] = req.first_token_time
+    if req.spec_proposed:  # speculative decoding: this request's drafts proposed / accepted
+        metrics["spec_num_draft_tokens"] = req.spec_proposed
+        metrics["spec_num_accepted_tokens"] = req.spec_accepted
     return RequestOutput(
         request_id=req.request_id,
         prompt=req.prompt,

@@ -107,6 +107,10 @@ class StructuredOutputsParams:
             )
         kind = set_kinds[0]
         value = getattr(self, kind)
+        if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
+            raise InvalidParameterError(
+                f"{self.param}: whitespace_pattern must be a string", param=self.param
+            )
         if kind == "json" and not isinstance(value, str | dict):
             raise InvalidParameterError(f"{self.param}: json must be a JSON schema object", param=self.param)
         if kind in ("regex", "grammar") and (not isinstance(value, str) or not value):

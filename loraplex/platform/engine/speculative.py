@@ -1,7 +1,7 @@
 """Speculative decoding: prompt-lookup (n-gram) drafts verified in one forward, KV rolled back.
 
 ``speculative_config`` is vLLM's: ``{"method": "ngram", "num_speculative_tokens": k,
-"prompt_lookup_min": 1, "prompt_lookup_max": 4, "disable_by_batch_size": 16}``.
+"prompt_lookup_min": 1, "prompt_lookup_max": 4, "disable_by_batch_size": 4}``.
 
 Per decode step of a running sequence the proposer looks for the last ``n`` tokens
 (``prompt_lookup_max`` down to ``prompt_lookup_min``) earlier in the sequence and proposes
@@ -25,7 +25,9 @@ verification, up to the accepted tokens: a rejected token is never cached.
 Policy: speculation is off for a step when more than ``disable_by_batch_size`` sequences run
 (vLLM's knob: a batch already reads the weights once for many tokens), and off for a request
 whose measured acceptance fell below ``min_acceptance`` (it backs off, trying again later).
-Requests with penalties, logprobs, ``n > 1`` or pending ``min_tokens`` decode normally.
+Requests with penalties, logprobs, ``n > 1``, pending ``min_tokens`` or structured outputs
+(``structured_outputs``: the grammar masks are computed for one position per step) decode
+normally, token by token, beside speculating ones.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    disable_by_batch_size: int | None = 16
+    disable_by_batch_size: int | None = 4
     """Speculate only while at most this many sequences run (None: always)."""
     min_acceptance: float = 0.2
     """A request whose acceptance rate (after ``warmup`` drafts) falls below this stops proposing
@@ -114,6 +116,12 @@ class SpecCounters:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+
+    def snapshot(self) -> SpecCounters:
+        """A copy (for ``EngineStats``: other threads read it)."""
+        return SpecCounters(
+            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, list(self.accepted_per_pos)
+        )
 
     def count(self, proposed: int, accepted: int) -> None:
         self.num_drafts += 1
@@ -179,9 +187,11 @@ class Speculator:
 
 def eligible(params: SamplingParams, seq: Sequence) -> bool:
     """Whether ``verify`` reproduces the sampler for this request: no penalties (they change
-    with every token), no logprobs, one completion, ``min_tokens`` reached."""
+    with every token), no logprobs, one completion, ``min_tokens`` reached, and no output grammar
+    (structured outputs decode one token at a time for now: their masks are per position)."""
     return (
-        not params.needs_penalties
+        seq.grammar is None
+        and not params.needs_penalties
         and params.logprobs is None
         and params.n == 1
         and seq.num_output_tokens >= params.min_tokens

@@ -240,6 +240,10 @@ class ServerLimits:
     """Deadline of each request in seconds, waiting and running together: past it the request
     ends with an error (408, request_timeout) and frees its KV blocks; 0 = no deadline."""
     # Hostile clients (docs/operations.md, "Hostile tenants").
+    max_response_logprobs: int = 262_144
+    """Most logprob entries a whole (non-streamed) answer may hold: n x prompts x max_tokens x
+    (1 + top logprobs), refused up front with 400 when over (about 15 MB of JSON); streamed answers
+    are sent as they come and are not capped."""
     stream_write_timeout_s: int = 30
     """How long one write of a streamed answer may wait for a client that stopped reading; past it
     the request is aborted and its slot, KV blocks and adapter pin freed (usage still recorded);

@@ -215,7 +215,7 @@ class KVBlockManager:
             return NO_HIT
         if self._tables.get(seq_id):
             raise RuntimeError(f"sequence {seq_id} already holds blocks; look up only before admission")
-        return self.prefix_cache.lookup(seq_id, token_ids, extra_keys, owner, origin)
+        return self.prefix_cache.lookup(seq_id, token_ids, extra_keys, owner, origin, self.sliding_window)
 
     def cache_full_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> int:
         """After a step: make ``seq_id``'s newly computed full blocks findable; return how many.

@@ -29,6 +29,10 @@ from loraplex.platform.settings import ServerLimits
 
 WRITE_TIMEOUT_S = 1
 MAX_SEQUENCES = 24
+MAX_RESPONSE_LOGPROBS = 16 * 200 * 21
+"""The largest whole answer: n=16, 200 tokens, top_logprobs=20 (about 6 MB of JSON)."""
+STALL_S = 1.0
+"""Longest /health may take while a hostile request runs."""
 RSS_BOUND_BYTES = 100 << 20
 """A stalled reader of n=16 long completions may cost the server at most this much memory."""
 
@@ -40,6 +44,8 @@ class Live:
     mallory: str
     """A tenant limited to one request at a time."""
     alice: str
+    others: list[str]
+    """Two more tenants without limits."""
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -58,7 +64,7 @@ def live(tiny_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
     # Room for 16 sequences of 2,000 tokens: the stalled reader's request could run that long.
     config = EngineConfig(model=str(tiny_dirs["gqa_tied"]), dtype="float32", num_kv_blocks=2200)
     engine = AsyncEngine(LLMEngine(config))
-    limits = ServerLimits(stream_write_timeout_s=WRITE_TIMEOUT_S)
+    limits = ServerLimits(stream_write_timeout_s=WRITE_TIMEOUT_S, max_response_logprobs=MAX_RESPONSE_LOGPROBS)
     settings = settings_for(
         tmp,
         f"sqlite+aiosqlite:///{tmp / 'g.db'}",
@@ -81,11 +87,11 @@ def live(tiny_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
     url = f"http://127.0.0.1:{port}"
     with httpx.Client(base_url=url, headers=ADMIN, timeout=60) as admin:
         keys = {}
-        for name, quotas in (("mallory", {"max_concurrency": 1}), ("alice", {})):
+        for name, quotas in (("mallory", {"max_concurrency": 1}), ("alice", {}), ("bob", {}), ("carol", {})):
             assert admin.post("/admin/api/tenants", json={"name": name, **quotas}).status_code == 201
             keys[name] = admin.post(f"/admin/api/tenants/{name}/keys", json={}).json()["key"]
     try:
-        yield Live(url, engine, keys["mallory"], keys["alice"])
+        yield Live(url, engine, keys["mallory"], keys["alice"], [keys["bob"], keys["carol"]])
     finally:
         server.stop()
         thread.join(60)
@@ -220,3 +226,87 @@ def test_n_counts_against_concurrency_as_sequences(live: Live) -> None:
             headers=bearer(live.alice),
         )
         assert fourth.status_code == 200, fourth.text
+
+
+class HealthWatch:
+    """Polls /health from a thread while an attack runs; records the slowest answer."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.worst_s = 0.0
+        self.num_polls = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=30) as client:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                assert client.get("/health").status_code == 200
+                self.worst_s = max(self.worst_s, time.monotonic() - started)
+                self.num_polls += 1
+                time.sleep(0.02)
+
+    def __enter__(self) -> HealthWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def test_an_answer_over_the_size_cap_is_refused_up_front(live: Live) -> None:
+    """Class 2: n=16 x 2,000 tokens x top_logprobs=20 is within every per-field limit, but the whole
+    answer could hold 672,000 logprob entries: refused with 400 before anything runs."""
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "n": 16,
+        "max_tokens": 2000,
+        "logprobs": True,
+        "top_logprobs": 20,
+    }
+    with httpx.Client(base_url=live.url, timeout=30) as client:
+        started = time.monotonic()
+        refused = client.post("/v1/chat/completions", json=body, headers=bearer(live.alice))
+        took_s = time.monotonic() - started
+        assert refused.status_code == 400, refused.text
+        assert "672000 logprob entries" in refused.json()["error"]["message"]
+        assert took_s < 0.5 and live.engine.stats.num_running == 0
+        streamed = client.post(
+            "/v1/chat/completions", json=body | {"stream": True, "max_tokens": 2}, headers=bearer(live.alice)
+        )
+        assert streamed.status_code == 200, streamed.text  # a stream is sent as it comes: not capped
+
+
+@pytest.mark.slow
+def test_health_answers_while_maximal_answers_are_built(live: Live) -> None:
+    """Class 2: three answers at the size cap at once; /health keeps answering within a second while
+    they are built and encoded (in worker threads, not on the event loop)."""
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "n": 16,
+        "max_tokens": 200,
+        "logprobs": True,
+        "top_logprobs": 20,
+        "ignore_eos": True,
+    }
+    sizes: list[int] = []
+
+    def ask(key: str) -> None:
+        with httpx.Client(base_url=live.url, timeout=300) as client:
+            answer = client.post("/v1/chat/completions", json=body, headers=bearer(key))
+            assert answer.status_code == 200, answer.text[:300]
+            sizes.append(len(answer.content))
+
+    # Three tenants: one tenant's 48 sequences would pass the per-tenant sequence cap.
+    askers = [threading.Thread(target=ask, args=(key,)) for key in (live.alice, *live.others)]
+    with HealthWatch(live.url) as watch:
+        for thread in askers:
+            thread.start()
+        for thread in askers:
+            thread.join(300)
+    assert len(sizes) == 3 and min(sizes) > 3_000_000, sizes
+    assert watch.num_polls > 10 and watch.worst_s < STALL_S, (watch.worst_s, watch.num_polls)

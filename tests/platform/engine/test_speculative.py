@@ -14,7 +14,13 @@ import torch
 from loraplex import LLM, SamplingParams
 from loraplex.platform.engine.speculative import SpeculativeConfig, ngram_propose, verify
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SPEC: dict[str, Any] = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+    "disable_by_batch_size": None,  # on in every batch here: the mixed batches are the point
+}
 
 
 def copy_prompt(seed: int, length: int = 24) -> list[int]:
@@ -42,6 +48,7 @@ def test_config_errors() -> None:
     assert SpeculativeConfig.parse('{"num_speculative_tokens": 2}').num_speculative_tokens == 2
 
 
+@pytest.mark.slow
 def test_rejection_sampling_keeps_distribution() -> None:
     """Chi-square: tokens from ``verify`` with a fixed (often wrong) draft follow p exactly."""
     gen = torch.Generator().manual_seed(0)
@@ -175,4 +182,71 @@ def test_random_workload_invariants(tiny_dirs: dict[str, Path]) -> None:
         engine.step()
         engine.check_integrity()
     assert engine.speculator is not None and engine.speculator.counters.num_drafts > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_metrics_in_vllm_dialect_and_per_request(tiny_dirs: dict[str, Path]) -> None:
+    """/metrics' collector shows vLLM's spec_decode counters, equal to the engine's; each request
+    carries its own proposed / accepted counts."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from loraplex.platform.api.observability.vllm_metrics import VLLMCollector
+    from loraplex.platform.engine.async_engine import AsyncEngine
+
+    llm = _llm(tiny_dirs["mha_untied"], SPEC)
+    outs = llm.generate(
+        [copy_prompt(s) for s in range(3)], SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False
+    )
+    engine = llm.llm_engine
+    counters = engine.speculator.counters  # type: ignore[union-attr]
+    assert sum(int(o.metrics.get("spec_num_draft_tokens", 0)) for o in outs) == counters.num_draft_tokens
+    assert (
+        sum(int(o.metrics.get("spec_num_accepted_tokens", 0)) for o in outs) == counters.num_accepted_tokens
+    )
+    engine.publish_stats()
+    async_engine = AsyncEngine(engine)
+    try:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(VLLMCollector(async_engine, "m", 0.9, True))
+        families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    finally:
+        async_engine.shutdown()
+    value = {
+        name: families[name].samples[0].value for name in families if name.startswith("vllm:spec_decode")
+    }
+    assert families["vllm:spec_decode_num_draft_tokens"].type == "counter"
+    assert value["vllm:spec_decode_num_draft_tokens"] == counters.num_draft_tokens > 0
+    assert value["vllm:spec_decode_num_accepted_tokens"] == counters.num_accepted_tokens
+    assert value["vllm:spec_decode_num_drafts"] == counters.num_drafts
+    per_pos = families["vllm:spec_decode_num_accepted_tokens_per_pos"].samples
+    assert sum(s.value for s in per_pos if s.name.endswith("_total")) == counters.num_accepted_tokens
+
+
+def test_beams_then_speculation_on_one_pool(tiny_dirs: dict[str, Path]) -> None:
+    """Beam searches (one aborted midway, preemption in a tight pool) and speculative requests
+    take turns on one engine: the pool is consistent after every step and empty at the end.
+    (A beam search needs an idle engine, so the two do not share a step.)"""
+    from loraplex import BeamSearchParams
+    from loraplex.platform.engine.beam_search import BeamSearch
+
+    llm = _llm(tiny_dirs["gqa_tied"], SPEC, num_kv_blocks=10)
+    engine = llm.llm_engine
+    rng = random.Random(3)
+    for round_ in range(3):
+        prompts: list[str | list[int]] = [copy_prompt(rng.randrange(9), 12) for _ in range(2)]
+        search = BeamSearch(engine, prompts, BeamSearchParams(beam_width=4, max_tokens=12))
+        stop_at = rng.randrange(2, 8) if round_ == 1 else None
+        steps = 0
+        while not search.finished:
+            search.step()
+            engine.check_integrity()
+            steps += 1
+            if steps == stop_at:
+                search.abort()
+                engine.check_integrity()
+        assert not engine.has_unfinished_requests()
+        sp = SamplingParams(max_tokens=16, temperature=rng.choice([0.0, 1.0]), ignore_eos=True)
+        _run_checked(llm, [copy_prompt(rng.randrange(9), 16) for _ in range(3)], [sp] * 3)
+    assert engine.scheduler.num_preemptions > 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -163,6 +163,31 @@ def test_tight_pool_with_host_tier_and_swap_matches_hf(mistral_dir: Path) -> Non
     assert sched.num_preemptions > 0 and sched.num_swapped_out > 0
 
 
+@pytest.mark.timeout(120)
+def test_prompt_longer_than_the_pool_with_its_prefix_in_the_host_tier(mistral_dir: Path) -> None:
+    """A 120-token prompt (15 blocks) in a 12-block pool, its blocks demoted to the host tier by
+    other requests: its prefix hit and the host run could never be held at once, so admission
+    computes past the device hit instead of waiting for room (it used to wait forever)."""
+    rng = random.Random(9)
+    prompt = [rng.randrange(3, 49152) for _ in range(120)]
+    others = [[rng.randrange(3, 49152) for _ in range(90)] for _ in range(3)]
+    refs = _references(mistral_dir, [prompt])
+    llm = LLM(
+        model=str(mistral_dir),
+        dtype="float32",
+        block_size=8,
+        num_kv_blocks=12,
+        max_num_seqs=4,
+        enable_prefix_caching=True,
+        host_kv_cache_bytes=4 << 20,
+    )
+    _run(llm, [prompt], refs, "long prompt cold")
+    llm.generate(others, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    host, _disk = llm.llm_engine.kv.tier_metrics()
+    assert host.demotions > 0
+    _run(llm, [prompt], refs, "long prompt, prefix in the host tier")
+
+
 @pytest.mark.parametrize("max_window_layers", [0, 1])
 def test_qwen2_sliding_window_matches_hf(max_window_layers: int, tmp_path: Path, smollm2_dir: Path) -> None:
     """Qwen2 with ``use_sliding_window``: all layers windowed (blocks freed), or the first

@@ -53,6 +53,8 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's beam search extra: offline only here (``LLM.beam_search``), refused by the server
+    use_beam_search: bool = False
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -63,6 +65,8 @@ class SamplingFields(BaseModel):
     def _refuse_common(self) -> APIError | None:
         if self.logit_bias:
             return unsupported("logit_bias")
+        if self.use_beam_search:
+            return unsupported("use_beam_search", "(beam search is offline only: LLM.beam_search)")
         return None
 
 

@@ -7,13 +7,15 @@ the work for it is cancelled and everything it submitted is aborted.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from fastapi.responses import JSONResponse
+import anyio
 from starlette.requests import Request
 from starlette.responses import Response
 
+from loraplex.platform.api.errors import bad_request
 from loraplex.platform.api.observability.record import record_of
 from loraplex.platform.api.openai.responses import ResponseShape
 from loraplex.platform.api.openai.streaming import SSEResponse, sse_events
@@ -81,6 +83,8 @@ async def respond(
 
     From admission on, every way out closes the admission once, with what the streams read.
     """
+    if not stream:
+        check_answer_size(state, params, len(prompts) if isinstance(prompts, list) else 1)
     streams: list[MeteredStream] = []
     record = record_of(request.scope)
     if record is not None:
@@ -147,4 +151,31 @@ async def respond(
         admission.close([s.last for s in streams], end)
     if finals is None:
         return Response(status_code=CLIENT_CLOSED)
-    return JSONResponse(shape.response(finals))
+    # Built and encoded in a worker thread: a whole answer with logprobs is up to
+    # ``max_response_logprobs`` entries, seconds of Python that would stall every other request.
+    body = await anyio.to_thread.run_sync(_encode, shape, finals)
+    return Response(body, media_type="application/json")
+
+
+def _encode(shape: ResponseShape, finals: list[RequestOutput]) -> bytes:
+    """The whole answer as JSON bytes, exactly as ``JSONResponse`` renders it."""
+    return json.dumps(
+        shape.response(finals), ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
+    ).encode("utf-8")
+
+
+def check_answer_size(state: AppState, params: SamplingParams, num_prompts: int) -> None:
+    """Refuse (400) a non-streamed answer that could hold more than ``max_response_logprobs``
+    logprob entries: n x prompts x max_tokens x (1 + top logprobs), before anything runs."""
+    if params.logprobs is None:
+        return
+    max_tokens = params.max_tokens if params.max_tokens is not None else state.engine.limits.max_model_len
+    entries = params.n * num_prompts * max_tokens * (1 + params.logprobs)
+    cap = state.limits.max_response_logprobs
+    if entries > cap:
+        raise bad_request(
+            f"This answer could hold {entries} logprob entries (n x prompts x max_tokens x "
+            f"(1 + top logprobs)), over this server's limit of {cap} for a whole answer; lower n, "
+            "max_tokens or the number of logprobs, or stream it (stream=true).",
+            "max_tokens",
+        )

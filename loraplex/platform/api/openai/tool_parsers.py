@@ -91,13 +91,15 @@ class Llama3JsonParser:
         if not body.startswith("{"):
             return text, []
         calls = []
-        for part in re.split(r"\}\s*;\s*\{", body):
-            chunk = part if part.startswith("{") else "{" + part
-            chunk = chunk if chunk.endswith("}") else chunk + "}"
+        decoder = json.JSONDecoder()
+        pos = 0
+        while pos < len(body):
             try:
-                obj = json.loads(chunk)
+                obj, pos = decoder.raw_decode(body, pos)
             except ValueError:
                 return text, []
+            while pos < len(body) and body[pos] in " \t\n;":  # calls are separated by "; "
+                pos += 1
             call = (
                 _call(obj.get("name"), obj.get("parameters", obj.get("arguments")))
                 if isinstance(obj, dict)

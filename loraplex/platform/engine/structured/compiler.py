@@ -133,7 +133,10 @@ class GrammarCompiler:
     def _compile(self, spec: StructuredOutputsParams, key: str) -> CompiledGrammar:
         grammar = self._grammar_text(spec)
         tokenizer = self.tokenizer
-        matcher = llguidance.LLMatcher(tokenizer, grammar, limits=parser_limits(), log_level=0)
+        try:
+            matcher = llguidance.LLMatcher(tokenizer, grammar, limits=parser_limits(), log_level=0)
+        except (ValueError, TypeError, RuntimeError) as exc:  # llguidance documents none; be sure
+            raise StructuredOutputError(_problem(spec, str(exc)), param=spec.param) from None
         if matcher.is_error():
             raise StructuredOutputError(_problem(spec, matcher.get_error()), param=spec.param)
         # A grammar that admits nothing (e.g. a $ref to itself) compiles; its first mask is empty.
@@ -171,7 +174,7 @@ class GrammarCompiler:
                 options = {"whitespace_flexible": True, "whitespace_pattern": spec.whitespace_pattern}
             try:
                 return G.grammar_from_json_schema(schema, overrides=options)  # type: ignore[arg-type]
-            except ValueError as exc:
+            except (ValueError, TypeError) as exc:
                 raise StructuredOutputError(f"{spec.param}: {exc}", param=spec.param) from None
         if kind == "regex":
             assert spec.regex is not None
