@@ -26,9 +26,16 @@ Measured per request from its scheduled arrival: TTFT (first chunk with text), i
 latency (gaps between chunks with text, per token), end-to-end latency; per rate: p50 / p99
 of each, output tokens/s and completed requests/s over the window (first arrival to last
 finish). **Goodput** of a system: the highest completed requests/s among the rates where
-its p99 TTFT met the SLO (``--slo-ttft-s``, 2 s) and every request completed. A system that
-saturates (p99 TTFT over 4x the SLO) skips its higher rates. The plot draws p50 / p99 TTFT
-and p50 end-to-end latency against the rate for both systems.
+its p99 TTFT met the SLO (``--slo-ttft-s``, 2 s) and every request completed.
+
+Rates are searched per system (``search_rates``): ``--rates`` is the ascending coarse sweep,
+run until the first rate that misses the SLO; then the rate between the highest that met it
+and the lowest that missed is bisected (geometric mean) until the two are at most
+``--search-ratio`` (1.25) apart or ``--max-probes`` rates ran, so a goodput is never read
+off a grid coarser than 1.25x (a x2 grid put loraplex's at 4 req/s when 8 just missed).
+``--no-search`` runs the ``--rates`` grid as given (stopping once a system saturates: p99
+TTFT over 4x the SLO). The plot draws p50 / p99 TTFT and p50 / p99 end-to-end latency
+against the rate for both systems, every probed rate a point.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,6 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-num-seqs", type=int, default=32, help="loraplex --max-num-seqs")
     p.add_argument("--slo-ttft-s", type=float, default=2.0)
+    p.add_argument("--search-ratio", type=float, default=1.25, help="bisect until met / missed <= this")
+    p.add_argument("--max-probes", type=int, default=10, help="most rates run per system")
+    p.add_argument("--no-search", action="store_true", help="run the --rates grid only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout-s", type=float, default=300.0)
     p.add_argument("--out", default=str(_ROOT / "benchmarks/results/serve_load.json"))
@@ -421,10 +431,53 @@ def adapter_zip(model_dir: Path, out: Path, seed: int, rank: int = 8) -> bytes:
 
 
 # -- report ---------------------------------------------------------------------------
+def meets_slo(row: dict[str, Any], slo_s: float) -> bool:
+    """Every request completed and the p99 TTFT under the SLO."""
+    return bool(row["num_ok"] == row["num_requests"] and (row["ttft_p99_s"] or math.inf) < slo_s)
+
+
 def goodput(rows: list[dict[str, Any]], slo_s: float) -> dict[str, Any] | None:
     """The best rate that met the SLO (p99 TTFT, every request completed), or None."""
-    met = [r for r in rows if r["num_ok"] == r["num_requests"] and (r["ttft_p99_s"] or math.inf) < slo_s]
+    met = [r for r in rows if meets_slo(r, slo_s)]
     return max(met, key=lambda r: r["requests_per_s"], default=None)
+
+
+def search_rates(
+    probe: Callable[[float], dict[str, Any]],
+    coarse: Sequence[float],
+    slo_s: float,
+    ratio: float = 1.25,
+    max_probes: int = 10,
+) -> list[dict[str, Any]]:
+    """The rows of the rates probed to find where ``probe`` stops meeting the SLO, by rate.
+
+    ``coarse`` (ascending) runs until its first miss; then the gap between the highest rate
+    that met the SLO and the lowest that missed is halved geometrically until the two are at
+    most ``ratio`` apart (or ``max_probes`` rates ran). A first rate that misses, or a sweep
+    that never misses, leaves nothing to bisect: the rows say so (goodput None, or the top).
+    """
+    if ratio <= 1.0:
+        raise ValueError(f"search ratio must be > 1, got {ratio}")
+    rows: list[dict[str, Any]] = []
+    met: float | None = None
+    missed: float | None = None
+    for rate in coarse:
+        row = probe(rate)
+        rows.append(row)
+        if meets_slo(row, slo_s):
+            met = rate
+        else:
+            missed = rate
+            break
+    while met is not None and missed is not None and missed / met > ratio and len(rows) < max_probes:
+        rate = math.sqrt(met * missed)
+        row = probe(rate)
+        rows.append(row)
+        if meets_slo(row, slo_s):
+            met = rate
+        else:
+            missed = rate
+    return sorted(rows, key=lambda r: r["rate"])
 
 
 def make_plot(results: dict[str, list[dict[str, Any]]], slo_s: float, path: Path) -> None:
@@ -475,17 +528,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             start_s[name] = system.start()
             print(f"{name}: up in {start_s[name]:.1f} s at {system.url}", flush=True)
             rows = results[name] = []
+
+            def probe(rate: float, system: System = system, name: str = name) -> dict[str, Any]:
+                arrivals = make_arrivals(rate, args.duration_s, args.prompt_words, args.max_tokens, args.seed)
+                row = {"rate": rate, **asyncio.run(run_rate(system, arrivals, args))}
+                print(f"  {name} {rate:.3g} req/s: {json.dumps(_rounded(row))}", flush=True)
+                return row
+
             try:
-                for rate in rates:
-                    arrivals = make_arrivals(
-                        rate, args.duration_s, args.prompt_words, args.max_tokens, args.seed
-                    )
-                    row = {"rate": rate, **asyncio.run(run_rate(system, arrivals, args))}
-                    rows.append(row)
-                    print(f"  {rate:g} req/s: {json.dumps(_rounded(row))}", flush=True)
-                    if (row["ttft_p99_s"] or math.inf) > 4 * args.slo_ttft_s:
-                        print(f"  {name} saturated at {rate:g} req/s: higher rates skipped", flush=True)
-                        break
+                if args.no_search:
+                    for rate in rates:
+                        row = probe(rate)
+                        rows.append(row)
+                        if (row["ttft_p99_s"] or math.inf) > 4 * args.slo_ttft_s:
+                            print(f"  {name} saturated at {rate:g} req/s: higher rates skipped", flush=True)
+                            break
+                else:
+                    rows += search_rates(probe, rates, args.slo_ttft_s, args.search_ratio, args.max_probes)
             finally:
                 system.stop()
     finally:
@@ -516,6 +575,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "goodput": {
             name: None if b is None else {"rate": b["rate"], "requests_per_s": b["requests_per_s"]}
             for name, b in best.items()
+        },
+        # The lowest probed rate above the goodput's that missed the SLO: the search's bracket.
+        "first_missed_rate": {
+            name: min(
+                (
+                    r["rate"]
+                    for r in rows
+                    if not meets_slo(r, args.slo_ttft_s) and r["rate"] > (best[name] or {"rate": 0})["rate"]
+                ),
+                default=None,
+            )
+            for name, rows in results.items()
         },
         "goodput_ratio": ratio,
         "table": table,

@@ -84,6 +84,11 @@ class TimedLinear:
     def prepare(self, weight: Any) -> Any:
         return self.inner.prepare(weight)
 
+    def __getattr__(self, attr: str) -> Any:
+        # The rest of the backend (``rows``: the embedding lookup of a packed table, on the
+        # default GGUF path) untimed, as the inner backend has it.
+        return getattr(self.inner, attr)
+
     def __call__(self, x: Any, weight: Any, bias: Any, out_features: int) -> Any:
         name = self.names.get((out_features, int(x.shape[1])), f"linear {out_features}x{x.shape[1]}")
         start = time.perf_counter()

@@ -10,10 +10,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "EngineConfig", "LoRARequest", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchParams", "EngineConfig", "LoRARequest", "RequestOutput", "SamplingParams"]
 
 if TYPE_CHECKING:
     from loraplex.adapters.request import LoRARequest
+    from loraplex.platform.engine.beam_search import BeamSearchParams
     from loraplex.platform.engine.config import EngineConfig
     from loraplex.platform.engine.outputs import RequestOutput
     from loraplex.platform.engine.sampling_params import SamplingParams
@@ -25,6 +26,7 @@ _LAZY = {
     "SamplingParams": "loraplex.platform.engine.sampling_params",
     "RequestOutput": "loraplex.platform.engine.outputs",
     "LoRARequest": "loraplex.adapters.request",
+    "BeamSearchParams": "loraplex.platform.engine.beam_search",
 }
 
 

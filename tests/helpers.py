@@ -68,6 +68,111 @@ def make_tiny_model_dir(
     return out_dir
 
 
+FAMILY_WINDOW = 32  # the tiny family models' sliding window: prompts go past it
+
+
+def family_config(
+    family: str, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 0
+) -> Any:
+    """A tiny HF config of ``family`` (SmolLM2's vocabulary) with every part of the family on:
+    a 32-token window where the family has one, soft-capping, two RoPE bases, LongRoPE."""
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
+
+    common: dict[str, Any] = dict(
+        vocab_size=49152,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    head_dim = head_dim or hidden // heads
+    w = FAMILY_WINDOW
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "qwen2":  # sliding window on the layers from max_window_layers on
+        return Qwen2Config(**common, use_sliding_window=True, sliding_window=w, max_window_layers=1)
+    if family == "qwen3":
+        return Qwen3Config(**common, head_dim=head_dim)
+    if family == "mistral":
+        return MistralConfig(**common, head_dim=head_dim, sliding_window=w)
+    if family == "gemma2":
+        return Gemma2Config(
+            **common,
+            head_dim=head_dim,
+            query_pre_attn_scalar=24,
+            sliding_window=w,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=8.0,
+        )
+    if family == "gemma3":
+        gemma3_layers = ["sliding_attention"] * (layers - 1) + ["full_attention"]
+        return Gemma3TextConfig(
+            **common,
+            head_dim=head_dim,
+            query_pre_attn_scalar=24,
+            sliding_window=w,
+            layer_types=gemma3_layers,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
+            },
+        )
+    if family == "phi3":
+        half = head_dim // 2
+        return Phi3Config(
+            **{**common, "max_position_embeddings": 1024},
+            original_max_position_embeddings=256,
+            sliding_window=48,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0 + 0.05 * i for i in range(half)],
+                "long_factor": [1.0 + 0.5 * i for i in range(half)],
+            },
+        )
+    raise ValueError(f"no tiny config for {family!r}")
+
+
+def make_tiny_family_dir(out_dir: Path, tokenizer_dir: Path, family: str, seed: int = 0, **kw: Any) -> Path:
+    """Save a randomly initialised tiny model of ``family`` (``family_config``) to ``out_dir``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(family_config(family, **kw), dtype=torch.float32)
+    _widen(model)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        src = tokenizer_dir / name
+        if src.exists():
+            shutil.copy(src, out_dir / name)
+    return out_dir
+
+
+def _widen(model: Any) -> None:
+    # Random init is tiny-scale; widen it so logits are not all near-ties.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            elif p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            else:
+                p.normal_(0.0, 0.05)
+
+
 @dataclass
 class Reference:
     """Greedy tokens from HF ``generate`` plus each step's logprobs (for the near-tie rule)."""

@@ -24,7 +24,7 @@ from typing import Any
 from loraplex import strict_json
 from loraplex.adapters.errors import AdapterValidationError, ValidationReason
 from loraplex.adapters.patterns import LinearPattern, UnsupportedPattern
-from loraplex.adapters.spec import MODULE_NAMES
+from loraplex.adapters.spec import FUSED_MODULES, MODULE_NAMES
 
 # init_lora_weights values whose adapters only work on a *modified* base model
 # (PEFT rewrites the base weights at init). PEFT resets the field to True when it
@@ -119,12 +119,15 @@ def _check_targets(raw: Any, source: str) -> tuple[str, ...] | str:
         return raw or ""
     if not isinstance(raw, list) or not raw or not all(isinstance(t, str) for t in raw):
         raise _fail("bad_config", source, f"target_modules must be a non-empty list or a string, got {raw!r}")
-    bad = sorted(t for t in raw if t.rsplit(".", 1)[-1] not in MODULE_NAMES)
+    # Phi-3's fused qkv_proj / gate_up_proj too; the tensors are checked against the served
+    # family's own module names later (BaseModelSpec.adaptable_modules).
+    known = (*MODULE_NAMES, *FUSED_MODULES)
+    bad = sorted(t for t in raw if t.rsplit(".", 1)[-1] not in known)
     if bad:
         raise _fail(
             "unsupported_target",
             source,
-            f"target_modules {bad} are not supported; LoRA may target only {list(MODULE_NAMES)}",
+            f"target_modules {bad} are not supported; LoRA may target only {list(known)}",
         )
     return tuple(raw)
 

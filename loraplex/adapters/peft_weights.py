@@ -24,7 +24,14 @@ from safetensors.torch import load as load_safetensors
 
 from loraplex.adapters.errors import AdapterValidationError, ValidationReason
 from loraplex.adapters.peft_config import LoraSettings
-from loraplex.adapters.spec import MODULE_NAMES, MODULE_PARENT, BaseModelSpec, ModuleName
+from loraplex.adapters.spec import (
+    FUSED_MODULES,
+    FUSED_PARENT,
+    MODULE_NAMES,
+    MODULE_PARENT,
+    BaseModelSpec,
+    ModuleName,
+)
 
 _LORA_KEY = re.compile(
     r"^base_model\.model\.(?P<module_key>model\.layers\.(?P<layer>0|[1-9][0-9]*)\."
@@ -159,20 +166,31 @@ def _classify_unknown(name: str, source: str) -> AdapterValidationError:
     return _fail("unexpected_tensor", source, f"tensor {name!r} is not a LoRA weight of a decoder layer")
 
 
+def _parent(module: str) -> str | None:
+    if module in MODULE_PARENT:
+        return MODULE_PARENT[module]
+    return FUSED_PARENT.get(module)
+
+
 def _parse_names(
     tensors: Mapping[str, torch.Tensor], spec: BaseModelSpec, source: str
-) -> dict[ModuleKey, dict[str, tuple[str, torch.Tensor]]]:
-    """Group tensors by (layer, module); reject names the engine cannot place."""
-    found: dict[ModuleKey, dict[str, tuple[str, torch.Tensor]]] = {}
+) -> dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]]:
+    """Group tensors by (layer, module); reject names the engine cannot place, and modules the
+    served family does not have (Phi-3's fused ``qkv_proj`` on a Llama, ``q_proj`` on a Phi-3)."""
+    found: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
+    allowed = spec.adaptable_modules()
     for name in sorted(tensors):
         match = _LORA_KEY.match(name)
         module = match["module"] if match else ""
-        if (
-            match is None
-            or module not in MODULE_NAMES
-            or MODULE_PARENT[cast(ModuleName, module)] != match["parent"]
-        ):
+        if match is None or _parent(module) is None or _parent(module) != match["parent"]:
             raise _classify_unknown(name, source)
+        if module not in allowed:
+            raise _fail(
+                "unsupported_target",
+                source,
+                f"tensor {name!r} adapts {module}, which the served model does not have; "
+                f"its LoRA-able modules are {list(allowed)}",
+            )
         layer = int(match["layer"])
         if layer >= spec.num_layers:
             raise _fail(
@@ -180,7 +198,7 @@ def _parse_names(
                 source,
                 f"tensor {name!r} is for layer {layer}, but the base model has {spec.num_layers} layers",
             )
-        key = (layer, cast(ModuleName, module))
+        key = (layer, module)
         pair = found.setdefault(key, {})
         if match["kind"] in pair:  # unreachable with one spelling per module; kept as the rule
             raise _fail(
@@ -219,7 +237,10 @@ def parse_weights(
         for kind, t in (("lora_A", a), ("lora_B", b)):
             if not t.is_floating_point():
                 raise _fail("bad_dtype", source, f"{where} {kind} has dtype {t.dtype}; expected a float type")
-        in_features, out_features = spec.features(module)
+        if module in FUSED_MODULES:
+            in_features, out_features = spec.fused_features(module)
+        else:
+            in_features, out_features = spec.features(cast(ModuleName, module))
         rank = int(a.shape[0]) if a.dim() == 2 else -1
         if a.dim() != 2 or a.shape[1] != in_features or b.dim() != 2 or b.shape[0] != out_features:
             raise _fail(
@@ -250,7 +271,7 @@ def parse_weights(
         a32, b32 = a.to(torch.float32), b.to(torch.float32)
         if not check_values:
             lora_b = (b32 * scaling).to(dtype).contiguous()
-            modules[(layer, module)] = LoRAModuleWeights(a32.to(dtype).contiguous(), lora_b, scaling)
+            _store(modules, layer, module, spec, a32.to(dtype).contiguous(), lora_b, scaling)
             continue
         for kind, t in (("lora_A", a32), ("lora_B", b32)):
             if not bool(torch.isfinite(t).all()):
@@ -271,8 +292,30 @@ def parse_weights(
                 f"(||A||_F * max row ||B * scaling||), over the {limit:.3g} that {dtype} activations "
                 "can take without overflowing; the adapter is broken or mis-scaled",
             )
-        modules[(layer, module)] = LoRAModuleWeights(lora_a, lora_b, scaling)
+        _store(modules, layer, module, spec, lora_a, lora_b, scaling)
     return AdapterWeights(modules)
+
+
+def _store(
+    modules: dict[ModuleKey, LoRAModuleWeights],
+    layer: int,
+    module: str,
+    spec: BaseModelSpec,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: float,
+) -> None:
+    """Keep one module's weights; a fused one (``qkv_proj``) as its slices, which share A and
+    take their rows of B: ``B[rows] @ A x`` is the slice's part of ``B @ A x``, exactly."""
+    parts = FUSED_MODULES.get(module)
+    if parts is None:
+        modules[(layer, cast(ModuleName, module))] = LoRAModuleWeights(lora_a, lora_b, scaling)
+        return
+    start = 0
+    for part in parts:
+        rows = spec.features(part)[1]
+        modules[(layer, part)] = LoRAModuleWeights(lora_a, lora_b[start : start + rows].contiguous(), scaling)
+        start += rows
 
 
 def load_weights(

@@ -11,6 +11,11 @@ o          o_proj                          ``self_attn.o_proj``
 gate_up    gate_proj, up_proj              ``mlp.gate_up_proj`` output
 down       down_proj                       ``mlp.down_proj``
 =========  ==============================  ===================================
+
+Families whose checkpoints store the fused projections (Phi-3: ``self_attn.qkv_proj``,
+``mlp.gate_up_proj``) are adapted on those: a PEFT LoRA of ``qkv_proj`` has one A and a B
+whose rows are q | k | v, so it becomes the three slices ``q_proj``, ``k_proj``, ``v_proj``
+sharing that A, each with its rows of B (``FUSED_MODULES``): the same delta, exactly.
 """
 
 from __future__ import annotations
@@ -37,7 +42,15 @@ GROUPS: dict[GroupName, tuple[ModuleName, ...]] = {
     "gate_up": ("gate_proj", "up_proj"),
     "down": ("down_proj",),
 }
-# Submodule that holds each projection in HF Llama/Mistral/Qwen2 models.
+# PEFT module names of fused checkpoints (Phi-3) -> the slices they are split into, in row order.
+FUSED_MODULES: dict[str, tuple[ModuleName, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+FUSED_PARENT = {"qkv_proj": "self_attn", "gate_up_proj": "mlp"}
+# Model types whose checkpoints (and so their adapters) have the fused modules instead.
+FUSED_MODEL_TYPES = ("phi3",)
+# Submodule that holds each projection in HF Llama/Mistral/Qwen2/Qwen3/Gemma models.
 MODULE_PARENT: dict[ModuleName, str] = {
     "q_proj": "self_attn",
     "k_proj": "self_attn",
@@ -65,6 +78,9 @@ class BaseModelSpec:
     gate_proj: tuple[int, int]
     up_proj: tuple[int, int]
     down_proj: tuple[int, int]
+    # The served family's checkpoint fuses q|k|v and gate|up (Phi-3): adapters target
+    # ``qkv_proj`` / ``gate_up_proj`` and not the separate modules (and the other way round).
+    fused_projections: bool = False
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -96,7 +112,19 @@ class BaseModelSpec:
             gate_proj=(hidden, intermediate),
             up_proj=(hidden, intermediate),
             down_proj=(intermediate, hidden),
+            fused_projections=getattr(config, "model_type", "") in FUSED_MODEL_TYPES,
         )
+
+    def adaptable_modules(self) -> tuple[str, ...]:
+        """The PEFT module names an adapter of the served family may target."""
+        if self.fused_projections:
+            return ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        return MODULE_NAMES
+
+    def fused_features(self, fused: str) -> tuple[int, int]:
+        """``(in_features, out_features)`` of a fused module (``qkv_proj``, ``gate_up_proj``)."""
+        parts = FUSED_MODULES[fused]
+        return self.features(parts[0])[0], sum(self.features(m)[1] for m in parts)
 
     def features(self, module: ModuleName) -> tuple[int, int]:
         """``(in_features, out_features)`` of ``module``."""

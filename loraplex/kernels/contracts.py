@@ -74,6 +74,13 @@ class AttentionBackend(abc.ABC):
     Block tables (``AttentionMetadata.block_tables``) are padded with ``PAD_BLOCK_ID``
     past each sequence's last block; an implementation reads only the first
     ``ceil(seq_len / block_size)`` entries of a row and must not read a padded one.
+
+    Per layer, ``forward`` may be given a ``sliding_window`` ``W`` (HF's convention: a
+    query at position ``p`` sees keys ``p - W < k <= p``) and a ``logit_softcap`` ``c``
+    (Gemma 2: scores become ``c * tanh(scale * q.k / c)`` before the mask and softmax).
+    With a window, entries before ``first_visible_block`` (``metadata.py``) of the
+    sequence's first new token may be ``PAD_BLOCK_ID`` (blocks the window manager freed):
+    an implementation starts reading at that block and never reads the ones before.
     """
 
     name: str
@@ -97,11 +104,16 @@ class AttentionBackend(abc.ABC):
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Causal attention of each new token over its sequence's paged context.
 
         The new tokens' K/V must already be in the cache (``write_kv`` first): token
-        ``j`` of sequence ``i`` sees context positions ``0 .. cached_prefix_len + j``.
+        ``j`` of sequence ``i`` at position ``p = cached_prefix_len + j`` sees context
+        positions ``0 .. p``, or ``p - sliding_window + 1 .. p`` with a window (None or 0:
+        none). ``logit_softcap`` (None or 0: none) caps the scaled scores with ``tanh``.
         """
 
     @abc.abstractmethod

@@ -15,6 +15,11 @@ Index arithmetic, for sequence ``i``::
     KV slot of token t   = slot_mapping[t] = block_id * block_size + offset
     used blocks of i     = block_tables[i, :ceil(seq_lens[i] / block_size)]
     padding of row i     = block_tables[i, ceil(seq_lens[i] / block_size):] == PAD_BLOCK_ID
+
+Sliding-window layers (HF's convention, window ``W``): a query at position ``p`` sees keys
+``k`` with ``p - W < k <= p``. Blocks wholly before the first key any of a sequence's new
+tokens sees (``first_visible_block``) may have been returned to the pool and hold
+``PAD_BLOCK_ID`` too; kernels given the window never read them.
 """
 
 from __future__ import annotations
@@ -33,12 +38,29 @@ fails or is caught by ``check_block_tables`` instead of reading another sequence
 """
 
 
+def window_start(position: int, sliding_window: int | None) -> int:
+    """The first key position a query at ``position`` sees (0 without a window)."""
+    if not sliding_window:
+        return 0
+    return max(0, position - sliding_window + 1)
+
+
+def first_visible_block(first_query_position: int, sliding_window: int | None, block_size: int) -> int:
+    """The first block-table entry a sequence whose first new token sits at
+    ``first_query_position`` reads (entries before it may be ``PAD_BLOCK_ID``)."""
+    return window_start(first_query_position, sliding_window) // block_size
+
+
 def check_block_tables(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens: Sequence[int],  # [num_seqs], host ints
     block_size: int,
+    first_blocks: Sequence[int] | None = None,  # [num_seqs]: entries before these are not read
 ) -> None:
     """Raise ``ValueError`` if a block a sequence uses is ``PAD_BLOCK_ID`` (or any negative id).
+
+    With ``first_blocks`` (sliding windows) the used range of row ``i`` starts at
+    ``first_blocks[i]``: a window manager may have freed the blocks before it.
 
     Reads ``block_tables``: a device sync when it lives on an accelerator, so kernels
     call this only where the table is on the host (or the backend is not a GPU path).
@@ -48,7 +70,10 @@ def check_block_tables(
         return
     table = block_tables[:num_seqs]
     num_used = torch.tensor([-(-n // block_size) for n in seq_lens], device=table.device)
-    used = torch.arange(table.shape[1], device=table.device)[None, :] < num_used[:, None]
+    cols = torch.arange(table.shape[1], device=table.device)[None, :]
+    used = cols < num_used[:, None]
+    if first_blocks is not None:
+        used = used & (cols >= torch.tensor(list(first_blocks), device=table.device)[:, None])
     bad = (table < 0) & used
     if bool(bad.any()):
         seq, idx = (int(i) for i in bad.nonzero()[0].tolist())

@@ -8,12 +8,14 @@ print(outs[0].outputs[0].text)
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence as Seq
 from typing import Any, TypeVar, cast
 
 from tqdm.auto import tqdm
 
 from loraplex.adapters.request import LoRARequest
+from loraplex.platform.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from loraplex.platform.engine.config import EngineConfig
 from loraplex.platform.engine.engine import LLMEngine
 from loraplex.platform.engine.outputs import RequestOutput
@@ -27,6 +29,9 @@ class LLM:
     """A model with its engine; ``generate`` and ``chat`` run batches to completion."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        spec = kwargs.get("speculative_config")
+        if isinstance(spec, dict):  # vLLM's LLM takes the dict; the config holds its JSON
+            kwargs["speculative_config"] = json.dumps(spec)
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
 
     def shutdown(self) -> None:
@@ -93,6 +98,34 @@ class LLM:
                 engine.abort_request(rid)
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Seq[PromptType | dict[str, Any]],
+        params: BeamSearchParams,
+        *,
+        lora_request: LoRARequest | None = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (vLLM's ``LLM.beam_search``), outputs in prompt order.
+
+        ``prompts`` are strings, ``{"prompt": text}`` or ``{"prompt_token_ids": [...]}``; each
+        output holds the best ``beam_width`` sequences, best first (HF ``generate``'s search:
+        ``engine/beam_search.py``). Beams share their KV blocks copy-on-write.
+        """
+        del use_tqdm  # accepted for vLLM's signature; the search reports no progress
+        plain: list[str | list[int]] = []
+        for p in prompts:
+            if isinstance(p, dict):
+                if "prompt_token_ids" in p:
+                    plain.append(list(p["prompt_token_ids"]))
+                elif "prompt" in p:
+                    plain.append(str(p["prompt"]))
+                else:
+                    raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            else:
+                plain.append(p)
+        return BeamSearch(self.llm_engine, plain, params, lora_request).run()
 
     def chat(
         self,

@@ -36,6 +36,36 @@ def test_goodput_is_the_best_rate_under_the_slo() -> None:
     assert bench.goodput(rows[2:3], 2.0) is None
 
 
+def test_rate_search_brackets_the_goodput_within_the_ratio() -> None:
+    """A system that meets the SLO below 5.3 req/s: the coarse x2 sweep stops at 8 (missed),
+    bisection narrows [4, 8] until met and missed are <= 1.25x apart, around 5.3."""
+    bench = load_benchmark("serve_load")
+    probed: list[float] = []
+
+    def probe(rate: float) -> dict[str, object]:
+        probed.append(rate)
+        n = max(1, round(10 * rate))
+        return {
+            "rate": rate,
+            "num_ok": n,
+            "num_requests": n,
+            "ttft_p99_s": 2.0 * rate / 5.3,
+            "requests_per_s": rate,
+        }
+
+    rows = bench.search_rates(probe, [0.5, 1, 2, 4, 8, 16], 2.0, ratio=1.25)
+    assert probed[:5] == [0.5, 1, 2, 4, 8]  # the sweep stops at its first miss
+    assert [r["rate"] for r in rows] == sorted(probed)
+    best = bench.goodput(rows, 2.0)["rate"]
+    missed = min(r for r in probed if r > best)
+    assert best < 5.3 <= missed and missed / best <= 1.25
+    # Nothing to bisect: a first rate that misses, or a sweep that never misses.
+    assert [r["rate"] for r in bench.search_rates(probe, [8, 16], 2.0)] == [8]
+    assert [r["rate"] for r in bench.search_rates(probe, [1, 2], 2.0)] == [1, 2]
+    with pytest.raises(ValueError):
+        bench.search_rates(probe, [1], 2.0, ratio=1.0)
+
+
 @pytest.mark.slow
 def test_serve_load_tiny(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
     bench = load_benchmark("serve_load")
@@ -44,7 +74,7 @@ def test_serve_load_tiny(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
         [
             "--model", str(tiny_dirs["gqa_tied"]),
             "--systems", "loraplex",
-            "--rates", "2,4",
+            "--rates", "2,4", "--search-ratio", "2.5",
             "--duration-s", "2",
             "--drain-s", "30",
             "--prompt-words", "8",

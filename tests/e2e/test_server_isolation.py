@@ -312,8 +312,8 @@ def test_finding6_openai_behaviour(live: LiveServer, client: httpx.Client) -> No
             oa.completions.create(model="smol", prompt="Hi", **extra)
         assert info.value.param == param
     chat_refusals: list[tuple[str, dict[str, Any]]] = [
-        ("response_format", {"response_format": {"type": "json_object"}}),
-        ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+        ("response_format", {"response_format": {"type": "xml"}}),
+        ("tools.0.function.name", {"tools": [{"type": "function", "function": {"name": "f f"}}]}),
         ("max_completion_tokens", {"max_completion_tokens": 0}),
     ]
     for param, extra in chat_refusals:

@@ -419,14 +419,18 @@ def test_cpu_kernel_work_items_across_long_runs(run_len: int) -> None:
         ((40, 72), [16, 16]),  # 32: two
         ((48, 16, 16), [16, 4]),  # 48: three
         ((64,), [64, 33]),  # 64: four
-        ((48, 16, 16), [8, 8]),  # 24 -> 32: padded columns
+        ((48, 16, 16), [8, 8]),  # 24: one vector and a half (8 columns)
+        ((64,), [8, 5]),  # 8: a half vector only (a rank-8 page of o or down)
+        ((40, 72), [20, 8]),  # 40: two vectors and a half
+        ((24, 200), [36, 7]),  # 72: four vectors and a half
+        ((48, 16, 16), [7, 3]),  # 21 -> 24: padded columns in the half
         ((24, 200), [40, 7]),  # 80: a group of four vectors and one of one
     ],
     ids=lambda v: str(v),
 )
 def test_cpu_kernel_shrink_tiles(slice_sizes: tuple[int, ...], ranks: list[int]) -> None:
-    """Every shrink tile shape (1-4 vectors of rank columns, rows of 4 and the widest
-    tile) on groups of 1 to 17 tokens, interleaved, over 300 input features (two whole
+    """Every shrink tile shape (1-4 vectors of rank columns and a last half vector, rows of 4
+    and the widest tile) on groups of 1 to 17 tokens, interleaved, over 300 input features (two whole
     chunks of 128 and a partial one)."""
     in_features = 300
     counts = [1, 17, 4, 12, 5, 13, 16, 8, 6, 2]  # tokens of slot i

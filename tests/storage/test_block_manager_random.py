@@ -49,6 +49,10 @@ class Sim:
             self.content[table[p // bs]][p % bs] = (seq.extra, tuple(seq.tokens[: p + 1]))
         seq.num_computed = end
         self.m.cache_full_blocks(seq_id, seq.tokens, end)
+        # The scheduler frees what left the window after each step; skipped half the time
+        # here, so that allocate_slots (and its accounting) does it instead.
+        if self.rng.random() < 0.5:
+            self.m.free_outside_window(seq_id, end)
 
     def schedule(self, seq_id: int, seq: Seq, hit: PrefixHit) -> bool:
         """allocate_slots for one chunk; check the accounting is exact. False = no room."""
@@ -129,7 +133,11 @@ class Sim:
         bs = self.m.block_size
         for seq_id, seq in self.seqs.items():
             table = self.m.block_table(seq_id)
-            for p in range(seq.num_computed):
+            # With a sliding window only what the next query reads must still be there.
+            start = self.m.first_kept_block(seq.num_computed) * bs
+            # Freed entries lie only behind the window (freeing itself may wait for allocate_slots).
+            assert len(table) - start // bs <= self.m.num_held_blocks(seq_id) <= len(table)
+            for p in range(start, seq.num_computed):
                 got = self.content[table[p // bs]][p % bs]
                 assert got == (seq.extra, tuple(seq.tokens[: p + 1])), (seq_id, p, table)
         for block in self.m.pool.blocks:
@@ -137,11 +145,15 @@ class Sim:
                 assert GARBAGE not in self.content[block.block_id], block
 
 
+@pytest.mark.parametrize("window", [None, 1, 5, 9])
 @pytest.mark.parametrize("seed", range(12))
-def test_random_ops_keep_integrity_and_content(seed: int) -> None:
+def test_random_ops_keep_integrity_and_content(seed: int, window: int | None) -> None:
+    """``window``: a sliding window, whose blocks behind it are freed as sequences grow."""
     rng = random.Random(seed)
     num_blocks, block_size = rng.choice([(6, 2), (10, 2), (12, 4), (24, 3)])
-    m = KVBlockManager(num_blocks, block_size, enable_prefix_caching=True, fingerprint=b"sim")
+    m = KVBlockManager(
+        num_blocks, block_size, enable_prefix_caching=True, fingerprint=b"sim", sliding_window=window
+    )
     sim = Sim(m, rng, [[None] * block_size for _ in range(num_blocks)])
 
     def demote(block_id: int, key: BlockKey, owner: bytes) -> None:
@@ -169,3 +181,4 @@ def test_random_ops_keep_integrity_and_content(seed: int) -> None:
     assert m.num_free_blocks == num_blocks
     stats = m.prefix_cache_stats()
     assert stats.num_queries > 0 and stats.num_hit_blocks > 0 and stats.num_evicted_blocks > 0
+    assert (m.num_window_freed_blocks > 0) == (window is not None)

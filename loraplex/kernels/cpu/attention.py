@@ -97,9 +97,11 @@ class CpuAttentionBackend(PortableAttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor,
+        sliding_window: int = 0,
+        logit_softcap: float = 0.0,
     ) -> None:
         if not paged_decode.supports(query, k_cache):
-            super()._decode(query, k_cache, v_cache, meta, scale, out)
+            super()._decode(query, k_cache, v_cache, meta, scale, out, sliding_window, logit_softcap)
             return
         nd = query.shape[0]
         result = paged_decode.paged_decode_cpu(
@@ -110,6 +112,8 @@ class CpuAttentionBackend(PortableAttentionBackend):
             meta.seq_lens[:nd],
             scale,
             out=out if out.is_contiguous() else None,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
         )
         if result is not out:
             out.copy_(result)
@@ -122,9 +126,11 @@ class CpuAttentionBackend(PortableAttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor,
+        sliding_window: int = 0,
+        logit_softcap: float = 0.0,
     ) -> None:
         if not (self._extend_in_c and paged_extend.supports(query, k_cache)):
-            super()._extend(query, k_cache, v_cache, meta, scale, out)
+            super()._extend(query, k_cache, v_cache, meta, scale, out, sliding_window, logit_softcap)
             return
         nd = meta.num_decodes
         # One call for every prefill sequence of the step; query_start keeps the flat
@@ -138,4 +144,6 @@ class CpuAttentionBackend(PortableAttentionBackend):
             meta.query_start_loc[nd:],
             scale,
             out=out,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
         )

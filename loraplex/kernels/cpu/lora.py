@@ -49,6 +49,28 @@ def _kernel() -> Any | None:
     return bind("loraplex_lora_grouped_f32", _ARGTYPES)
 
 
+def grouped_kernel() -> Any | None:
+    """The bound C function ``loraplex_lora_grouped_f32`` (None when the library is not built).
+
+    Its arguments: ``x, x_stride, y, y_stride`` (addresses, strides in floats), then what
+    ``CpuLoRABackend.prebind_paged`` returns, then the thread count; it returns 0, the number
+    of groups with a slot outside the pool, or -1 when its scratch allocation failed.
+    """
+    return _kernel()
+
+
+@dataclass(frozen=True)
+class BoundSite:
+    """One LoRA site of one step, its kernel arguments fixed: ``args`` follow ``x, x_stride,
+    y, y_stride``. Holds the weights and groups, so the addresses stay valid while it lives."""
+
+    args: tuple[int, ...]
+    in_features: int
+    out_features: int
+    weights: PackedWeights
+    groups: TokenGroups
+
+
 @functools.lru_cache(maxsize=64)
 def _slice_sizes_tensor(slice_sizes: tuple[int, ...]) -> torch.Tensor:
     # A handful of distinct tuples (one per projection kind), asked for in every layer.
@@ -295,6 +317,27 @@ class CpuLoRABackend(PortableLoRABackend):
         if weights is not None:  # a refusal holds no tensors, so it is not cached by id
             self._weights[key] = weights
         return weights
+
+    def packed_weights(
+        self, lora_a: torch.Tensor, lora_b: torch.Tensor, scales: torch.Tensor, slice_sizes: tuple[int, ...]
+    ) -> PackedWeights | None:
+        """The checked weights of one projection (cached), or None when the kernel cannot read them."""
+        return self._packed_weights(lora_a, lora_b, scales, slice_sizes)
+
+    def prebind_paged(self, weights: PackedWeights, passes: tuple[LoRAMetadata, ...]) -> BoundSite | None:
+        """``apply_paged``'s kernel call for ``weights`` and a step's ``passes``, as arguments fixed
+        once (the CPU graph calls the kernel with them at its site, no Python in between); None
+        when no token of the step has pages there."""
+        groups = self._token_groups(passes)
+        if groups.num_groups == 0:
+            return None
+        return BoundSite(
+            (*weights.pointers, *groups.pointers, groups.num_groups, *weights.dims),
+            weights.in_features,
+            weights.out_features,
+            weights,
+            groups,
+        )
 
     def apply(
         self,

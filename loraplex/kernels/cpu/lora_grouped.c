@@ -15,7 +15,8 @@
  *
  * Both halves are register tiles with no horizontal reductions:
  * - the shrink holds rows x vectors of r in registers (6 x 4, 8 x 3, 12 x 2 or 12 x 1
- *   vectors: the slices' rank columns side by side, 16 per vector) and, per input
+ *   vectors: the slices' rank columns side by side, 16 per vector, a last half vector of 8
+ *   where n_pad is an odd multiple of 8) and, per input
  *   feature d, loads the vectors of At's row d once and broadcasts x[t, d] to each row.
  *   The input dimension is walked in chunks of D_CHUNK so a chunk of At (<= 24 KiB at
  *   3 slices x rank 16) stays in L1 while every row tile of the item uses it;
@@ -34,7 +35,7 @@
  *   x          [num_tokens, in_features], row stride x_stride
  *   y          [num_tokens, sum(slice_sizes)], row stride y_stride
  *   lora_at    [num_slots, in_features, n_pad]   column s * rank + k = row k of slice s's A;
- *                                                n_pad = num_slices * rank rounded up to 16
+ *                                                n_pad = num_slices * rank rounded up to 8
  *   lora_bp    [num_slices, num_slots, num_panels, rank, PW]   Bp[.., p, k, c] = B[64p + c, k]
  *   scales     [num_slots] float32
  *   tokens     [group_starts[num_groups]] int64, token indices grouped by adapter
@@ -102,18 +103,50 @@ static void shrink_rows(const float *const *xs, const float *at, int64_t n_pad, 
 #undef SHRINK_CASE
 }
 
-/* r[t, :n_pad] = x_t @ at for the item's n tokens (rows past n: scratch). */
+/* The same for the last 8 columns of a row (n_pad % 16 == 8): one half vector per row, so a
+ * slot's A carries no column of padding past its 8-column multiple (a rank-8 page of o or
+ * down was 8 real columns in 16: half of the bytes a decode streams). */
+typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
+VEC_HELPERS(v8, h)
+
+static inline __attribute__((always_inline)) void shrink_tile_half(const float *const *xs, const float *at,
+                                                                   int64_t n_pad, int64_t c0, int64_t d0,
+                                                                   int64_t d1, float *r, int first,
+                                                                   const int rows) {
+    v8 acc[PAD_ROWS];
+    for (int t = 0; t < rows; ++t) acc[t] = first ? hsplat(0.0f) : hload(r + t * n_pad + c0);
+    for (int64_t d = d0; d < d1; ++d) {
+        const v8 av = hload(at + d * n_pad + c0);
+        for (int t = 0; t < rows; ++t) acc[t] += hsplat(xs[t][d]) * av;
+    }
+    for (int t = 0; t < rows; ++t) hstore(r + t * n_pad + c0, acc[t]);
+}
+
+/* r[t, :n_pad] = x_t @ at for the item's n tokens (rows past n: scratch). Each chunk of
+ * D_CHUNK input features serves every column group and the half vector before the next, so
+ * a slot's A streams from memory once. */
 static void item_shrink(const float *const *xs, int64_t n, const float *at, int64_t n_pad,
                         int64_t in_features, float *r) {
-    for (int64_t c0 = 0; c0 < n_pad; c0 += 4 * VL) {
-        const int nv = n_pad - c0 >= 4 * VL ? 4 : (int)((n_pad - c0) / VL);
-        const int big = big_rows(nv);
-        for (int64_t d0 = 0; d0 < in_features; d0 += D_CHUNK) {
-            const int64_t d1 = d0 + D_CHUNK < in_features ? d0 + D_CHUNK : in_features;
+    const int64_t n_full = n_pad - n_pad % VL; /* columns in whole 16-float vectors */
+    for (int64_t d0 = 0; d0 < in_features; d0 += D_CHUNK) {
+        const int64_t d1 = d0 + D_CHUNK < in_features ? d0 + D_CHUNK : in_features;
+        for (int64_t c0 = 0; c0 < n_full; c0 += 4 * VL) {
+            const int nv = n_full - c0 >= 4 * VL ? 4 : (int)((n_full - c0) / VL);
+            const int big = big_rows(nv);
             for (int64_t t0 = 0; t0 < n;) {
                 const int rows = n - t0 >= big ? big : 4;
                 shrink_rows(xs + t0, at, n_pad, c0, d0, d1, r + t0 * n_pad, d0 == 0, rows, nv);
                 t0 += rows;
+            }
+        }
+        if (n_full == n_pad) continue;
+        for (int64_t t0 = 0; t0 < n;) {
+            if (n - t0 >= 12) {
+                shrink_tile_half(xs + t0, at, n_pad, n_full, d0, d1, r + t0 * n_pad, d0 == 0, 12);
+                t0 += 12;
+            } else {
+                shrink_tile_half(xs + t0, at, n_pad, n_full, d0, d1, r + t0 * n_pad, d0 == 0, 4);
+                t0 += 4;
             }
         }
     }

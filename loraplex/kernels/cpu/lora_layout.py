@@ -6,7 +6,7 @@
     lora_b: [num_slices, max_loras, num_panels, max_rank, PANEL]
                                                 lora_b[s, l, p, k, c] = B[s, l][p * PANEL + c, k]
 
-with ``n_pad = num_slices * max_rank`` rounded up to 16 and ``PANEL = 64`` output
+with ``n_pad = num_slices * max_rank`` rounded up to 8 and ``PANEL = 64`` output
 columns. Why: the shrink broadcasts ``x[t, d]`` against row ``d`` of A^T, all slices
 at once, so it needs no horizontal sums and reads one contiguous run per slot; the
 expand adds one panel of B (``max_rank x 64`` floats, contiguous) into 4 token rows
@@ -23,11 +23,13 @@ import torch
 from loraplex.kernels.lora_layout import LoRAWeightLayout
 
 PANEL = 64  # output columns per B panel; must match PW in lora_grouped.c
-VECTOR = 16  # floats per vector: the shrink's columns are padded to a multiple of it
+VECTOR = 8  # the shrink's columns are padded to a multiple of it: whole 16-float vectors and at
+# most one 8-float half (16 padded a rank-8 page of o or down to twice its bytes, which a
+# decode step streams once per token group)
 
 
 def padded_columns(num_slices: int, max_rank: int) -> int:
-    """``n_pad``: the rank columns of every slice side by side, rounded up to a vector."""
+    """``n_pad``: the rank columns of every slice side by side, rounded up to 8."""
     return -(-num_slices * max_rank // VECTOR) * VECTOR
 
 

@@ -25,6 +25,9 @@
  *   k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim]
  *   block_tables      [num_seqs, table_stride] int32
  *   seq_lens          [num_seqs] int32, >= 1
+ *   window            sliding window (0: none): the query at seq_len - 1 sees the last
+ *                     `window` keys; blocks before the first are never read (may be freed)
+ *   softcap           attention logit soft-capping (0: none): s = softcap * tanh(s / softcap)
  *
  * Each entry point returns the number of work items with a length < 1 or a block id
  * outside the cache (their output is garbage; the launcher raises). float32 and

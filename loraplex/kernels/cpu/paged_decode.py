@@ -16,7 +16,14 @@ from loraplex.kernels.cpu.build import bind, limit
 from loraplex.kernels.metadata import PAD_BLOCK_ID
 
 _SYMBOLS = {torch.float32: "loraplex_paged_decode_f32", torch.bfloat16: "loraplex_paged_decode_bf16"}
-_ARGTYPES = (*[ctypes.c_void_p] * 6, *[ctypes.c_int64] * 8, ctypes.c_float, ctypes.c_int)
+_ARGTYPES = (
+    *[ctypes.c_void_p] * 6,
+    *[ctypes.c_int64] * 8,
+    ctypes.c_float,
+    ctypes.c_int64,
+    ctypes.c_float,
+    ctypes.c_int,
+)
 
 
 def c_kernel(dtype: torch.dtype) -> Any | None:
@@ -49,8 +56,15 @@ def paged_decode_cpu(
     seq_lens: torch.Tensor,  # [num_seqs] int32, each >= 1
     scale: float,
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
+    *,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention with the C kernel; call ``supports`` first (this asserts it).
+
+    With ``sliding_window`` W the query sees the last W keys and the kernel starts at the
+    block holding the first of them (the entries before may be ``PAD_BLOCK_ID``);
+    ``logit_softcap`` caps the scaled scores (``c * tanh(s / c)``).
 
     The kernel reads the first ``ceil(seq_lens[i] / block_size)`` entries of each
     table row (the ``PAD_BLOCK_ID`` padding after them is never read) and reports any
@@ -92,6 +106,8 @@ def paged_decode_cpu(
         block_tables.stride(0),
         num_cache_blocks,
         scale,
+        sliding_window or 0,
+        logit_softcap or 0.0,
         torch.get_num_threads(),
     )
     if bad_items:

@@ -12,7 +12,7 @@ static inline __attribute__((always_inline)) int KV_ITEM(
     const KV_T *query, const KV_T *k_cache, const KV_T *v_cache, const int32_t *table,
     int64_t seq_len, KV_T *out, int64_t q_off, int64_t o_off, int64_t h0, int64_t nh, int64_t group,
     int64_t head_dim, int64_t block_size, int64_t token_stride, int64_t num_cache_blocks,
-    float scale) {
+    float scale, int64_t window, float softcap) {
     const int64_t rows = nh * group;
     const int64_t block_stride = block_size * token_stride;
     float q[MAX_ROWS_DIM], acc[MAX_ROWS_DIM];
@@ -25,9 +25,13 @@ static inline __attribute__((always_inline)) int KV_ITEM(
         run_sum[r] = 0.0f;
     }
     const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
-    for (int64_t b = 0; b < num_blocks; ++b) {
+    /* A sliding window sees keys seq_len - window .. seq_len - 1: the blocks before the
+     * first of them may have been freed (PAD_BLOCK_ID) and are never read. */
+    const int64_t lo = window > 0 && seq_len > window ? seq_len - window : 0;
+    for (int64_t b = lo / block_size; b < num_blocks; ++b) {
         if (table[b] < 0 || table[b] >= num_cache_blocks) return 1; /* never read out of bounds */
         const int64_t n = b + 1 < num_blocks ? block_size : seq_len - b * block_size;
+        const int64_t t0 = b * block_size < lo ? lo - b * block_size : 0; /* first visible token */
         const int64_t base = (int64_t)table[b] * block_stride + h0 * head_dim;
         /* Later blocks lie elsewhere in the pool, out of the hardware prefetcher's
          * sight: ask for the K and V rows (this item's heads of each token) of the block
@@ -43,7 +47,7 @@ static inline __attribute__((always_inline)) int KV_ITEM(
         for (int64_t r = 0; r < rows; ++r) {
             const float *qr = q + r * head_dim;
             const KV_T *kh = k_cache + base + (r / group) * head_dim;
-            for (int64_t t = 0; t < n; ++t) {
+            for (int64_t t = t0; t < n; ++t) {
                 if (next >= 0 && t % rows == r) { /* each token's rows once, spread over the rows */
                     prefetch_row(k_cache + next_base + t * token_stride, row_bytes);
                     prefetch_row(v_cache + next_base + t * token_stride, row_bytes);
@@ -52,20 +56,21 @@ static inline __attribute__((always_inline)) int KV_ITEM(
                 float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                 for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * KV_LOAD(k + d);
-                scores[r][t] = dot;
+                /* Gemma 2's soft-capping of the scaled score (q carries the scale) */
+                scores[r][t] = softcap > 0.0f ? softcap * tanhf(dot / softcap) : dot;
             }
         }
         /* online softmax: probabilities replace the scores, accumulators are rescaled */
         for (int64_t r = 0; r < rows; ++r) {
             float *sr = scores[r];
-            float block_max = sr[0];
+            float block_max = sr[t0];
 #pragma omp simd reduction(max : block_max)
-            for (int64_t t = 1; t < n; ++t) block_max = sr[t] > block_max ? sr[t] : block_max;
+            for (int64_t t = t0 + 1; t < n; ++t) block_max = sr[t] > block_max ? sr[t] : block_max;
             const float new_max = block_max > run_max[r] ? block_max : run_max[r];
             const float correction = expf(run_max[r] - new_max); /* 0 on the first block */
             float block_sum = 0.0f;
 #pragma omp simd reduction(+ : block_sum)
-            for (int64_t t = 0; t < n; ++t) {
+            for (int64_t t = t0; t < n; ++t) {
                 const float p = fast_expf(sr[t] - new_max);
                 sr[t] = p;
                 block_sum += p;
@@ -79,7 +84,7 @@ static inline __attribute__((always_inline)) int KV_ITEM(
 #pragma omp simd
             for (int64_t d = 0; d < head_dim; ++d) a[d] = ar[d] * correction;
             const KV_T *vh = v_cache + base + (r / group) * head_dim;
-            for (int64_t t = 0; t < n; ++t) {
+            for (int64_t t = t0; t < n; ++t) {
                 const KV_T *v = vh + t * token_stride;
                 const float p = sr[t];
 #pragma omp simd
@@ -99,7 +104,8 @@ static inline __attribute__((always_inline)) int KV_ITEM(
 int64_t KV_NAME(const KV_T *query, const KV_T *k_cache, const KV_T *v_cache,
                 const int32_t *block_tables, const int32_t *seq_lens, KV_T *out, int64_t q_stride, int64_t num_seqs,
                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                int64_t table_stride, int64_t num_cache_blocks, float scale, int num_threads) {
+                int64_t table_stride, int64_t num_cache_blocks, float scale, int64_t window, float softcap,
+                int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t chunk = heads_per_item(num_seqs, num_kv_heads, group, head_dim, num_threads);
@@ -123,13 +129,13 @@ int64_t KV_NAME(const KV_T *query, const KV_T *k_cache, const KV_T *v_cache,
         /* Constant head dims for the common sizes: fully unrolled row loops. */
         if (head_dim == 64)
             bad_items += KV_ITEM(query, k_cache, v_cache, table, seq_len, out, q_off, o_off, h0, nh, group, 64,
-                                 block_size, token_stride, num_cache_blocks, scale);
+                                 block_size, token_stride, num_cache_blocks, scale, window, softcap);
         else if (head_dim == 128)
             bad_items += KV_ITEM(query, k_cache, v_cache, table, seq_len, out, q_off, o_off, h0, nh, group, 128,
-                                 block_size, token_stride, num_cache_blocks, scale);
+                                 block_size, token_stride, num_cache_blocks, scale, window, softcap);
         else
             bad_items += KV_ITEM(query, k_cache, v_cache, table, seq_len, out, q_off, o_off, h0, nh, group,
-                                 head_dim, block_size, token_stride, num_cache_blocks, scale);
+                                 head_dim, block_size, token_stride, num_cache_blocks, scale, window, softcap);
     }
     return bad_items;
 }

@@ -19,7 +19,15 @@ from loraplex.kernels.cpu.build import bind, limit
 from loraplex.kernels.metadata import PAD_BLOCK_ID
 
 _SYMBOLS = {torch.float32: "loraplex_paged_extend_f32", torch.bfloat16: "loraplex_paged_extend_bf16"}
-_ARGTYPES = (*[ctypes.c_void_p] * 7, *[ctypes.c_int64] * 9, ctypes.c_float, ctypes.c_int64, ctypes.c_int)
+_ARGTYPES = (
+    *[ctypes.c_void_p] * 7,
+    *[ctypes.c_int64] * 9,
+    ctypes.c_float,
+    ctypes.c_int64,
+    ctypes.c_float,
+    ctypes.c_int64,
+    ctypes.c_int,
+)
 
 
 def c_kernel(dtype: torch.dtype) -> Any | None:
@@ -73,6 +81,8 @@ def paged_extend_cpu(
     out: torch.Tensor | None = None,  # like query
     *,
     max_row_vectors: int = 0,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context (call ``supports`` first).
 
@@ -83,6 +93,10 @@ def paged_extend_cpu(
     context: this raises ``ValueError`` then. ``max_row_vectors`` caps the query rows of
     one work item at that many row vectors (of 16 floats with AVX-512, 8 with AVX2; 0: the
     kernel's own choice; tests use it to reach every tile shape).
+
+    With ``sliding_window`` W a token at position p sees keys p - W + 1 .. p, and a work
+    item starts reading at the block of its first row's first key (the entries before may
+    be ``PAD_BLOCK_ID``); ``logit_softcap`` caps the scaled scores (``c * tanh(s / c)``).
     """
     # Cheap checks only (this runs per layer per step); the kernel validates the
     # index arrays it reads (query_start, seq_lens, block ids) and reports them.
@@ -124,6 +138,8 @@ def paged_extend_cpu(
         block_tables.stride(0),
         num_cache_blocks,
         scale,
+        sliding_window or 0,
+        logit_softcap or 0.0,
         max_row_vectors,
         torch.get_num_threads(),
     )

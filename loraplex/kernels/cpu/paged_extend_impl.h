@@ -15,7 +15,8 @@ static inline __attribute__((always_inline)) int EXT_ITEM(
     const EXT_T *query, const EXT_T *k_cache, const EXT_T *v_cache, const int32_t *table, int64_t prefix,
     int64_t q_tok0, int64_t q_stride, int64_t j0, int64_t ntok, int64_t h, int64_t group, int64_t num_heads,
     int64_t head_dim,
-    int64_t block_size, int64_t token_stride, int64_t num_cache_blocks, float scale, EXT_T *out, const int nv) {
+    int64_t block_size, int64_t token_stride, int64_t num_cache_blocks, float scale, int64_t window, float softcap,
+    EXT_T *out, const int nv) {
 #if EXT_AVX2
 #define EXT_OT(d, r) ((r) * head_dim + (d)) /* row-major: the AVX2 P.V tile loads V rows as vectors */
 #else
@@ -29,6 +30,7 @@ static inline __attribute__((always_inline)) int EXT_ITEM(
     float ot[EXT_MAX_HEAD_DIM * EXT_MAX_ROWS]; /* unnormalised O: ot[EXT_OT(d, r)] */
     float p[EXT_KEYS * EXT_MAX_ROWS];          /* a chunk's scores, then probabilities: p[t * width + r] */
     float m[EXT_MAX_ROWS], l[EXT_MAX_ROWS], corr[EXT_MAX_ROWS], lim[EXT_MAX_ROWS], cmax[EXT_MAX_ROWS];
+    float first_key[EXT_MAX_ROWS]; /* the first key each row sees (a sliding window; else 0) */
 
     for (int64_t r = 0; r < width; ++r) {
         if (r < rows) {
@@ -38,19 +40,25 @@ static inline __attribute__((always_inline)) int EXT_ITEM(
             lim[r] = (float)(prefix + j0 + jl); /* the last key this row sees */
         } else {
             for (int64_t d = 0; d < head_dim; ++d) qt[d * width + r] = 0.0f;
-            lim[r] = (float)(prefix + j0 + ntok - 1); /* never masked: no all -inf rows */
+            lim[r] = (float)(prefix + j0 + ntok - 1); /* sees at least its last key: never all -inf */
         }
+        first_key[r] = window > 0 ? lim[r] - (float)window + 1.0f : 0.0f;
         m[r] = -INFINITY;
         l[r] = 0.0f;
     }
     memset(ot, 0, sizeof(float) * (size_t)(head_dim * width));
 
-    const int64_t all_see = prefix + j0;        /* every row sees keys 0 .. all_see */
-    const int64_t key_end = prefix + j0 + ntok; /* keys read: 0 .. key_end - 1 */
+    const int64_t all_see = prefix + j0;        /* every row sees keys .. all_see */
+    const int64_t key_end = prefix + j0 + ntok; /* keys read: key_start .. key_end - 1 */
+    /* A sliding window: the first row sees keys from all_see - window + 1 on; blocks before
+     * that key's may have been freed (PAD_BLOCK_ID) and are never read. Keys before
+     * `window_end` are out of some row's window and get masked. */
+    const int64_t key_start = window > 0 && all_see + 1 > window ? all_see + 1 - window : 0;
+    const int64_t window_end = window > 0 ? key_end - window : 0;
     /* The first keys' rows now; later ones EXT_PREFETCH_KEYS ahead, in the loop. */
-    ext_prefetch_keys((const char *)k_cache, (const char *)v_cache, table, 0, EXT_PREFETCH_KEYS, key_end, block_size,
-                      token_stride, h * head_dim, head_dim, (int64_t)sizeof(EXT_T), num_cache_blocks);
-    int64_t c0 = 0;
+    ext_prefetch_keys((const char *)k_cache, (const char *)v_cache, table, key_start, EXT_PREFETCH_KEYS, key_end,
+                      block_size, token_stride, h * head_dim, head_dim, (int64_t)sizeof(EXT_T), num_cache_blocks);
+    int64_t c0 = key_start;
     while (c0 < key_end) {
         /* A chunk: up to EXT_KEYS keys, in runs of consecutive keys within one cache block. */
         const EXT_T *kseg[EXT_MAX_SEGMENTS];
@@ -122,20 +130,28 @@ static inline __attribute__((always_inline)) int EXT_ITEM(
         EXT_QK_AVX2(qt, nv, krow, n, head_dim, p);
 #endif
 
-        /* Causal mask, only where some key lies past some row's position. */
-        const int masked = c0 + n - 1 > all_see;
+        /* Gemma 2's soft-capping of the scaled scores (qt carries the scale), before the mask. */
+        if (softcap > 0.0f) {
+            const float inv_cap = 1.0f / softcap;
+            for (int64_t i = 0; i < n * width; ++i) p[i] = softcap * tanhf(p[i] * inv_cap);
+        }
+
+        /* Causal mask, only where some key lies past some row's position (or, with a
+         * sliding window, before some row's window). */
+        const int masked = c0 + n - 1 > all_see || c0 < window_end;
         if (masked) {
             for (int64_t tt = 0; tt < n; ++tt) {
                 const float key = (float)(c0 + tt);
                 float *pt = p + tt * width;
 #pragma omp simd
-                for (int64_t r = 0; r < width; ++r) pt[r] = key > lim[r] ? -INFINITY : pt[r];
+                for (int64_t r = 0; r < width; ++r) pt[r] = key > lim[r] || key < first_key[r] ? -INFINITY : pt[r];
             }
         }
 
         /* Online softmax, rows in lanes: a vertical max, exp and sum over the chunk's keys.
-         * Key 0 is in the first chunk and every row sees it, so the max is finite from
-         * there on; masked keys get probability 0 exactly. */
+         * Without a window key 0 is in the first chunk and every row sees it, so the max is
+         * finite from there on; with one, a row may see nothing in a chunk (its max stays
+         * -inf: nothing to correct yet). Masked keys get probability 0 exactly. */
         memcpy(cmax, m, sizeof(float) * (size_t)width);
         for (int64_t tt = 0; tt < n; ++tt) {
             const float *pt = p + tt * width;
@@ -144,7 +160,7 @@ static inline __attribute__((always_inline)) int EXT_ITEM(
         }
 #pragma omp simd
         for (int64_t r = 0; r < width; ++r) {
-            corr[r] = fast_expf(m[r] - cmax[r]); /* ~0 on the first chunk (m = -inf) */
+            corr[r] = cmax[r] == -INFINITY ? 1.0f : fast_expf(m[r] - cmax[r]); /* ~0 on the first seen chunk */
             m[r] = cmax[r];
             l[r] *= corr[r];
         }
@@ -210,8 +226,8 @@ int64_t EXT_NAME(const EXT_T *query, const EXT_T *k_cache, const EXT_T *v_cache,
                  const int32_t *seq_lens, const int32_t *query_start, EXT_T *out, int64_t q_stride, int64_t num_tokens,
                  int64_t num_seqs,
                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                 int64_t table_stride, int64_t num_cache_blocks, float scale, int64_t max_nv,
-                 int num_threads) {
+                 int64_t table_stride, int64_t num_cache_blocks, float scale, int64_t window, float softcap,
+                 int64_t max_nv, int num_threads) {
     if (num_seqs <= 0) return 0;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
@@ -270,7 +286,7 @@ int64_t EXT_NAME(const EXT_T *query, const EXT_T *k_cache, const EXT_T *v_cache,
         const int64_t q_tok0 = query_start[s];
 #define EXT_CALL(NV, D)                                                                                     \
     EXT_ITEM(query, k_cache, v_cache, table, prefix, q_tok0, q_stride, j0, ntok, h, group, num_heads, D, block_size, \
-             token_stride, num_cache_blocks, scale, out, NV)
+             token_stride, num_cache_blocks, scale, window, softcap, out, NV)
 #if EXT_MAX_NV > 3
 #define EXT_CASES_WIDE(D)                              \
         case 4: bad_items += EXT_CALL(4, D); break;    \

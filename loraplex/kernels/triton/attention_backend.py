@@ -33,6 +33,9 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         out = torch.empty_like(query)
         num_decodes = meta.num_decodes
@@ -46,6 +49,8 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 max_seq_len=meta.max_seq_len,
                 out=out[:num_decodes],
+                sliding_window=sliding_window,
+                logit_softcap=logit_softcap,
             )
         if num_decodes < meta.num_seqs:
             extend_attention(
@@ -59,6 +64,8 @@ class TritonAttentionBackend(AttentionBackend):
                 max_query_len=meta.max_query_len,
                 first_seq=num_decodes,
                 out=out,
+                sliding_window=sliding_window,
+                logit_softcap=logit_softcap,
             )
         return out
 

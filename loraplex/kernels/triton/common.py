@@ -72,3 +72,14 @@ def dot_f32(a, b, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b, input_precision=PRECISION)
+
+
+LOG2E_ = 1.4426950408889634
+
+
+@triton.jit
+def soft_cap_log2(s, softcap):
+    """Soft-capping of log2-domain scores ``s = x * log2(e)``: ``c * tanh(x / c) * log2(e)``
+    (Gemma 2), with ``tanh(y) = 2 * sigmoid(2y) - 1`` (no tanh in core ``tl``)."""
+    x = s / (LOG2E_ * softcap)
+    return (2.0 * tl.sigmoid(2.0 * x) - 1.0) * (softcap * LOG2E_)

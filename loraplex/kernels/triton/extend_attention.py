@@ -14,13 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels.metadata import check_block_tables
+from loraplex.kernels.metadata import check_block_tables, first_visible_block
 from loraplex.kernels.triton.common import (
     SUPPORTED_DTYPES,
     dot_f32,
     dot_precision,
     needs_upcast,
     pow2_at_least,
+    soft_cap_log2,
 )
 
 LOG2E = 1.4426950408889634
@@ -36,6 +37,8 @@ def _extend_attention_kernel(
     seq_lens_ptr,
     out_ptr,
     scale_log2,
+    softcap,
+    window,
     seq_offset,
     stride_q_tok,
     stride_q_head,
@@ -56,6 +59,7 @@ def _extend_attention_kernel(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = seq_offset + tl.program_id(0)
     head = tl.program_id(1)
@@ -79,11 +83,14 @@ def _extend_attention_kernel(
         # Key position of each query row; padded rows copy the last real row's limit.
         q_pos = prefix + tl.minimum(rows, q_len - 1)
         kv_end = prefix + tl.minimum(q_len, (m_block + 1) * BLOCK_M)
+        # A sliding window (window > 0): the tile's first row sees keys from
+        # prefix + m_block * BLOCK_M - window + 1 on; table entries before may be PAD_BLOCK_ID.
+        kv_start = tl.where(window > 0, tl.maximum(prefix + m_block * BLOCK_M - window + 1, 0), 0)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-        for n0 in range(0, kv_end, BLOCK_N):
+        for n0 in range(kv_start, kv_end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             valid = pos < kv_end
             table_row = block_tables_ptr + seq * stride_bt_seq
@@ -109,12 +116,17 @@ def _extend_attention_kernel(
                 other=0.0,
             )
             s = dot_f32(q, tl.trans(k), UPCAST, PRECISION) * scale_log2
-            # Every row sees key 0, so no row is all -inf and the softmax never NaNs.
+            if SOFTCAP:
+                s = soft_cap_log2(s, softcap)
             visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+            visible = visible & ((window <= 0) | (pos[None, :] > q_pos[:, None] - window))
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
+            # Under a window a row may see no key of a tile (max -inf): subtract 0 then, so
+            # exp2 gives 0, not NaN (without one every row sees key 0 of the first tile).
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + dot_f32(p.to(v.dtype), v, UPCAST, PRECISION)
             m_i = m_new
@@ -138,8 +150,15 @@ def extend_attention(
     max_query_len: int,
     first_seq: int = 0,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    *,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of sequences ``first_seq..`` over their paged context.
+
+    ``sliding_window`` W: row j sees keys ``prefix + j - W + 1 .. prefix + j`` and a tile's
+    loads start at its first row's first key (table entries before may be padding);
+    ``logit_softcap`` c: ``s = c tanh(s / c)`` on the scaled scores.
 
     Rows of sequences before ``first_seq`` (the decodes) are left untouched in ``out``.
 
@@ -174,7 +193,12 @@ def extend_attention(
     if first_seq == num_seqs or num_tokens == 0 or max_query_len == 0:
         return out
     if block_tables.device.type == "cpu":
-        check_block_tables(block_tables[first_seq:], seq_lens[first_seq:].tolist(), page_size)
+        lens = seq_lens[first_seq:].tolist()
+        q_lens = (query_start_loc[first_seq + 1 :] - query_start_loc[first_seq:-1]).tolist()
+        firsts = [
+            first_visible_block(n - q, sliding_window, page_size) for n, q in zip(lens, q_lens, strict=True)
+        ]
+        check_block_tables(block_tables[first_seq:], lens, page_size, firsts)
 
     head_dim_pad = pow2_at_least(head_dim)
     block_m = 64 if max_query_len > 32 else pow2_at_least(max_query_len)
@@ -182,13 +206,14 @@ def extend_attention(
     grid = (num_seqs - first_seq, num_heads, triton.cdiv(max_query_len, block_m))
     _extend_attention_kernel[grid](
         query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        scale * LOG2E, first_seq, query.stride(0), query.stride(1),
+        scale * LOG2E, float(logit_softcap or 0.0), int(sliding_window or 0), first_seq,
+        query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        UPCAST=needs_upcast(query.dtype), PRECISION=dot_precision(query.dtype),
+        UPCAST=needs_upcast(query.dtype), PRECISION=dot_precision(query.dtype), SOFTCAP=bool(logit_softcap),
         num_warps=8 if head_dim_pad >= 128 else 4,  # a 64 x 128 fp32 accumulator needs the registers
     )  # fmt: skip
     return out

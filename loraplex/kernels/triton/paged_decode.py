@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels.metadata import check_block_tables
+from loraplex.kernels.metadata import check_block_tables, first_visible_block
 from loraplex.kernels.triton.common import (
     SUPPORTED_DTYPES,
     device_sms,
@@ -26,6 +26,7 @@ from loraplex.kernels.triton.common import (
     dot_precision,
     needs_upcast,
     pow2_at_least,
+    soft_cap_log2,
 )
 
 LOG2E = 1.4426950408889634
@@ -64,6 +65,8 @@ def _paged_decode_kernel(
     max_ptr,
     sum_ptr,
     scale_log2,
+    softcap,
+    window,
     partition_size,
     stride_q_seq,
     stride_q_head,
@@ -88,13 +91,17 @@ def _paged_decode_kernel(
     SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = part * partition_size
-    end = tl.minimum(start + partition_size, seq_len)
+    end = tl.minimum(part * partition_size + partition_size, seq_len)
+    # A sliding window (window > 0) sees keys seq_len - window ..: earlier table entries may
+    # be PAD_BLOCK_ID, so loads start there (window = 0: from key 0).
+    first_key = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    start = tl.maximum(part * partition_size, first_key)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -136,6 +143,8 @@ def _paged_decode_kernel(
         )
         # Scores in the log2 domain so the softmax uses exp2.
         s = dot_f32(q, tl.trans(k), UPCAST, PRECISION) * scale_log2
+        if SOFTCAP:
+            s = soft_cap_log2(s, softcap)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -215,6 +224,9 @@ def paged_decode(
     max_seq_len: int,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
+    *,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Decode attention of one query token per sequence over its paged context.
 
@@ -226,6 +238,10 @@ def paged_decode(
     and never loaded (table loads are masked by ``t < seq_lens[i]``). Used entries are
     checked for padding only when the table is on the host (the interpreter): on the
     GPU the check would cost a device sync per call.
+
+    ``sliding_window`` W: the query sees keys ``seq_lens[i] - W ..`` only and the loads
+    start there (entries before may be padding); ``logit_softcap`` c: ``s = c tanh(s / c)``
+    on the scaled scores.
     """
     num_seqs, num_heads, head_dim = query.shape
     _, page_size, num_kv_heads, kv_dim = k_cache.shape
@@ -246,7 +262,9 @@ def paged_decode(
     if num_seqs == 0:
         return out
     if block_tables.device.type == "cpu":
-        check_block_tables(block_tables, seq_lens.tolist(), page_size)
+        lens = seq_lens.tolist()
+        firsts = [first_visible_block(n - 1, sliding_window, page_size) for n in lens]
+        check_block_tables(block_tables, lens, page_size, firsts)
 
     group = num_heads // num_kv_heads
     head_dim_pad = pow2_at_least(head_dim)
@@ -265,15 +283,17 @@ def paged_decode(
         "BLOCK_N": block_n,
         "UPCAST": needs_upcast(query.dtype),
         "PRECISION": dot_precision(query.dtype),
+        "SOFTCAP": bool(logit_softcap),
         "num_warps": 4,
     }
+    window_args = (float(logit_softcap or 0.0), int(sliding_window or 0))
     scale_log2 = scale * LOG2E
     grid = (num_seqs, num_kv_heads, num_splits)
     kv_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
     if num_splits == 1:
         _paged_decode_kernel[grid](
             query, k_cache, v_cache, block_tables, seq_lens, out, out, out,
-            scale_log2, partition_size, query.stride(0), query.stride(1), *kv_strides,
+            scale_log2, *window_args, partition_size, query.stride(0), query.stride(1), *kv_strides,
             block_tables.stride(0), out.stride(0), out.stride(1), 0, 0, 0,
             SPLIT=False, **common,
         )  # fmt: skip
@@ -284,7 +304,7 @@ def paged_decode(
     sums = torch.empty_like(maxes)
     _paged_decode_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, partial, maxes, sums,
-        scale_log2, partition_size, query.stride(0), query.stride(1), *kv_strides,
+        scale_log2, *window_args, partition_size, query.stride(0), query.stride(1), *kv_strides,
         block_tables.stride(0), partial.stride(0), partial.stride(1), partial.stride(2),
         maxes.stride(0), maxes.stride(1),
         SPLIT=True, **common,

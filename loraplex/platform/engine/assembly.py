@@ -164,6 +164,9 @@ def assemble(config: EngineConfig) -> EngineParts:
         host_kv_cache_bytes=config.host_kv_cache_bytes,
         disk_kv_path=config.disk_kv_path,
         disk_kv_cache_bytes=config.disk_kv_cache_bytes,
+        # Blocks every layer's window has passed go back to the pool while a sequence runs;
+        # one global layer (Gemma 2/3, Qwen2's first max_window_layers) needs them all.
+        sliding_window=loaded_arch.sliding_window if loaded_arch.all_layers_windowed else None,
     )
     lora: LoRARuntime | None = None
     if config.enable_lora:

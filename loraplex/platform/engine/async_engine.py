@@ -37,11 +37,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from loraplex.adapters import BaseModelSpec, LoRARequest
 from loraplex.platform.engine.engine import LLMEngine
-from loraplex.platform.engine.errors import EngineDeadError, EngineOverloadedError
+from loraplex.platform.engine.errors import EngineDeadError, EngineOverloadedError, StructuredOutputError
 from loraplex.platform.engine.limits import EngineLimits
 from loraplex.platform.engine.outputs import RequestOutput
-from loraplex.platform.engine.sampling_params import SamplingParams
+from loraplex.platform.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from loraplex.platform.engine.stats import EngineStats
+from loraplex.platform.engine.structured.bounds import COMPILE_TIMEOUT_S, COMPILE_WORKERS
 from loraplex.storage.kv.sliced import SlicedJob
 
 if TYPE_CHECKING:
@@ -203,6 +204,11 @@ class AsyncEngine:
         # their difference is the adds in the inbox, which the overload check counts as queued.
         self._num_adds_posted = 0
         self._num_adds_applied = 0
+        # Grammar compiles: a tenant's schema is compiled here, never on the event loop or the
+        # engine thread; a few workers, so a hostile compile queues no more than a few others.
+        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=COMPILE_WORKERS, thread_name_prefix="loraplex-grammar-compile"
+        )
         self.error: BaseException | None = None
         """What stopped the engine loop (None while it runs, and after a clean shutdown)."""
         self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
@@ -235,6 +241,21 @@ class AsyncEngine:
 
     def next_request_id(self) -> str:
         return self._engine.next_request_id()
+
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile ``spec`` into the engine's grammar cache, in a worker thread (llguidance drops
+        the GIL), so ``add_request`` finds it compiled. Raises ``StructuredOutputError`` naming the
+        problem: invalid, over the bounds, or not compiled within ``COMPILE_TIMEOUT_S`` (the
+        compile goes on in its worker until llguidance's fuel ends it; its result is cached)."""
+        loop = asyncio.get_running_loop()
+        work = loop.run_in_executor(self._grammar_pool, self._engine.grammars.compile, spec)
+        try:
+            await asyncio.wait_for(asyncio.shield(work), COMPILE_TIMEOUT_S)
+        except TimeoutError:
+            raise StructuredOutputError(
+                f"{spec.param}: the constraint did not compile within {COMPILE_TIMEOUT_S:g} s; simplify it",
+                param=spec.param,
+            ) from None
 
     # -- caller side -----------------------------------------------------------------
     @property
@@ -406,6 +427,7 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=30)
         self._fail_everything(EngineDeadError("the server is shutting down"))
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         if not self._thread.is_alive():
             self._engine.shutdown()  # persist cached KV to the disk tier for a warm restart
 

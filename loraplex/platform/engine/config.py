@@ -15,6 +15,7 @@ from loraplex.kernels.contracts import AttentionBackendName, LinearBackendName, 
 from loraplex.platform.engine.kv_events.config import KVEventsConfig
 from loraplex.platform.engine.policy import POLICY_NAMES, PolicyName
 from loraplex.platform.engine.preemption import PREEMPTION_MODES, PreemptionMode
+from loraplex.platform.engine.speculative import SpeculativeConfig
 
 DEFAULT_LORA_MEMORY = 1 << 30
 """``lora_memory`` when unset: adapter pages may hold up to 1 GiB of the device pool
@@ -138,6 +139,10 @@ class EngineConfig:
     less than recomputing, by measured rates; recompute without a tier)."""
     max_logprobs: int = 20
     """Most logprobs (top alternatives per token) one request may ask for (vLLM's default)."""
+    speculative_config: str | None = None
+    """Speculative decoding, as vLLM's JSON (``LLM`` also takes the dict): {"method": "ngram",
+    "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4,
+    "disable_by_batch_size": 4} (engine/speculative.py; docs/operations.md). None: off."""
     kv_events_config: str | None = None
     """KV cache events for routers, as vLLM's JSON: {"enable_kv_cache_events": true, "endpoint":
     "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "...", "buffer_steps": 10000, "hwm":
@@ -205,6 +210,8 @@ class EngineConfig:
             )
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.speculative_config is not None:
+            self.speculative  # noqa: B018 -- parsed now, so a bad value is refused at start-up
         if self.kv_events_config is not None:
             self.kv_events  # noqa: B018 -- parsed now, so a bad value is refused at start-up
         capped = self.max_loras is not None and self.max_cpu_loras is not None
@@ -220,6 +227,13 @@ class EngineConfig:
     def kv_events(self) -> KVEventsConfig | None:
         """``kv_events_config`` parsed (None when unset)."""
         return None if self.kv_events_config is None else KVEventsConfig.parse(self.kv_events_config)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """``speculative_config`` parsed (None when unset)."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def cpu_lora_capacity(self) -> int | None:

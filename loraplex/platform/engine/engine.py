@@ -39,7 +39,9 @@ from loraplex.platform.engine.sampler import Sampler
 from loraplex.platform.engine.sampling_params import SamplingParams
 from loraplex.platform.engine.scheduler import SchedulerOutput
 from loraplex.platform.engine.sequence import Request, Sequence, tenant_cache_salt
+from loraplex.platform.engine.speculative import Speculator
 from loraplex.platform.engine.stats import EngineStats, RejectionCounters, TenantCounters, build_stats
+from loraplex.platform.engine.structured import GrammarCompiler, GrammarMasker, StepMasks
 from loraplex.platform.engine.validation import (
     RequestLimits,
     check_request_limits,
@@ -91,6 +93,15 @@ class LLMEngine:
             self._fail_request,
             self._retire,
         )
+        self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, self.info.eos_token_ids)
+        """Compiled output constraints (``structured_outputs``), an LRU shared by every request."""
+        self._masker: GrammarMasker | None = None  # made on the first constrained request
+        spec = config.speculative
+        self.speculator = None if spec is None else Speculator(spec)
+        """Speculative decoding (``speculative_config``): drafts in the scheduler, verification in
+        the output processor; None when off."""
+        self.scheduler.speculator = self.outputs.speculator = self.speculator
+        self.scheduler.spec_max_len = self.info.max_model_len
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_batched_tokens = 0  # tokens run through the model (prefill, recompute and decode)
@@ -170,6 +181,11 @@ class LLMEngine:
             ),
             self.block_manager,
         )
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammars.compile(params.structured_outputs)  # the server compiled it: a hit
+            if self._masker is None:
+                self._masker = GrammarMasker(self.grammars.mask_words)
         adapter = None
         if lora_request is not None:
             if self.lora_manager is None:
@@ -187,6 +203,7 @@ class LLMEngine:
             adapter=adapter,
             tenant_id=tenant_id,
             tenant_weight=tenant_weight,
+            grammar=grammar,
         )
         if timeout_s is not None:
             req.deadline = req.arrival_time + timeout_s
@@ -210,7 +227,11 @@ class LLMEngine:
             stop=req.params.stop_strings,
             include_stop_str_in_output=req.params.include_stop_str_in_output,
         )
-        return Sequence(request=req, index=index, token_ids=token_ids, generator=gen, detokenizer=detok)
+        seq = Sequence(request=req, index=index, token_ids=token_ids, generator=gen, detokenizer=detok)
+        if req.grammar is not None:
+            # Siblings fork before the first token is sampled: each starts from the start state.
+            seq.grammar = req.grammar.new_state()
+        return seq
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free everything it holds (unknown ids are ignored)."""
@@ -357,15 +378,39 @@ class LLMEngine:
     def _run(self, out: SchedulerOutput) -> list[RequestOutput]:
         self.num_steps += 1
         self.num_batched_tokens += out.num_batched_tokens
+        masks: StepMasks | None = None
         try:
             lora_slots = self.lora_manager.step_slots(out) if self.lora_manager is not None else None
+            # The grammar masks are computed on the masker's thread while the forward runs.
+            masks = self._start_masks(out)
             started = time.perf_counter()
             logits, sample_idx = self.runner.execute(out, lora_slots, self.lora_manager)
             self.preemption.observe_step(out.num_batched_tokens, time.perf_counter() - started)
             self.scheduler.update_from_output(out)
-            return self.outputs.process(out, logits, sample_idx)
+            return self.outputs.process(out, logits, sample_idx, masks)
         except Exception as exc:
+            if masks is not None:
+                masks.future.exception()  # the worker is done with the states before they go
             return self._fail_step(out, exc)
+
+    def _start_masks(self, out: SchedulerOutput) -> StepMasks | None:
+        if self._masker is None:
+            return None
+        states = {
+            i: item.seq.grammar
+            for i, item in enumerate(out.scheduled)
+            if item.completes and item.seq.grammar is not None
+        }
+        return self._masker.start(states)
+
+    @property
+    def grammar_mask_times(self) -> tuple[int, float, float, float]:
+        """Guided decoding's cost so far: (masks computed, seconds computing them on the worker,
+        seconds the engine waited for them, seconds applying them)."""
+        if self._masker is None:
+            return (0, 0.0, 0.0, 0.0)
+        t = self._masker.times
+        return (t.masks, t.compute_s, t.wait_s, t.apply_s)
 
     def _expire(self) -> list[RequestOutput]:
         """End the requests past their deadline (``request_timeout_s``), freeing their blocks."""
@@ -460,6 +505,8 @@ class LLMEngine:
         # What the accelerator pool still caches would be lost with the process: copied
         # down (host, then disk) so a restarted engine on the same path finds it.
         self.kv.persist()
+        if self._masker is not None:
+            self._masker.close()
         if self.lora_manager is not None:
             # Its store holds copies of tenants' adapters ($TMPDIR/loraplex-adapters-*): removed.
             self.lora_manager.manager.close()

@@ -7,6 +7,7 @@ escapes is a bug and becomes a 500 with a logged trace. They subclass ``ValueErr
 | error | HTTP | raised when |
 |---|---|---|
 | ``InvalidParameterError`` | 400 | a request parameter is out of range, of the wrong type, or over a limit |
+| ``StructuredOutputError`` | 400 | a JSON schema / regex / grammar is invalid or over the compile bounds |
 | ``RequestTooLargeError`` | 400 | a request can never be admitted (prompt, ``n`` or tokens too large) |
 | ``UnknownAdapterError`` | 404 | a request names an adapter the engine does not serve |
 | ``AdapterUnavailableError`` | 400 | the adapter exists but cannot be served (LoRA off, invalid files) |
@@ -46,6 +47,11 @@ class InvalidParameterError(EngineError, ValueError):
 
     def __str__(self) -> str:
         return self.message
+
+
+class StructuredOutputError(InvalidParameterError):
+    """A request's output constraint (JSON schema, regex, choice, grammar) is invalid or over the
+    bounds of a tenant's schema (``engine.structured.bounds``); ``param`` names the field."""
 
 
 class RequestTooLargeError(InvalidParameterError):

@@ -52,6 +52,7 @@ from loraplex.adapters import (
 )
 from loraplex.adapters.page_arena import PageArena
 from loraplex.adapters.page_pool import PageTable
+from loraplex.kernels.cpu.lora import BoundSite, PackedWeights
 from loraplex.kernels.metadata import LoRAMetadata
 from loraplex.kernels.registry import select_lora_backend
 from loraplex.kernels.step_cache import IdentityCache
@@ -59,6 +60,8 @@ from loraplex.platform.engine.config import EngineConfig
 from loraplex.platform.engine.errors import AdapterUnavailableError, ErrorKind, RequestError
 from loraplex.platform.engine.scheduler import AdmitDecision, SchedulerOutput
 from loraplex.platform.engine.sequence import SeqStatus, Sequence
+from loraplex.platform.model.forward_batch import LoRASites
+from loraplex.platform.model.llama import LORA_GROUPS
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -118,6 +121,9 @@ class LoRARuntime:
         self._step_pages: IdentityCache[LoRAMetadata, _StepPages] = IdentityCache(max_entries=4)
         self._page_tables: dict[int, PageTable] = {}
         self._pool_generation = self.manager.pool_generation
+        # (layer, group) -> the checked pool weights there (c_sites): the pool tensors stay
+        # the same until it reallocates (a new generation clears this).
+        self._site_weights: dict[tuple[int, str], PackedWeights] = {}
 
     # -- registry -------------------------------------------------------------------
     def add_lora(self, lora: LoRARequest, owner: str | None = None, served_name: str | None = None) -> None:
@@ -349,6 +355,7 @@ class LoRARuntime:
         generation = self.manager.pool_generation
         if generation != self._pool_generation:
             self._pool_generation = generation
+            self._site_weights.clear()
             forget = getattr(self.backend, "forget_weights", None)
             if forget is not None:
                 forget()  # cached views of the old pool tensors would keep them alive
@@ -367,6 +374,37 @@ class LoRARuntime:
             return
         a, b, scales, sizes = self.manager.get_buffers(layer_idx, group)  # type: ignore[arg-type]
         self.backend.apply_paged(y, x, a, b, scales, sizes, passes)
+
+    def c_sites(self, meta: LoRAMetadata, num_layers: int) -> LoRASites | None:
+        """The step's LoRA as prebound C kernel calls, per layer and group (``LoRABatch.c_sites``).
+
+        Planned once per step: each group's page passes and token groups (shared by every
+        layer), and each site's checked weights (cached until the page pool reallocates).
+        None when the backend has no C kernel or cannot read a site's weights (the hook
+        serves the step then, with the same result).
+        """
+        prebind = getattr(self.backend, "prebind_paged", None)
+        if prebind is None:
+            return None
+        pages = self._step_pages.get(meta, self._plan_pages)
+        sites: list[tuple[BoundSite | None, ...]] = []
+        per_group = [(g, pages.passes(g)) for g in LORA_GROUPS]
+        for layer in range(num_layers):
+            row: list[BoundSite | None] = []
+            for group, passes in per_group:
+                if not passes:
+                    row.append(None)
+                    continue
+                weights = self._site_weights.get((layer, group))
+                if weights is None:
+                    a, b, scales, sizes = self.manager.get_buffers(layer, group)  # type: ignore[arg-type]
+                    weights = self.backend.packed_weights(a, b, scales, sizes)  # type: ignore[attr-defined]
+                    if weights is None:
+                        return None
+                    self._site_weights[(layer, group)] = weights
+                row.append(prebind(weights, passes))
+            sites.append(tuple(row))
+        return sites
 
     def _plan_pages(self, meta: LoRAMetadata) -> _StepPages:
         return _StepPages(meta, self._page_tables)

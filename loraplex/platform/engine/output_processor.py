@@ -23,7 +23,9 @@ from loraplex.platform.engine.sampler import Sampler, non_finite_rows
 from loraplex.platform.engine.sampling_params import RequestOutputKind
 from loraplex.platform.engine.scheduler import Scheduler, SchedulerOutput
 from loraplex.platform.engine.sequence import Request, SeqStatus, Sequence
+from loraplex.platform.engine.speculative import Speculator, verify
 from loraplex.platform.engine.stats import TenantCounters
+from loraplex.platform.engine.structured import StepMasks
 
 logger = logging.getLogger(__name__)
 
@@ -50,16 +52,27 @@ class OutputProcessor:
         self._new_sequence = new_sequence
         self._fail_request = fail_request
         self._retire = retire
+        self.speculator: Speculator | None = None
+        """Verifies speculative drafts (``speculative_config``); None: off."""
 
     def process(
-        self, out: SchedulerOutput, logits: torch.Tensor, sample_idx: list[int]
+        self,
+        out: SchedulerOutput,
+        logits: torch.Tensor,
+        sample_idx: list[int],
+        masks: StepMasks | None = None,
     ) -> list[RequestOutput]:
         """Sample every row of ``logits`` (``sample_idx[row]`` is its ``out.scheduled`` index),
         fork the siblings of a request whose prompt just completed (all ``n`` first tokens come
-        from the same logits), apply the stops; the outputs of every request that progressed."""
+        from the same logits), apply the grammar ``masks`` and the stops; the outputs of every
+        request that progressed."""
+        spec_rows: dict[int, list[int]] = {}  # scheduled index -> its rows (speculative)
         rows: list[int] = []
         seqs: list[Sequence] = []
         for row, i in enumerate(sample_idx):
+            if out.scheduled[i].num_draft:
+                spec_rows.setdefault(i, []).append(row)
+                continue
             seq = out.scheduled[i].seq
             req = seq.request
             if req.params.n > 1 and not req.forked:
@@ -73,14 +86,23 @@ class OutputProcessor:
                     seqs.append(child)
             rows.append(row)
             seqs.append(seq)
+        spec_outputs = self._verify(out, logits, spec_rows) if spec_rows else []
         if not seqs:
-            return []
+            return spec_outputs
         in_order = rows == list(range(logits.shape[0]))  # the usual case: one row per sequence
         row_logits = logits
         if not in_order:
             row_logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
         row_logits = self._ban_early_stops(row_logits, seqs, owned=not in_order)
-        failed = self._fail_non_finite(row_logits, seqs)
+        failed: list[RequestOutput] = []
+        if masks is not None:
+            # Rows with logprobs get the whole mask, so their logprobs are always the masked ones.
+            plain_greedy = [
+                s.params.greedy and not s.params.needs_penalties and s.params.logprobs is None for s in seqs
+            ]
+            row_logits, empty = masks.apply(row_logits, [sample_idx[r] for r in rows], plain_greedy)
+            failed = self._fail_grammar(empty, seqs)
+        failed += self._fail_non_finite(row_logits, seqs)
         if failed:
             keep = [r for r, s in enumerate(seqs) if not s.request.finished]
             seqs = [seqs[r] for r in keep]
@@ -97,6 +119,13 @@ class OutputProcessor:
         now = time.monotonic()
         touched: dict[str, Request] = {}
         for seq, res in zip(seqs, results, strict=True):
+            if seq.status.finished:  # its request failed in this loop (a sibling's grammar)
+                continue
+            if seq.grammar is not None and not seq.grammar.accept_token(res.token_id):
+                # The mask allowed it, so the grammar cannot refuse it: a bug, this request's only.
+                msg = f"the output grammar refused the sampled token {res.token_id}"
+                failed.append(self._fail_request(seq.request, RequestError(ErrorKind.ENGINE_FAILURE, msg)))
+                continue
             seq.token_ids.append(res.token_id)
             self.usage.generated(seq.request.tenant_id, 1)
             if seq.params.logprobs is not None:
@@ -116,11 +145,70 @@ class OutputProcessor:
                 self._retire(req)
         # A FINAL_ONLY request (a non-streamed answer) gets its one output when it ends: no
         # copy of its text and tokens per step that nobody reads.
-        return failed + [
-            request_output(req)
-            for req in touched.values()
-            if req.finished or req.params.output_kind is not RequestOutputKind.FINAL_ONLY
-        ]
+        return (
+            spec_outputs
+            + failed
+            + [
+                request_output(req)
+                for req in touched.values()
+                if req.finished or req.params.output_kind is not RequestOutputKind.FINAL_ONLY
+            ]
+        )
+
+    def _fail_grammar(self, rows: list[int], seqs: list[Sequence]) -> list[RequestOutput]:
+        """Fail the requests whose grammar admits no next token (it failed: e.g. over its
+        per-step fuel); their rows would otherwise look like non-finite logits."""
+        failed: dict[str, RequestOutput] = {}
+        for r in rows:
+            req = seqs[r].request
+            if req.request_id not in failed and not req.finished:
+                grammar = seqs[r].grammar
+                why = (grammar.error if grammar is not None else None) or "no token can continue the output"
+                msg = f"the output constraint cannot be followed further: {why}"
+                failed[req.request_id] = self._fail_request(req, RequestError(ErrorKind.INVALID, msg))
+        return list(failed.values())
+
+    def _verify(
+        self, out: SchedulerOutput, logits: torch.Tensor, spec_rows: dict[int, list[int]]
+    ) -> list[RequestOutput]:
+        """Verify each speculative sequence's drafts against its rows of ``logits``: emit the
+        accepted tokens and the target's own, roll its KV back to them (``speculative.verify``)."""
+        assert self.speculator is not None
+        outputs: list[RequestOutput] = []
+        for i, row_ids in spec_rows.items():
+            item = out.scheduled[i]
+            seq = item.seq
+            k = item.num_draft
+            drafts = seq.token_ids[-k:]
+            del seq.token_ids[-k:]
+            base = seq.num_tokens  # tokens before the drafts; the KV of all but the drafts is valid
+            rows = logits[torch.tensor(row_ids, dtype=torch.long, device=logits.device)]
+            if non_finite_rows(rows):
+                msg = "the model produced non-finite logits for this request (check the adapter's weights)"
+                outputs.append(self._fail_request(seq.request, RequestError(ErrorKind.ENGINE_FAILURE, msg)))
+                continue
+            gen = seq.generator or self.sampler.default_generator
+            tokens, accepted = verify(rows, drafts, seq.params, gen)
+            self.speculator.record(seq, k, accepted)
+            status = None
+            for tok in tokens:
+                seq.token_ids.append(tok)
+                self.usage.generated(seq.request.tenant_id, 1)
+                status = self._stop_status(seq, tok, seq.detokenizer.append(tok))
+                if status is not None:
+                    break
+            if status is not None:
+                self.scheduler.finish(seq, status)
+            else:
+                self.scheduler.rollback(seq, base + accepted)
+            req = seq.request
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            if req.finished:
+                self._retire(req)
+            if req.finished or req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                outputs.append(request_output(req))
+        return outputs
 
     def _fail_non_finite(self, row_logits: torch.Tensor, seqs: list[Sequence]) -> list[RequestOutput]:
         """Fail the requests whose rows cannot be sampled: NaN or +inf (an adapter that
@@ -133,7 +221,7 @@ class OutputProcessor:
         failed: dict[str, RequestOutput] = {}
         for r in bad_rows:
             req = seqs[r].request
-            if req.request_id not in failed:
+            if req.request_id not in failed and not req.finished:  # (a failed grammar ended it)
                 logger.warning("request %s produced non-finite logits; failing it", req.request_id)
                 msg = (
                     "the model produced non-finite logits for this request, or its stop tokens ban "
@@ -149,7 +237,8 @@ class OutputProcessor:
         made for this step), else in a copy (the model's output is an inference tensor)."""
         for r, seq in enumerate(seqs):
             p = seq.params
-            if p.min_tokens and seq.num_output_tokens < p.min_tokens:
+            # Under a grammar, the grammar decides where the answer ends (it may admit only EOS).
+            if p.min_tokens and seq.num_output_tokens < p.min_tokens and seq.grammar is None:
                 banned = list(p.stop_token_ids or [])
                 if not p.ignore_eos:
                     banned.extend(self.info.eos_token_ids)
@@ -171,6 +260,8 @@ class OutputProcessor:
                 return SeqStatus.FINISHED_STOPPED
             if not p.ignore_eos and token_id in self.info.eos_token_ids:
                 return SeqStatus.FINISHED_STOPPED
+        if seq.grammar is not None and seq.grammar.is_terminated and token_id in self.info.eos_token_ids:
+            return SeqStatus.FINISHED_STOPPED  # the answer is complete: nothing may follow (ignore_eos)
         if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
             return SeqStatus.FINISHED_LENGTH
         if seq.num_tokens >= seq_len_cap:
@@ -195,6 +286,9 @@ def request_output(req: Request) -> RequestOutput:
     metrics = {"arrival_time": req.arrival_time}
     if req.first_token_time is not None:
         metrics["first_token_time"] = req.first_token_time
+    if req.spec_proposed:  # speculative decoding: this request's drafts proposed / accepted
+        metrics["spec_num_draft_tokens"] = req.spec_proposed
+        metrics["spec_num_accepted_tokens"] = req.spec_accepted
     return RequestOutput(
         request_id=req.request_id,
         prompt=req.prompt,

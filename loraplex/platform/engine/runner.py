@@ -82,7 +82,10 @@ class ModelRunner:
                 slots.extend(table[p // bs] * bs + p % bs for p in pos)
             starts.append(starts[-1] + n)
             seq_lens.append(start + n)
-            if item.completes:
+            if item.num_draft:  # speculative: every position is scored (verification)
+                logits_rows.extend(range(starts[-2], starts[-1]))
+                sampling_idx.extend([i] * n)
+            elif item.completes:
                 logits_rows.append(starts[-1] - 1)
                 sampling_idx.append(i)
             if lora_slots is not None:

@@ -16,6 +16,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
+from typing import Any
 
 from loraplex.platform.engine.errors import InvalidParameterError
 
@@ -72,6 +73,65 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+"""The constraint kinds of ``StructuredOutputsParams`` (vLLM's names); exactly one is set."""
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain a request's output to a grammar, shaped like vLLM's ``StructuredOutputsParams``.
+
+    Exactly one of ``json`` (a JSON schema, as a dict or its text), ``json_object`` (any JSON
+    object), ``regex``, ``choice`` (one of these strings) or ``grammar`` (a Lark grammar, as
+    llguidance reads it) is set. Only the shape is checked here; the engine compiles the
+    grammar (``engine.structured``) and refuses what does not compile, naming the problem.
+    """
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    whitespace_pattern: str | None = None
+    """JSON only: the whitespace allowed between tokens (llguidance's default: any, bounded)."""
+    param: str = field(default="structured_outputs", compare=False)
+    """The request field the constraint came from, named by errors (``response_format``, ...)."""
+
+    def __post_init__(self) -> None:
+        set_kinds = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise InvalidParameterError(
+                f"{self.param} must set exactly one of {', '.join(STRUCTURED_KINDS)}; got "
+                f"{', '.join(set_kinds) or 'none'}",
+                param=self.param,
+            )
+        kind = set_kinds[0]
+        value = getattr(self, kind)
+        if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
+            raise InvalidParameterError(
+                f"{self.param}: whitespace_pattern must be a string", param=self.param
+            )
+        if kind == "json" and not isinstance(value, str | dict):
+            raise InvalidParameterError(f"{self.param}: json must be a JSON schema object", param=self.param)
+        if kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
+            raise InvalidParameterError(f"{self.param}: {kind} must be a non-empty string", param=self.param)
+        if kind == "json_object" and value is not True:
+            raise InvalidParameterError(f"{self.param}: json_object must be true", param=self.param)
+        if kind == "choice" and (
+            not isinstance(value, list | tuple)
+            or not value
+            or not all(isinstance(c, str) and c for c in value)
+        ):
+            raise InvalidParameterError(
+                f"{self.param}: choice must be a non-empty list of non-empty strings", param=self.param
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of ``STRUCTURED_KINDS``."""
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request, and when to stop.
@@ -115,6 +175,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     """Which outputs the engine posts for this request (``RequestOutputKind``)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, a regex, a choice or a grammar (guided decoding)."""
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -168,6 +230,12 @@ class SamplingParams:
         if not isinstance(self.output_kind, RequestOutputKind):
             raise InvalidParameterError(
                 f"output_kind must be a RequestOutputKind, got {self.output_kind!r}", param="output_kind"
+            )
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise InvalidParameterError(
+                "structured_outputs must be StructuredOutputsParams", param="structured_outputs"
             )
 
     @staticmethod

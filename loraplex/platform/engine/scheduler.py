@@ -40,6 +40,7 @@ from loraplex.platform.engine.errors import ErrorKind, RequestError
 from loraplex.platform.engine.policy import SchedulingPolicy, make_policy
 from loraplex.platform.engine.preemption import PreemptionPolicy
 from loraplex.platform.engine.sequence import SeqStatus, Sequence
+from loraplex.platform.engine.speculative import Speculator
 from loraplex.platform.engine.tier_admission import TierAdmission, Wait
 from loraplex.storage.kv.block_manager import AllocStatus, BlockCopy
 from loraplex.storage.kv.prefix_cache import NO_HIT, PrefixHit
@@ -70,6 +71,8 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
     block_ids: tuple[int, ...]
+    num_draft: int = 0
+    """Of ``num_new_tokens``, the speculative drafts at the end (every position returns logits)."""
 
     @property
     def completes(self) -> bool:
@@ -146,6 +149,9 @@ class Scheduler:
         # when a sequence stops using its adapter; None = no LoRA.
         self._admit_hook = admit_hook
         self._release_hook = release_hook
+        self.speculator: Speculator | None = None
+        """Proposes speculative drafts for running decodes (``speculative_config``); None: off."""
+        self.spec_max_len = 0  # the engine's max_model_len, for the drafts' room
         self._fork_hook = fork_hook
         self._lookahead_hook = lookahead_hook
         self._idle_wait_hook = idle_wait_hook
@@ -153,6 +159,10 @@ class Scheduler:
         self._memory_hook = memory_hook
         self.num_preemptions = 0
         self.num_planning_failures = 0
+        # Sliding window: a sequence may be longer than the pool, but one step's chunk (and the
+        # window before it) must fit the pool (``KVBlockManager.max_chunk_tokens``).
+        cap = self.kv.max_chunk_tokens()
+        self._max_chunk = limits.max_num_batched_tokens if cap is None else max(1, cap)
 
     # -- queue management --------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -177,7 +187,19 @@ class Scheduler:
         for item in out.scheduled:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if item.num_draft == 0:  # drafts: cached after verification, rejected ones never
+                self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+                # Sliding window: blocks no later query reads go back to the pool now (once
+                # cached above, so they stay findable until reused), before the next admission.
+                # Not under drafts: a rollback may move the window back over them.
+                self.kv.free_outside_window(seq.seq_id, seq.num_computed_tokens)
+
+    def rollback(self, seq: Sequence, num_computed: int) -> None:
+        """After verification: ``seq`` keeps the KV of its first ``num_computed`` tokens (blocks
+        past them go back to the pool), whose full blocks become findable now."""
+        seq.num_computed_tokens = num_computed
+        self.kv.truncate(seq.seq_id, num_computed)
+        self.kv.cache_full_blocks(seq.seq_id, seq.token_ids, num_computed)
 
     def finish(self, seq: Sequence, status: SeqStatus) -> None:
         """Mark ``seq`` finished and free its blocks; safe to call from any queue."""
@@ -192,6 +214,8 @@ class Scheduler:
         seq.status = status
         self.kv.free(seq.seq_id)
         self.tier_io.forget(seq)
+        if self.speculator is not None:
+            self.speculator.forget(seq)
         self.policy.on_finished(seq)
 
     def abort(self, seqs: Iterable[Sequence]) -> None:
@@ -225,6 +249,11 @@ class Scheduler:
         self.tier_io.drain(self.waiting)
 
     # -- the step ----------------------------------------------------------------
+    def preempt(self, seq: Sequence) -> None:
+        """Preempt running ``seq`` between steps (a beam search whose beams wait for memory that
+        their siblings hold while idle): its KV is freed, it waits at the head of the queue."""
+        self._preempt(seq, SchedulerOutput())
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Free ``seq``'s KV (its partial tail swapped out, if the policy says so) and put it
         back at the head of the waiting queue."""
@@ -288,7 +317,10 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            if self.speculator is not None and self._schedule_drafts(seq, budget, out, scheduled):
+                budget -= scheduled[seq.seq_id].num_new_tokens
+                continue
+            num_new = min(seq.num_uncomputed_tokens, budget, self._max_chunk)
             if num_new <= 0:
                 continue
             copies = self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
@@ -340,6 +372,25 @@ class Scheduler:
         ]
         return out
 
+    def _schedule_drafts(
+        self, seq: Sequence, budget: int, out: SchedulerOutput, scheduled: dict[int, ScheduledSeq]
+    ) -> bool:
+        """Schedule ``seq``'s decode with speculative drafts appended, if the speculator proposes
+        any and their slots are free now (drafts never preempt anyone); True if scheduled."""
+        assert self.speculator is not None
+        drafts = self.speculator.propose(seq, budget, len(self.running), self.spec_max_len)
+        if not drafts:
+            return False
+        num_new = 1 + len(drafts)
+        copies = self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
+        if copies is None:
+            return False
+        seq.token_ids.extend(drafts)  # verification strips them again (output processor)
+        out.block_copies.extend(copies)
+        table = tuple(self.kv.block_table(seq.seq_id))
+        scheduled[seq.seq_id] = ScheduledSeq(seq, num_new, table, num_draft=len(drafts))
+        return True
+
     def _reclaim(
         self, seq_id: int, num_computed: int, num_new: int, hit: PrefixHit = NO_HIT, extra: int = 0
     ) -> bool:
@@ -369,7 +420,7 @@ class Scheduler:
         if swapped is Wait.PREFIX:
             return _SKIP  # the rest of its prefix is still coming back: the tail stays useful
         resume = swapped.num_computed_tokens if swapped is not None else cached
-        num_new = min(seq.num_tokens - resume, budget)
+        num_new = min(seq.num_tokens - resume, budget, self._max_chunk)
         # Blocks for everything from the hit on: the swapped tail lands in the first.
         to_allocate = resume + num_new - cached
         status = self.kv.can_allocate(seq.seq_id, cached + to_allocate, hit)

@@ -28,6 +28,7 @@ from loraplex.storage.kv.kv_events import NO_ORIGIN, BlockOrigin
 
 if TYPE_CHECKING:
     from loraplex.platform.engine.detokenizer import IncrementalDetokenizer
+    from loraplex.platform.engine.structured import CompiledGrammar, GrammarState
 
 _seq_ids = itertools.count()
 
@@ -61,6 +62,8 @@ class Sequence:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     swapped: SwappedTail | None = None  # its partial last block, held by the tiers while preempted
+    grammar: GrammarState | None = None
+    """Its guided-decoding state (``params.structured_outputs``), advanced with every sampled token."""
 
     @property
     def num_tokens(self) -> int:
@@ -124,6 +127,10 @@ class Request:
     first_token_time: float | None = None
     error: RequestError | None = None  # why the engine ended it, when it was not the user
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    grammar: CompiledGrammar | None = None
+    """The compiled constraint of ``params.structured_outputs``; each sequence copies its start state."""
+    spec_proposed: int = 0  # draft tokens proposed for it (speculative decoding)
+    spec_accepted: int = 0  # of which the target accepted
 
     @property
     def cache_extra_keys(self) -> tuple[bytes, bytes]:

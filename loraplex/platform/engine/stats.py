@@ -26,6 +26,7 @@ from loraplex.adapters import AdapterStats
 from loraplex.platform.engine.kv_events.publisher import PublisherCounters
 from loraplex.platform.engine.policy import FairSharePolicy
 from loraplex.platform.engine.sequence import Sequence
+from loraplex.platform.engine.speculative import SpecCounters
 from loraplex.storage.kv.prefix_cache import PrefixCacheStats
 from loraplex.storage.kv.tier_metrics import TierMetrics
 from loraplex.storage.kv.tiered_kv import KVBlockCounts
@@ -97,6 +98,8 @@ class EngineStats:
     waiting_adapters: tuple[str, ...] = ()
     """The same for the waiting sequences (``waiting_lora_adapters``)."""
     kv_events: PublisherCounters | None = None
+    spec_decode: SpecCounters | None = None
+    """Speculative drafts proposed and accepted (``speculative_config``); None when it is off."""
     """KV event batches published and dropped (``kv_events_config``); None when events are off."""
 
     @property
@@ -208,6 +211,7 @@ def build_stats(engine: LLMEngine) -> EngineStats:
         running_adapters=_adapter_names(scheduler.running),
         waiting_adapters=_adapter_names(scheduler.waiting),
         kv_events=engine.kv_events.counters if engine.kv_events is not None else None,
+        spec_decode=engine.speculator.counters.snapshot() if engine.speculator is not None else None,
     )
 
 

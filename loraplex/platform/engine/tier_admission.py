@@ -104,6 +104,11 @@ class TierAdmission:
             (hit.num_cached_blocks + len(run)) * self.kv.block_size + self.max_num_batched_tokens,
         )
         if self.kv.can_allocate(seq.seq_id, reach, hit) is not AllocStatus.OK:
+            if self.kv.num_blocks_for(reach) > self.kv.num_blocks:
+                # Only with a sliding window (a sequence longer than the pool): the hit and the
+                # run could never be held at once, so waiting would never end. Compute past
+                # the device hit instead (the window frees blocks as it goes).
+                return hit
             return None
         pending = start_promotion(self.kv, self.tiers, hit, run)
         assert pending is not None, "a non-empty run starts a promotion"

@@ -12,8 +12,14 @@ hidden states equal the layer-by-layer path's bit for bit (tested), with what ca
 fixed once: the bound C functions and every weight's address at build time, one set of
 activation buffers per step (reused by every layer), the KV caches' addresses per cache.
 What is left per layer is ten ctypes calls. It serves every batch the layer-by-layer path
-serves on the CPU backends: decodes and prefill chunks in one step, biases, and LoRA (the
-adapter hook gets the step's buffers as tensors, as it gets the layer outputs there).
+serves on the CPU backends: decodes and prefill chunks in one step, biases, and LoRA.
+
+LoRA runs inside the graph: the applier plans the step once (``LoRABatch.c_sites``: every
+group's token grouping and page passes, every site's weight addresses) and each site is one
+more ctypes call of the grouped C kernel, which adds the deltas into the projection's output
+buffer in place. Only an applier that cannot plan a step (no C kernel for its weights) is
+called back per site, with the step's buffers as tensors; ``lora_steps`` counts which path
+each step with adapters took.
 
 It applies only when every part is a C kernel: float32 weights packed for the C linear
 kernel or packed (quantized) weights in a format ``quant_linear.c`` decodes, the C
@@ -30,10 +36,11 @@ import torch
 
 from loraplex.kernels.contracts import AttentionBackend, PackedWeight, Weight
 from loraplex.kernels.cpu import linear as c_linear
+from loraplex.kernels.cpu import lora as c_lora
 from loraplex.kernels.cpu import paged_decode, paged_extend, pointwise, quant_linear
 from loraplex.kernels.cpu.attention import CpuAttentionBackend, kv_write_kernel
 from loraplex.kernels.metadata import PAD_BLOCK_ID
-from loraplex.platform.model.forward_batch import ForwardBatch
+from loraplex.platform.model.forward_batch import ForwardBatch, LoRABatch, LoRASites
 from loraplex.storage.kv.kv_cache import KVCache
 
 
@@ -80,11 +87,15 @@ class CpuGraph:
                 proj(layer.down_weight),
                 ptr(layer.down_bias),
                 layer.scale,
+                layer.sliding_window or 0,  # a windowed layer's window (Mistral, Qwen2); 0: none
             )
             for layer in model.layers
         ]
         self._final_norm = model.norm.data_ptr()
         self._caches: tuple[KVCache, list[tuple[int, int]]] | None = None
+        self.lora_steps = {"c": 0, "hook": 0}
+        """Steps with adapters, by how their LoRA ran: ``c`` prebound kernel calls inside the
+        graph, ``hook`` the applier called back per site (its weights not on the C kernel)."""
 
     @classmethod
     def build(cls, model: Any, attn: AttentionBackend) -> tuple[CpuGraph | None, str]:
@@ -108,6 +119,22 @@ class CpuGraph:
         if not isinstance(attn, CpuAttentionBackend) or not attn.extend_in_c:
             return None, "attention is not on the C decode and extend kernels (attention_backend)"
         arch = model.arch
+        # The graph runs Llama's layer (with biases and per-layer windows: Qwen2, Mistral,
+        # Phi-3 once fused); the parts other families add run on the layer-by-layer path.
+        extras = [
+            name
+            for name, present in (
+                ("q/k norm", arch.qk_norm),
+                ("Gemma norms", arch.gemma_norms),
+                ("embedding scale", arch.embed_scale is not None),
+                ("GeLU", arch.activation != "silu"),
+                ("attention soft-capping", arch.attn_logit_softcap is not None),
+                ("several RoPE tables", getattr(model, "num_ropes", 1) > 1),
+            )
+            if present
+        ]
+        if extras:
+            return None, f"the graph runs Llama-shaped layers; {arch.family} has {', '.join(extras)}"
         query = torch.empty(1, arch.num_heads, arch.head_dim)
         cache = torch.empty(1, 16, arch.num_kv_heads, arch.head_dim)
         if not (paged_decode.supports(query, cache) and paged_extend.supports(query, cache)):
@@ -123,6 +150,7 @@ class CpuGraph:
         }
         if fns is None or any(f is None for f in kernels.values()):
             return None, "the C kernel library is not loaded"
+        kernels["lora"] = c_lora.grouped_kernel()  # None: adapters go through the hook
         return cls(model, kernels), ""
 
     def _cache_pointers(self, kv_cache: KVCache) -> list[tuple[int, int]]:
@@ -145,6 +173,19 @@ class CpuGraph:
                 [(k.data_ptr(), v.data_ptr()) for k, v in zip(kv_cache.k, kv_cache.v, strict=True)],
             )
         return self._caches[1]
+
+    def _lora_sites(self, lora: LoRABatch, widths: tuple[int, ...]) -> LoRASites | None:
+        """The step's LoRA as prebound kernel calls, or None (the hook serves): planned once,
+        checked against the graph's buffers (``widths``: in, out of qkv, o, gate_up, down)."""
+        sites = None if self._k["lora"] is None else lora.c_sites(len(self._layers))
+        if sites is not None and not all(
+            site is None or (site.in_features == widths[2 * g] and site.out_features <= widths[2 * g + 1])
+            for row in sites
+            for g, site in enumerate(row)
+        ):
+            sites = None
+        self.lora_steps["hook" if sites is None else "c"] += 1
+        return sites
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:  # [num_tokens, hidden]
         """Every layer over ``batch`` (what ``LlamaForCausalLM.forward`` returns, bit for bit)."""
@@ -197,11 +238,15 @@ class CpuGraph:
         # What the decode and extend kernels take after their per-call arguments, before scale.
         attn_shape = (heads, kv_heads, head_dim, block_size, table_stride, num_blocks)
         lora = batch.lora
+        sites = None if lora is None else self._lora_sites(lora, (h, qkv_w, q, h, h, 2 * inter, inter, h))
+        if sites is not None:
+            lora = None  # served by the prebound calls below
+        lora_k = k["lora"]
 
         norm, rope, kv_write = k["add_rms_norm"], k["rope_neox"], k["kv_write"]
         decode, extend, silu = k["decode"], k["extend"], k["silu_mul"]
         rot_heads = heads + kv_heads
-        for i, (w_in, p_qkv, b_qkv, p_o, b_o, w_post, p_gu, b_gu, p_down, b_down, scale) in enumerate(
+        for i, (w_in, p_qkv, b_qkv, p_o, b_o, w_post, p_gu, b_gu, p_down, b_down, scale, window) in enumerate(
             self._layers
         ):
             (f_qkv, w_qkv, t_qkv), (f_o, w_o, t_o) = p_qkv, p_o
@@ -213,7 +258,9 @@ class CpuGraph:
                 norm(down_p, h, res_p, h, w_in, x_p, h, n, h, eps, nt)
             if f_qkv(x_p, h, w_qkv, b_qkv, qkv_p, qkv_w, n, qkv_w, h, nt, *t_qkv):
                 raise RuntimeError("quantized linear failed")
-            if lora is not None:
+            if sites is not None and (site := sites[i][0]) is not None:
+                _lora_ok(lora_k(x_p, h, qkv_p, qkv_w, *site.args, nt))
+            elif lora is not None:
                 lora(i, "qkv", x, qkv)
             rope(qkv_p, qkv_w, rot_heads, head_dim, cos_p, sin_p, cs_stride, n, nt)
             if kv_write(
@@ -231,7 +278,9 @@ class CpuGraph:
                 raise IndexError(f"KV slots outside the cache's {num_slots} slots")
             bad = 0
             if nd:
-                bad += decode(qkv_p, kc, vc, tables_p, seq_lens, ao_p, qkv_w, nd, *attn_shape, scale, nt)
+                bad += decode(
+                    qkv_p, kc, vc, tables_p, seq_lens, ao_p, qkv_w, nd, *attn_shape, scale, window, 0.0, nt
+                )
             if ns > nd:
                 bad += extend(
                     qkv_p,
@@ -246,6 +295,8 @@ class CpuGraph:
                     ns - nd,
                     *attn_shape,
                     scale,
+                    window,
+                    0.0,  # no logit soft-capping (models that have it take the layer-by-layer path)
                     0,  # max row vectors: the kernel's choice
                     nt,
                 )
@@ -256,18 +307,32 @@ class CpuGraph:
                 )
             if f_o(ao_p, q, w_o, b_o, o_p, h, n, h, q, nt, *t_o):
                 raise RuntimeError("quantized linear failed")
-            if lora is not None:
+            if sites is not None and (site := sites[i][1]) is not None:
+                _lora_ok(lora_k(ao_p, q, o_p, h, *site.args, nt))
+            elif lora is not None:
                 lora(i, "o", attn_out, o)
             norm(o_p, h, res_p, h, w_post, x_p, h, n, h, eps, nt)
             if f_gu(x_p, h, w_gu, b_gu, gu_p, 2 * inter, n, 2 * inter, h, nt, *t_gu):
                 raise RuntimeError("quantized linear failed")
-            if lora is not None:
+            if sites is not None and (site := sites[i][2]) is not None:
+                _lora_ok(lora_k(x_p, h, gu_p, 2 * inter, *site.args, nt))
+            elif lora is not None:
                 lora(i, "gate_up", x, gate_up)
             silu(gu_p, 2 * inter, act_p, inter, n, inter, nt)
             if f_down(act_p, inter, w_down, b_down, down_p, h, n, h, inter, nt, *t_down):
                 raise RuntimeError("quantized linear failed")
-            if lora is not None:
+            if sites is not None and (site := sites[i][3]) is not None:
+                _lora_ok(lora_k(act_p, inter, down_p, h, *site.args, nt))
+            elif lora is not None:
                 lora(i, "down", act, down)
         out = torch.empty(n, h)
         norm(down_p, h, res_p, h, self._final_norm, out.data_ptr(), h, n, h, eps, nt)
         return out
+
+
+def _lora_ok(bad: int) -> None:
+    """Raise for the grouped LoRA kernel's error returns (0: every group served)."""
+    if bad < 0:
+        raise MemoryError("LoRA: the C kernel could not allocate its scratch memory")
+    if bad:
+        raise ValueError(f"LoRA: {bad} token groups point at a slot outside the adapter pool")

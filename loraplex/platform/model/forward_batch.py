@@ -16,12 +16,18 @@ Flat layout (see ``kernels/metadata.py`` for the index arithmetic)::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from loraplex.kernels.cpu.lora import BoundSite
 from loraplex.kernels.metadata import AttentionMetadata, LoRAMetadata
+
+LoRASites = Sequence[tuple[BoundSite | None, ...]]
+"""Per layer, per projection group (``qkv, o, gate_up, down``): the C kernel's call for the
+step at that site, None where no token has pages there."""
 
 
 class LoRAApplier(Protocol):
@@ -50,6 +56,12 @@ class LoRABatch:
 
     def __call__(self, layer_idx: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         self.applier.apply(layer_idx, group, x, y, self.meta)
+
+    def c_sites(self, num_layers: int) -> LoRASites | None:
+        """Every site's C kernel call for this step, planned once (``CpuGraph`` makes them
+        without a Python round trip); None when the applier cannot plan them (the hook serves)."""
+        plan = getattr(self.applier, "c_sites", None)
+        return None if plan is None else plan(self.meta, num_layers)
 
 
 @dataclass(frozen=True)

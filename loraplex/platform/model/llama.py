@@ -1,4 +1,5 @@
-"""Our Llama-family forward over a flat batch that reads and writes a paged KV cache.
+"""Our decoder forward over a flat batch that reads and writes a paged KV cache: Llama's,
+with the parts other families add (``arch.py``, ``families.py``) switched on by the arch.
 
 Projections are fused (q|k|v into one matrix, gate|up into one) so each layer runs
 four matmuls; the LoRA hook adds every adapter's delta to those fused outputs in
@@ -9,6 +10,12 @@ so greedy tokens match token for token in float32.
 The residual stream travels next to the hidden state (vLLM's layout): each layer
 returns its MLP output and the residual, and the next norm adds the two in the same
 call (``PointwiseBackend.add_rms_norm``), so a layer's elementwise work is four calls.
+
+Family parts: q/k RMSNorm per head before RoPE (Qwen3, Gemma 3); Gemma's norms after
+attention and after the MLP (their (1 + w) scale is folded into the weights at load
+time, so every norm here is ``w * x / rms(x)``); a sliding window and logit soft-capping
+per layer (passed to the attention backend); GeLU-tanh; the embedding scale; a RoPE
+table per layer type (Gemma 3's local and global bases); final logit soft-capping.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from loraplex.kernels.contracts import AttentionBackend, LinearBackend, PackedWe
 from loraplex.kernels.metadata import AttentionMetadata
 from loraplex.kernels.portable.linear import PortableLinearBackend
 from loraplex.kernels.portable.pointwise import PortablePointwiseBackend
-from loraplex.platform.model.arch import ModelArch, rope_inv_freq
+from loraplex.platform.model.arch import ModelArch, RopeSpec, rope_tables
 from loraplex.platform.model.cpu_graph import CpuGraph
 from loraplex.platform.model.forward_batch import ForwardBatch, LoRABatch
 from loraplex.storage.kv.kv_cache import KVCache
@@ -47,12 +54,20 @@ class DecoderLayer(nn.Module):
         self.qkv_bias = param(q + 2 * kv) if arch.qkv_bias else None
         self.o_weight = param(h, q)
         self.o_bias = param(h) if arch.o_bias else None
-        self.post_norm = param(h)
+        self.post_norm = param(h)  # the norm before the MLP (Gemma: pre_feedforward_layernorm)
+        # Gemma: post_attention_layernorm (on the attention output) and post_feedforward_layernorm
+        self.attn_out_norm = param(h) if arch.gemma_norms else None
+        self.mlp_out_norm = param(h) if arch.gemma_norms else None
+        self.q_norm = param(arch.head_dim) if arch.qk_norm else None  # per head, before RoPE
+        self.k_norm = param(arch.head_dim) if arch.qk_norm else None
         self.gate_up_weight = param(2 * i, h)  # rows: gate | up
         self.gate_up_bias = param(2 * i) if arch.mlp_bias else None
         self.down_weight = param(h, i)
         self.down_bias = param(h) if arch.mlp_bias else None
-        self.scale = arch.head_dim**-0.5
+        self.scale = arch.attn_scale or arch.head_dim**-0.5
+        self.sliding_window = arch.window_of(layer_idx)  # this layer's attention window (None: global)
+        self.logit_softcap = arch.attn_logit_softcap  # attention logit soft-capping (None: none)
+        self.rope = arch.rope_of(layer_idx)  # which of the model's RoPE tables this layer uses
         self.out_features = {"qkv": q + 2 * kv, "o": h, "gate_up": 2 * i, "down": h}
         self.linear: LinearBackend = PortableLinearBackend()
         self.pointwise: PointwiseBackend = PortablePointwiseBackend()
@@ -99,6 +114,8 @@ class DecoderLayer(nn.Module):
         qkv = self._project("qkv", x)
         if lora is not None:
             lora(self.layer_idx, "qkv", x, qkv)
+        if self.q_norm is not None and self.k_norm is not None:
+            self._qk_norm(qkv)
         # q and k heads are adjacent in each fused row: one rotary call turns both in place.
         pw.rotary(qkv[:, : arch.q_size + arch.kv_size], cos, sin, arch.head_dim)
         q, k, v = qkv.split([arch.q_size, arch.kv_size, arch.kv_size], dim=-1)
@@ -106,20 +123,48 @@ class DecoderLayer(nn.Module):
         k = k.view(num_tokens, arch.num_kv_heads, arch.head_dim)
         v = v.view(num_tokens, arch.num_kv_heads, arch.head_dim)
         attn.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = attn.forward(q, k_cache, v_cache, meta, self.scale).reshape(num_tokens, arch.q_size)
+        out = attn.forward(
+            q,
+            k_cache,
+            v_cache,
+            meta,
+            self.scale,
+            sliding_window=self.sliding_window,
+            logit_softcap=self.logit_softcap,
+        ).reshape(num_tokens, arch.q_size)
         o = self._project("o", out)
         if lora is not None:
             lora(self.layer_idx, "o", out, o)
+        if self.attn_out_norm is not None:
+            o, _ = pw.add_rms_norm(None, o, self.attn_out_norm, arch.rms_norm_eps)
 
         x, residual = pw.add_rms_norm(o, residual, self.post_norm, arch.rms_norm_eps)
         gate_up = self._project("gate_up", x)
         if lora is not None:
             lora(self.layer_idx, "gate_up", x, gate_up)
-        act = pw.silu_and_mul(gate_up)
+        if arch.activation == "gelu_tanh":
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.gelu(gate, approximate="tanh") * up
+        else:
+            act = pw.silu_and_mul(gate_up)
         down = self._project("down", act)
         if lora is not None:
             lora(self.layer_idx, "down", act, down)
+        if self.mlp_out_norm is not None:
+            down, _ = pw.add_rms_norm(None, down, self.mlp_out_norm, arch.rms_norm_eps)
         return down, residual
+
+    def _qk_norm(self, qkv: torch.Tensor) -> None:
+        """RMSNorm of every q and k head (its own weight for q and for k), in place in ``qkv``."""
+        arch, d = self.arch, self.arch.head_dim
+        assert self.q_norm is not None and self.k_norm is not None
+        for lo, hi, weight in (
+            (0, arch.q_size, self.q_norm),
+            (arch.q_size, arch.q_size + arch.kv_size, self.k_norm),
+        ):
+            heads = qkv[:, lo:hi].reshape(-1, d)
+            normed, _ = self.pointwise.add_rms_norm(None, heads, weight, arch.rms_norm_eps)
+            qkv[:, lo:hi] = normed.view(qkv.shape[0], hi - lo)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -141,13 +186,18 @@ class LlamaForCausalLM(nn.Module):
                 torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype), requires_grad=False
             )
         )
-        inv_freq = rope_inv_freq(arch)
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        # One cos/sin table per RoPE spec (Gemma 3: local and global bases); rope_cos/rope_sin
+        # are the first (the only one of most models, which the CPU graph reads).
+        specs = arch.ropes or (RopeSpec(arch.rope_theta, arch.rope_scaling),)
+        tables = [rope_tables(spec, arch.head_dim, max_positions) for spec in specs]
         self.rope_cos: torch.Tensor
         self.rope_sin: torch.Tensor
-        self.register_buffer("rope_cos", emb.cos(), persistent=False)
-        self.register_buffer("rope_sin", emb.sin(), persistent=False)
+        self.register_buffer("rope_cos", tables[0][0], persistent=False)
+        self.register_buffer("rope_sin", tables[0][1], persistent=False)
+        for j, (cos, sin) in enumerate(tables[1:], start=1):
+            self.register_buffer(f"rope_cos_{j}", cos, persistent=False)
+            self.register_buffer(f"rope_sin_{j}", sin, persistent=False)
+        self.num_ropes = len(tables)
         self.linear: LinearBackend = PortableLinearBackend()
         self.pointwise: PointwiseBackend = PortablePointwiseBackend()
         self._logits_weight: Weight | None = None  # the LM head in the linear backend's layout
@@ -179,8 +229,13 @@ class LlamaForCausalLM(nn.Module):
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         """The embedding rows of ``input_ids`` (decoded from blocks when the table is packed)."""
         if isinstance(self.embed, PackedWeight):
-            return self.linear.rows(self.embed, input_ids).to(self.dtype)
-        return F.embedding(input_ids, self.embed)
+            rows = self.linear.rows(self.embed, input_ids).to(self.dtype)
+        else:
+            rows = F.embedding(input_ids, self.embed)
+        if self.arch.embed_scale is not None:
+            # Gemma: the scale rounded to the model's dtype first, as HF does.
+            rows = rows * torch.tensor(self.arch.embed_scale, dtype=self.dtype)
+        return rows
 
     def use_linear(self, linear: LinearBackend, int8_activations: bool = False) -> None:
         """Compute every projection and the LM head with ``linear`` (call once, after loading);
@@ -218,6 +273,12 @@ class LlamaForCausalLM(nn.Module):
         self._graph_attn = attn if self._graph is not None else None
         return why
 
+    @property
+    def cpu_graph(self) -> CpuGraph | None:
+        """The graph serving the layers (``use_cpu_graph``), or None; its ``lora_steps`` counts
+        how each step with adapters ran (``c``: inside the graph, ``hook``: called back)."""
+        return self._graph
+
     def forward(
         self, batch: ForwardBatch, kv_cache: KVCache, attn: AttentionBackend
     ) -> torch.Tensor:  # [num_tokens, hidden]
@@ -225,10 +286,11 @@ class LlamaForCausalLM(nn.Module):
         if self._graph is not None and attn is self._graph_attn:
             return self._graph.forward(batch, kv_cache)
         hidden = self.embed_tokens(batch.input_ids)
-        cos = self.rope_cos[batch.positions].to(self.dtype)
-        sin = self.rope_sin[batch.positions].to(self.dtype)
+        cos_sin = [self._rope_rows(j, batch.positions) for j in range(self.num_ropes)]
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
+            cos, sin = cos_sin[layer.rope]
             hidden, residual = layer(
                 hidden, residual, cos, sin, kv_cache.k[i], kv_cache.v[i], batch.attn, attn, batch.lora
             )
@@ -236,8 +298,18 @@ class LlamaForCausalLM(nn.Module):
         normed, _ = self.pointwise.add_rms_norm(hidden, residual, self.norm, self.arch.rms_norm_eps)
         return normed
 
+    def _rope_rows(self, j: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        suffix = f"_{j}" if j else ""
+        cos = getattr(self, "rope_cos" + suffix)[positions].to(self.dtype)
+        sin = getattr(self, "rope_sin" + suffix)[positions].to(self.dtype)
+        return cos, sin
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         weight = self._logits_weight
         if weight is None:
             weight = self.embed if self.lm_head is None else self.lm_head
-        return self.linear(hidden, weight, None, self.arch.vocab_size).float()
+        logits = self.linear(hidden, weight, None, self.arch.vocab_size)
+        cap = self.arch.final_logit_softcap
+        if cap:  # Gemma 2: in the model's dtype, as HF does
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()

@@ -60,13 +60,22 @@ def _read_state_dict(model_dir: Path, skip: frozenset[str] = frozenset()) -> dic
     return state
 
 
-def _hf_names(key: str) -> tuple[str, ...]:
+# Checkpoints that store the fused projections whole (Phi-3): our name -> theirs.
+FUSED_HF_NAMES = {
+    "qkv_weight": ("self_attn.qkv_proj.weight",),
+    "gate_up_weight": ("mlp.gate_up_proj.weight",),
+}
+
+
+def _hf_names(key: str, arch: ModelArch) -> tuple[str, ...]:
     """The HF checkpoint tensors our weight ``key`` is made from."""
     if key == "embed":
         return ("embed_tokens.weight",)
     if key == "lm_head":
         return ("lm_head.weight",)
     layer, name = key.rsplit(".", 1)
+    if arch.fused_checkpoint and name in FUSED_HF_NAMES:
+        return tuple(f"{layer}.{hf}" for hf in FUSED_HF_NAMES[name])
     return tuple(f"{layer}.{hf}" for hf in HF_NAMES[name])
 
 
@@ -91,7 +100,7 @@ def load_model(
         if gguf_path is None:
             raise ValueError("quantization='gguf' needs the model's .gguf file")
         packed = read_gguf_weights(gguf_path, arch)
-    skip = frozenset(name for key in packed for name in _hf_names(key))
+    skip = frozenset(name for key in packed for name in _hf_names(key, arch))
     state = _read_state_dict(model_dir, skip)
     prefix = "model." if any(k.startswith("model.") for k in state) else ""
 
@@ -101,14 +110,34 @@ def load_model(
             raise KeyError(f"weight {key!r} missing from {model_dir}")
         return state.pop(key).to(dtype)
 
-    weights: dict[str, torch.Tensor] = {"norm": take("norm.weight")}
+    def norm(name: str) -> torch.Tensor:
+        # Gemma's RMSNorm scales by (1 + w): folded into the weight once, in float32 as HF
+        # computes it, so the forward's norms are all w * x / rms(x).
+        if arch.gemma_norms:
+            key = prefix + name
+            if key not in state:
+                raise KeyError(f"weight {key!r} missing from {model_dir}")
+            return (state.pop(key).float() + 1.0).to(dtype)
+        return take(name)
+
+    weights: dict[str, torch.Tensor] = {"norm": norm("norm.weight")}
     if "embed" not in packed:
         weights["embed"] = take("embed_tokens.weight")
     for i in range(arch.num_layers):
         p = f"layers.{i}."
-        weights[p + "input_norm"] = take(p + "input_layernorm.weight")
-        weights[p + "post_norm"] = take(p + "post_attention_layernorm.weight")
-        if p + "qkv_weight" not in packed:
+        weights[p + "input_norm"] = norm(p + "input_layernorm.weight")
+        if arch.gemma_norms:
+            weights[p + "attn_out_norm"] = norm(p + "post_attention_layernorm.weight")
+            weights[p + "post_norm"] = norm(p + "pre_feedforward_layernorm.weight")
+            weights[p + "mlp_out_norm"] = norm(p + "post_feedforward_layernorm.weight")
+        else:
+            weights[p + "post_norm"] = take(p + "post_attention_layernorm.weight")
+        if arch.qk_norm:
+            weights[p + "q_norm"] = norm(p + "self_attn.q_norm.weight")
+            weights[p + "k_norm"] = norm(p + "self_attn.k_norm.weight")
+        if p + "qkv_weight" not in packed and arch.fused_checkpoint:
+            weights[p + "qkv_weight"] = take(p + "self_attn.qkv_proj.weight")  # rows q | k | v
+        elif p + "qkv_weight" not in packed:
             weights[p + "qkv_weight"] = torch.cat(
                 [take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")], dim=0
             )
@@ -120,7 +149,9 @@ def load_model(
             weights[p + "o_weight"] = take(p + "self_attn.o_proj.weight")
         if arch.o_bias:
             weights[p + "o_bias"] = take(p + "self_attn.o_proj.bias")
-        if p + "gate_up_weight" not in packed:
+        if p + "gate_up_weight" not in packed and arch.fused_checkpoint:
+            weights[p + "gate_up_weight"] = take(p + "mlp.gate_up_proj.weight")  # rows gate | up
+        elif p + "gate_up_weight" not in packed:
             weights[p + "gate_up_weight"] = torch.cat(
                 [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0
             )

@@ -60,6 +60,10 @@ _FUSED = {
     "gate_up_weight": ("ffn_gate", "ffn_up"),
     "down_weight": ("ffn_down",),
 }
+# architectures whose GGUF files keep a fused projection whole (llama.cpp's names)
+_FUSED_BY_ARCH: dict[str, dict[str, tuple[str, ...]]] = {
+    "phi3": {"qkv_weight": ("attn_qkv",), "gate_up_weight": ("ffn_up",)},  # rows q|k|v, gate|up
+}
 # the same, as the HF checkpoint names them (what the float loader then skips)
 HF_NAMES = {
     "qkv_weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
@@ -152,8 +156,9 @@ def read_gguf_weights(gguf_path: Path, arch: ModelArch) -> dict[str, PackedWeigh
             start += rows.shape[0]
         out[key] = PackedWeight(FORMATS[fmt], data, in_features)
 
+    fused = {**_FUSED, **_FUSED_BY_ARCH.get(gguf_arch, {})}
     for i in range(arch.num_layers):
-        for ours, names in _FUSED.items():
+        for ours, names in fused.items():
             pack(f"layers.{i}.{ours}", tuple(f"blk.{i}.{n}.weight" for n in names))
     pack("embed", ("token_embd.weight",))
     if not arch.tie_word_embeddings and "output.weight" in tensors:

@@ -23,6 +23,24 @@ block in the write range would be copied too, never overwritten). A freed keyed
 block stays findable in the pool's LRU free queue until it is reused; tiers see
 that moment through ``pool.on_evict`` and promote blocks back through
 ``pool.allocate_for_key`` / ``publish_promoted`` (see ``block_pool``).
+
+Sliding window (``sliding_window`` = W, for models whose every layer attends to the last W
+positions only: Mistral, Qwen2 with ``use_sliding_window`` on all layers). A query at
+position ``p`` reads keys ``p - W < k <= p``, and positions only grow, so once a sequence's
+next query sits at ``p`` every block before ``first_kept_block(p)`` is dead for it:
+``free_outside_window`` returns those blocks to the pool and leaves ``PAD_BLOCK_ID`` in
+their table entries (the table keeps its length, so entry ``i`` is still token block ``i``;
+the attention kernels, given the window, never read entries before the first visible
+block). A windowed sequence so holds at most ``window_step_blocks`` blocks at a decode
+step (``ceil((W + block_size - 1) / block_size)``, about ``W / block_size + 1``) however
+long its context; admission and ``num_new_blocks_needed`` count only the entries a step
+keeps. A freed block that was cached keeps its key and its KV (it waits in the LRU free
+queue like any freed cached block) until the pool reuses it, when the key leaves the
+index: no prefix entry ever points at missing KV. A prefix-cache hit is still the unbroken
+run of resident blocks from the prompt's start (so a hit never needs a block that is
+gone); ``allocate_slots`` takes only the hit blocks inside the window and pads the rest.
+Models that mix windowed and global layers (Gemma 2/3, Qwen2 with ``max_window_layers``)
+free nothing: their global layers need every block (one table for all layers).
 """
 
 from __future__ import annotations
@@ -33,7 +51,7 @@ from typing import NamedTuple
 
 import torch
 
-from loraplex.kernels.metadata import PAD_BLOCK_ID
+from loraplex.kernels.metadata import PAD_BLOCK_ID, first_visible_block
 from loraplex.storage.kv.block_hash import BlockKey, ExtraKeys
 from loraplex.storage.kv.block_pool import BlockPool, KVBlock
 from loraplex.storage.kv.kv_events import NO_ORIGIN, BlockOrigin
@@ -69,10 +87,19 @@ class KVBlockManager:
         block_size: int,
         enable_prefix_caching: bool = False,
         fingerprint: bytes = b"",
+        sliding_window: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1 (or None), got {sliding_window}")
         self.block_size = block_size
+        # Every layer's window (None: some layer attends to the whole context; nothing is freed).
+        self.sliding_window = sliding_window
+        # Leading PAD entries of each table (blocks freed out of the window), so freeing
+        # after every step looks only at the blocks that just left the window.
+        self._num_padded: dict[int, int] = {}
+        self.num_window_freed_blocks = 0  # since start-up, for tests and metrics
         self.pool = BlockPool(num_blocks)
         self._tables: dict[int, list[int]] = {}
         self.enable_prefix_caching = enable_prefix_caching
@@ -91,7 +118,60 @@ class KVBlockManager:
         return -(-num_tokens // self.block_size)
 
     def block_table(self, seq_id: int) -> list[int]:
+        """``seq_id``'s table; entries freed out of the sliding window hold ``PAD_BLOCK_ID``."""
         return self._tables.get(seq_id, [])
+
+    def num_held_blocks(self, seq_id: int) -> int:
+        """Blocks ``seq_id``'s table holds (its PAD entries, freed out of the window, aside)."""
+        return len(self._tables.get(seq_id, ())) - self._num_padded.get(seq_id, 0)
+
+    # -- sliding window --------------------------------------------------------
+    def first_kept_block(self, position: int) -> int:
+        """The first table entry a query at ``position`` (or any later one) reads: the block
+        of key ``position - W + 1``; 0 without a window. Entries before it may be freed."""
+        # The kernels' own rule (``metadata.first_visible_block``): they never read before it.
+        return first_visible_block(position, self.sliding_window, self.block_size)
+
+    @property
+    def window_step_blocks(self) -> int | None:
+        """The most blocks a windowed sequence holds at a decode step, at any context length
+        (None without a window): the window's ``W`` keys plus the new token may straddle
+        ``ceil((W + block_size - 1) / block_size)`` blocks."""
+        if self.sliding_window is None:
+            return None
+        return -(-(self.sliding_window + self.block_size - 1) // self.block_size)
+
+    def max_chunk_tokens(self) -> int | None:
+        """The longest prefill chunk whose blocks (the window before it included) fit the whole
+        pool: the scheduler caps chunks at this, so a windowed sequence longer than the pool
+        still runs. None without a window (then a sequence must fit the pool whole)."""
+        if self.sliding_window is None:
+            return None
+        return max(0, self.pool.num_blocks * self.block_size - self.sliding_window - self.block_size + 2)
+
+    def free_outside_window(self, seq_id: int, next_position: int) -> int:
+        """Return to the pool the blocks of ``seq_id`` that no query at ``next_position`` or
+        later reads (its next new token's position: its ``num_computed_tokens``), leaving
+        ``PAD_BLOCK_ID`` in their entries; return how many were freed.
+
+        A shared block (a fork's sibling, another sequence's prefix hit) only loses this
+        table's reference. Cached blocks keep their key until the pool reuses them.
+        Idempotent; a no-op without a window.
+        """
+        table = self._tables.get(seq_id)
+        if not table or self.sliding_window is None:
+            return 0
+        first = min(self.first_kept_block(next_position), len(table))
+        start = self._num_padded.get(seq_id, 0)
+        if first <= start:
+            return 0
+        for idx in range(start, first):
+            block_id = table[idx]
+            table[idx] = PAD_BLOCK_ID
+            self.pool.decref(block_id)
+        self._num_padded[seq_id] = first
+        self.num_window_freed_blocks += first - start
+        return first - start
 
     def has_table(self, seq_id: int) -> bool:
         return seq_id in self._tables
@@ -135,7 +215,7 @@ class KVBlockManager:
             return NO_HIT
         if self._tables.get(seq_id):
             raise RuntimeError(f"sequence {seq_id} already holds blocks; look up only before admission")
-        return self.prefix_cache.lookup(seq_id, token_ids, extra_keys, owner, origin)
+        return self.prefix_cache.lookup(seq_id, token_ids, extra_keys, owner, origin, self.sliding_window)
 
     def cache_full_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed_tokens: int) -> int:
         """After a step: make ``seq_id``'s newly computed full blocks findable; return how many.
@@ -153,9 +233,15 @@ class KVBlockManager:
     def can_allocate(self, seq_id: int, num_tokens: int, hit: PrefixHit = NO_HIT) -> AllocStatus:
         """Could ``seq_id`` hold ``num_tokens`` tokens of KV? NEVER if the pool is too small.
 
-        With a ``hit``, its free cached blocks count as taken from the free pool.
+        With a ``hit``, its free cached blocks count as taken from the free pool (those inside
+        the window only: the rest are padded, not taken). With a sliding window, NEVER only
+        if a decode step (``window_step_blocks``) would not fit: the scheduler cuts longer
+        prefills into chunks that fit (``max_chunk_tokens``).
         """
-        if self.num_blocks_for(num_tokens) > self.pool.num_blocks:
+        most = self.num_blocks_for(num_tokens)
+        if self.window_step_blocks is not None:
+            most = min(most, self.window_step_blocks)
+        if most > self.pool.num_blocks:
             return AllocStatus.NEVER
         needed = self.num_blocks_for(num_tokens)
         if hit.block_ids:
@@ -176,15 +262,25 @@ class KVBlockManager:
             # The hit becomes the table; writes start right after it, so nothing is copied.
             return self._num_revived(hit) + max(0, self.num_blocks_for(end) - hit.num_cached_blocks)
         table = self._tables.get(seq_id, [])
-        fresh = max(0, self.num_blocks_for(end) - len(table))
+        # Blocks the window drops before this step (allocate_slots frees them first) come back.
+        released = 0
+        if self.sliding_window is not None and table:
+            for idx in range(
+                self._num_padded.get(seq_id, 0), min(self.first_kept_block(num_computed), len(table))
+            ):
+                released += self.pool.blocks[table[idx]].ref_cnt == 1
+        table_len = len(table)
+        fresh = max(0, self.num_blocks_for(end) - table_len)
         first = num_computed // self.block_size
-        last = min(len(table), self.num_blocks_for(end))
+        last = min(table_len, self.num_blocks_for(end))
         cow = sum(1 for idx in range(first, last) if self._must_copy(self.pool.blocks[table[idx]]))
-        return fresh + cow
+        return fresh + cow - released
 
     def _num_revived(self, hit: PrefixHit) -> int:
-        """Hit blocks that are free now: taking them empties their place in the free queue."""
-        return sum(1 for b in hit.block_ids if self.pool.blocks[b].ref_cnt == 0)
+        """Hit blocks inside the window that are free now: taking them empties their place in
+        the free queue (those before the window are not taken)."""
+        first = self.first_kept_block(hit.num_cached_tokens)
+        return sum(1 for b in hit.block_ids[first:] if self.pool.blocks[b].ref_cnt == 0)
 
     @staticmethod
     def _must_copy(block: KVBlock) -> bool:
@@ -209,19 +305,33 @@ class KVBlockManager:
             self._check_hit(seq_id, num_computed, hit)
         elif num_new <= 0:
             return []
+        else:
+            # What the window dropped since the last step goes back before anything is taken.
+            self.free_outside_window(seq_id, num_computed)
         if self.num_new_blocks_needed(seq_id, num_computed, num_new, hit) > self.pool.num_free_blocks:
             return None
         if self.enable_prefix_caching and hit.num_query_tokens > 0:
             self.prefix_cache.admitted(seq_id, hit)
         table = self._tables.setdefault(seq_id, [])
         # Take the hits before allocating: a free hit block sits in the free queue
-        # and must not be handed out as a fresh block.
-        for block_id in hit.block_ids:
+        # and must not be handed out as a fresh block. Hit blocks already out of the
+        # window are not taken at all: their entries are PAD from the start.
+        first_kept = self.first_kept_block(num_computed) if hit.block_ids else 0
+        for idx, block_id in enumerate(hit.block_ids):
+            if idx < first_kept:
+                table.append(PAD_BLOCK_ID)
+                continue
             self.pool.take(block_id)
             table.append(block_id)
+        if first_kept:
+            self._num_padded[seq_id] = first_kept
         end = num_computed + num_new
         copies: list[BlockCopy] = []
         first = num_computed // self.block_size
+        if first < self._num_padded.get(seq_id, 0):
+            raise RuntimeError(
+                f"sequence {seq_id} writes from block {first}, which the sliding window already freed"
+            )
         for idx in range(first, min(len(table), self.num_blocks_for(end))):
             old = table[idx]
             if self._must_copy(self.pool.blocks[old]):
@@ -249,9 +359,28 @@ class KVBlockManager:
             raise ValueError(f"sequence {child_id} already has a block table")
         table = self._tables.get(parent_id, [])
         for block_id in table:
-            self.pool.incref(block_id)
+            if block_id != PAD_BLOCK_ID:
+                self.pool.incref(block_id)
         self._tables[child_id] = list(table)
+        if parent_id in self._num_padded:
+            self._num_padded[child_id] = self._num_padded[parent_id]
         self.prefix_cache.fork(parent_id, child_id)
+
+    def truncate(self, seq_id: int, num_tokens: int) -> int:
+        """Keep only the blocks holding ``seq_id``'s first ``num_tokens`` tokens; the blocks past
+        them go back (speculative tokens the target rejected). Returns how many were released.
+
+        The released blocks hold only rejected positions, which are never registered with the
+        prefix cache, so none of them carries a key this sequence's chain knows."""
+        table = self._tables.get(seq_id)
+        if table is None:
+            return 0
+        keep = self.num_blocks_for(num_tokens)
+        dropped = table[keep:]
+        del table[keep:]
+        for block_id in reversed(dropped):
+            self.pool.decref(block_id)
+        return len(dropped)
 
     def free(self, seq_id: int) -> None:
         """Release every block of ``seq_id`` and its key chain (no-op if it holds none).
@@ -261,11 +390,12 @@ class KVBlockManager:
         """
         self.prefix_cache.forget(seq_id)
         table = self._tables.pop(seq_id, None)
+        num_padded = self._num_padded.pop(seq_id, 0)
         if not table:
             return
         # Free tail first so the LRU queue hands out a sequence's head blocks last:
         # those are the ones a prefix-cache hit would want back.
-        for block_id in reversed(table):
+        for block_id in reversed(table[num_padded:]):
             self.pool.decref(block_id)
 
     # -- tensors ---------------------------------------------------------------
@@ -285,7 +415,10 @@ class KVBlockManager:
     def slot(self, seq_id: int, position: int) -> int:
         """Flat KV slot of token ``position`` of ``seq_id``: block_id * block_size + offset."""
         table = self._tables[seq_id]
-        return table[position // self.block_size] * self.block_size + position % self.block_size
+        block_id = table[position // self.block_size]
+        if block_id == PAD_BLOCK_ID:
+            raise ValueError(f"position {position} of sequence {seq_id} was freed out of the sliding window")
+        return block_id * self.block_size + position % self.block_size
 
     # -- invariants ------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -293,8 +426,17 @@ class KVBlockManager:
         them, and every keyed block a sequence holds carries that sequence's key."""
         self.pool.check_integrity()
         counts = [0] * self.pool.num_blocks
-        for table in self._tables.values():
-            for block_id in table:
+        for seq_id, table in self._tables.items():
+            # PAD entries (blocks freed out of the window) are exactly the table's head.
+            num_padded = self._num_padded.get(seq_id, 0)
+            if self.sliding_window is None and num_padded:
+                raise AssertionError(f"sequence {seq_id} has PAD entries but there is no sliding window")
+            if any(b != PAD_BLOCK_ID for b in table[:num_padded]) or PAD_BLOCK_ID in table[num_padded:]:
+                raise AssertionError(
+                    f"sequence {seq_id}: PAD entries are not exactly its first {num_padded} (freed out of "
+                    "the window)"
+                )
+            for block_id in table[num_padded:]:
                 counts[block_id] += 1
         for block_id in self.pool.promoting_block_ids():
             counts[block_id] += 1
@@ -315,6 +457,8 @@ class KVBlockManager:
             # only the keys this sequence knows can be compared.
             keys = self.prefix_cache.block_keys(seq_id)
             for idx, block_id in enumerate(table[: len(keys)]):
+                if block_id == PAD_BLOCK_ID:
+                    continue
                 key = self.pool.blocks[block_id].key
                 if key is not None and keys[idx] != key:
                     raise AssertionError(

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from loraplex.kernels.metadata import PAD_BLOCK_ID, first_visible_block
 from loraplex.storage.kv.block_hash import BlockKey, BlockKeyChain, ExtraKeys, root_key
 from loraplex.storage.kv.block_pool import BlockPool
 from loraplex.storage.kv.kv_events import GPU, NO_ORIGIN, BlockOrigin, BlocksStored
@@ -111,8 +112,12 @@ class PrefixCache:
         extra_keys: ExtraKeys,
         owner: bytes = b"",
         origin: BlockOrigin = NO_ORIGIN,
+        sliding_window: int | None = None,
     ) -> PrefixHit:
         """Walk the prompt's full blocks and stop at the first key not cached.
+
+        With a ``sliding_window`` (every layer's), the hit is the longest whose *window* is
+        resident: head blocks that are gone come back as ``PAD_BLOCK_ID`` entries.
 
         The first lookup of ``seq_id`` starts its key chain, which records ``owner`` (the
         tenant's cache salt, one of ``extra_keys``) for every block it later caches;
@@ -122,6 +127,9 @@ class PrefixCache:
         if origin != NO_ORIGIN:
             self._origins[seq_id] = origin
         num_cacheable = max(0, (len(token_ids) - 1) // self.block_size)
+        bs = self.block_size
+        if sliding_window is not None:
+            return self._window_lookup(keys[:num_cacheable], len(token_ids), sliding_window)
         block_ids: list[int] = []
         for key in keys[:num_cacheable]:
             block_id = self.pool.lookup(key)
@@ -129,12 +137,30 @@ class PrefixCache:
                 break
             block_ids.append(block_id)
         n = len(block_ids)
-        bs = self.block_size
         return PrefixHit(tuple(block_ids), tuple(keys[:n]), n * bs, len(token_ids), num_cacheable)
+
+    def _window_lookup(self, keys: Sequence[BlockKey], num_query_tokens: int, window: int) -> PrefixHit:
+        """The longest hit of ``n`` blocks whose blocks the next query (at ``n * block_size``)
+        reads, ``first_visible_block .. n - 1``, are all resident; the entries before them are
+        ``PAD_BLOCK_ID`` (evicted or not, they are never read). vLLM's sliding-window lookup."""
+        bs = self.block_size
+        found = [self.pool.lookup(key) for key in keys]
+        best, run_start = 0, 0
+        for idx, block_id in enumerate(found):
+            if block_id is None:
+                run_start = idx + 1
+            elif run_start <= first_visible_block((idx + 1) * bs, window, bs):
+                best = idx + 1
+        first = first_visible_block(best * bs, window, bs) if best else 0
+        block_ids = [PAD_BLOCK_ID] * first + [b for b in found[first:best] if b is not None]
+        assert len(block_ids) == best
+        return PrefixHit(tuple(block_ids), tuple(keys[:best]), best * bs, num_query_tokens, len(keys))
 
     def check_fresh(self, hit: PrefixHit) -> None:
         """Raise if a hit block was evicted (or re-keyed) since the lookup."""
         for block_id, key in zip(hit.block_ids, hit.keys, strict=True):
+            if block_id == PAD_BLOCK_ID:
+                continue  # out of the window: not taken, not read
             if self.pool.blocks[block_id].key != key:
                 raise RuntimeError(
                     f"stale prefix hit: block {block_id} no longer holds key {key.hex()[:16]}; "
@@ -175,6 +201,9 @@ class PrefixCache:
         num_cached = 0
         run: list[int] = []  # block indices made findable in a row (one event each run)
         for idx in range(start, num_full):
+            if table[idx] == PAD_BLOCK_ID:  # freed out of the sliding window before it was cached
+                self._report(seq_id, chain, run, token_ids)
+                continue
             block = self.pool.blocks[table[idx]]
             if block.key is not None:
                 if block.key != keys[idx]:

@@ -86,17 +86,21 @@ class TieredKV:
         host_kv_cache_bytes: int = 0,
         disk_kv_path: str | os.PathLike[str] | None = None,
         disk_kv_cache_bytes: int = 0,
+        sliding_window: int | None = None,
     ) -> TieredKV:
         """The cache for ``device``'s blocks; tiers only if host or disk bytes are given.
 
         ``fingerprint`` names the model and KV layout: it roots every prefix-cache key and
         heads every disk record, so a cache of another model or layout is never read.
+        ``sliding_window``: every layer's window, when all layers slide (blocks behind it are
+        freed while a sequence runs: ``KVBlockManager``).
         """
         block_manager = KVBlockManager(
             device.num_blocks,
             device.block_size,
             enable_prefix_caching=enable_prefix_caching,
             fingerprint=fingerprint,
+            sliding_window=sliding_window,
         )
         tiers = None
         if host_kv_cache_bytes or disk_kv_cache_bytes:

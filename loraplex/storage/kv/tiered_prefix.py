@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from loraplex.kernels.metadata import PAD_BLOCK_ID
 from loraplex.storage.kv.block_hash import BlockKey
 from loraplex.storage.kv.block_manager import KVBlockManager
 from loraplex.storage.kv.prefix_cache import PrefixHit
@@ -68,9 +69,11 @@ def start_promotion(
     try:
         # Hold the device blocks of the hit while allocating: free and least recently used,
         # they would be the first evicted to make room for the blocks that continue them.
+        # (PAD entries of a sliding-window hit hold no block.)
+        held_ids = [b for b in hit.block_ids if b != PAD_BLOCK_ID]
         taken = 0
         try:
-            for held in hit.block_ids:
+            for held in held_ids:
                 kv.pool.take(held)
                 taken += 1
             for key, owner in zip(promotion.keys, promotion.owners, strict=True):
@@ -81,7 +84,7 @@ def start_promotion(
         finally:
             # Back to the free queue (if nobody else holds them) as its most recent entries,
             # the head of the prefix last, so the hit stays valid and is evicted last.
-            for held in reversed(hit.block_ids[:taken]):
+            for held in reversed(held_ids[:taken]):
                 kv.pool.decref(held)
         promotion.assign(block_ids)
     except BaseException:

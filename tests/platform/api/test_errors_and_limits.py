@@ -51,6 +51,11 @@ def client(tiny_dirs: dict[str, Path]) -> Iterator[tuple[TestClient, LLMEngine]]
     aeng.shutdown()
 
 
+BAD_SCHEMA = {"name": "x", "schema": {"type": "string", "pattern": "(("}}
+TOOL_F = {"type": "function", "function": {"name": "f"}}
+CHOOSE_G = {"type": "function", "function": {"name": "g"}}
+
+
 def _error(r: Any, status: int) -> dict[str, Any]:
     assert r.status_code == status, r.text
     assert r.headers["content-type"].startswith("application/json")
@@ -152,9 +157,19 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         ("/v1/completions", {"suffix": "end"}, "suffix"),
         ("/v1/completions", {"best_of": 3}, "best_of"),
         ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
-        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+        ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+        ("/v1/chat/completions", {"use_beam_search": True}, "use_beam_search"),
+        # structured outputs and tools (issue 40): malformed shapes and hostile schemas name the field
+        ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": BAD_SCHEMA}},
+         "response_format"),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "bad name"}}]},
+         "tools.0.function.name"),
+        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {"tools": [TOOL_F], "tool_choice": CHOOSE_G}, "tool_choice"),
+        ("/v1/completions", {"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+        ("/v1/completions", {"structured_outputs": {"xml": "a"}}, "structured_outputs"),
+        ("/v1/completions", {"guided_choice": []}, "guided_choice"),
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
          "messages.0.content.0"),

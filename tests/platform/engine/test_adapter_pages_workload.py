@@ -137,7 +137,9 @@ def test_pages_hold_through_evictions_preemption_and_churn(
     # in its K and its V blocks, and the two halves are not always equal.
     per_block = kv_bytes_per_block(2, 8, 2, 16, torch.float32)
     budget += 16 * per_block
-    assert budget < sum(sizes) * 2 // 3
+    # Still well under all six with the slack (ranks padded to 8 columns make pages small);
+    # the evictions asserted below are what show the pool was short.
+    assert budget < sum(sizes) * 3 // 4
     pool = 24 + budget // per_block
     got, tight, _, most_lent = _run(
         tiny_dirs["gqa_tied"], loras, reqs, churn=True, num_kv_blocks=pool, lora_memory=budget

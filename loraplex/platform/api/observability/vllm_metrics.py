@@ -89,6 +89,27 @@ class VLLMCollector(Collector):
         yield from self._cache(stats)
         if stats.adapters is not None:
             yield from self._lora(stats)
+        if stats.spec_decode is not None:
+            yield from self._spec_decode(stats)
+
+    def _spec_decode(self, stats: EngineStats) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters (``speculative_config``)."""
+        spec = stats.spec_decode
+        assert spec is not None
+        for name, doc, value in (
+            ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", spec.num_accepted_tokens),
+        ):
+            yield self._per_engine(name, doc, value, CounterMetricFamily)
+        per_pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=[*PER_ENGINE, "position"],
+        )
+        for pos, count in enumerate(spec.accepted_per_pos):
+            per_pos.add_metric([self.model_name, ENGINE_INDEX, str(pos)], count)
+        yield per_pos
 
     def _per_engine(self, name: str, doc: str, value: float, kind: type = GaugeMetricFamily) -> Metric:
         family = kind(name, doc, labels=PER_ENGINE)

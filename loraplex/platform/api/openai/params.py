@@ -8,9 +8,11 @@ the rest (ranges, finiteness, the context and the scheduler's limits) and raise
 
 from __future__ import annotations
 
+from typing import Any
+
 from loraplex.platform.api.errors import bad_request
 from loraplex.platform.api.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from loraplex.platform.engine.sampling_params import SamplingParams
+from loraplex.platform.engine.sampling_params import STRUCTURED_KINDS, SamplingParams, StructuredOutputsParams
 from loraplex.platform.settings import ServerLimits
 
 
@@ -64,7 +66,48 @@ def _check_cap(name: str, value: int, cap: int) -> None:
         raise bad_request(f"'{name}' must be between 0 and {cap}, got {value}.", name)
 
 
-def _sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def guided_constraint(body: SamplingFields) -> StructuredOutputsParams | None:
+    """vLLM's ``structured_outputs`` object, or one of its older ``guided_*`` fields (at most one)."""
+    given: list[tuple[str, Any]] = [(n, getattr(body, n)) for n in _GUIDED if getattr(body, n) is not None]
+    if body.structured_outputs is not None:
+        given.append(("structured_outputs", body.structured_outputs))
+    if len(given) > 1:
+        names = ", ".join(f"'{n}'" for n, _ in given)
+        raise bad_request(f"Give at most one output constraint; got {names}.", given[1][0])
+    if not given:
+        return None
+    name, value = given[0]
+    if name != "structured_outputs":
+        return StructuredOutputsParams(**{name.removeprefix("guided_"): value}, param=name)
+    allowed = (*STRUCTURED_KINDS, "whitespace_pattern")
+    unknown = sorted(set(value) - set(allowed))
+    if unknown:
+        raise bad_request(
+            f"'structured_outputs' has unsupported fields {unknown}; it takes {', '.join(allowed)}.",
+            "structured_outputs",
+        )
+    return StructuredOutputsParams(**value, param="structured_outputs")
+
+
+def one_constraint(*constraints: StructuredOutputsParams | None) -> StructuredOutputsParams | None:
+    """The request's single output constraint; two (e.g. response_format and guided_json) are refused."""
+    given = [c for c in constraints if c is not None]
+    if len(given) > 1:
+        raise bad_request(
+            f"'{given[0].param}' and '{given[1].param}' both constrain the output; give one.", given[1].param
+        )
+    return given[0] if given else None
+
+
+def _sampling_params(
+    body: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    structured: StructuredOutputsParams | None = None,
+) -> SamplingParams:
     return SamplingParams(
         n=body.n,
         temperature=body.temperature,
@@ -81,10 +124,16 @@ def _sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int
         stop_token_ids=body.stop_token_ids,
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        structured_outputs=structured,
     )
 
 
-def completion_params(body: CompletionRequest, limits: ServerLimits, num_prompts: int) -> SamplingParams:
+def completion_params(
+    body: CompletionRequest,
+    limits: ServerLimits,
+    num_prompts: int,
+    structured: StructuredOutputsParams | None = None,
+) -> SamplingParams:
     """``SamplingParams`` of a completions request (its prompts already normalised)."""
     refused = body.unsupported_field()
     if refused is not None:
@@ -93,10 +142,12 @@ def completion_params(body: CompletionRequest, limits: ServerLimits, num_prompts
     _check_max_tokens("max_tokens", body.max_tokens)
     if body.logprobs is not None:
         _check_cap("logprobs", body.logprobs, limits.max_completion_logprobs)
-    return _sampling_params(body, body.max_tokens, body.logprobs)
+    return _sampling_params(body, body.max_tokens, body.logprobs, structured)
 
 
-def chat_params(body: ChatCompletionRequest, limits: ServerLimits) -> SamplingParams:
+def chat_params(
+    body: ChatCompletionRequest, limits: ServerLimits, structured: StructuredOutputsParams | None = None
+) -> SamplingParams:
     """``SamplingParams`` of a chat request (``max_completion_tokens`` wins over ``max_tokens``)."""
     refused = body.unsupported_field()
     if refused is not None:
@@ -112,4 +163,4 @@ def chat_params(body: ChatCompletionRequest, limits: ServerLimits) -> SamplingPa
         _check_cap("top_logprobs", body.top_logprobs, limits.max_top_logprobs)
     if body.logprobs:
         logprobs = body.top_logprobs or 0
-    return _sampling_params(body, max_tokens, logprobs)
+    return _sampling_params(body, max_tokens, logprobs, structured)

@@ -47,6 +47,14 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, Any] | None = None
+    # vLLM's guided decoding fields (structured outputs); at most one of them
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # vLLM's beam search extra: offline only here (``LLM.beam_search``), refused by the server
+    use_beam_search: bool = False
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -57,6 +65,8 @@ class SamplingFields(BaseModel):
     def _refuse_common(self) -> APIError | None:
         if self.logit_bias:
             return unsupported("logit_bias")
+        if self.use_beam_search:
+            return unsupported("use_beam_search", "(beam search is offline only: LLM.beam_search)")
         return None
 
 
@@ -69,6 +79,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    response_format: dict[str, Any] | None = None
 
     def prompts(self) -> list[Prompt]:
         """The prompts as a list (OpenAI accepts one prompt or a list of them)."""
@@ -121,13 +132,15 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     audio: Any = None
     prediction: Any = None
 
-    def text_messages(self) -> list[dict[str, str]]:
-        """Messages for the chat template; content parts other than text are refused."""
+    def text_messages(self) -> list[dict[str, Any]]:
+        """Messages for the chat template; content parts other than text are refused. An
+        assistant's ``tool_calls`` and a tool message's ``tool_call_id`` go to the template too."""
         out = []
         for i, m in enumerate(self.messages):
             if isinstance(m.content, list):
@@ -142,16 +155,15 @@ class ChatCompletionRequest(SamplingFields):
                 content = "".join(texts)
             else:
                 content = m.content or ""
-            out.append({"role": m.role, "content": content})
+            message: dict[str, Any] = {"role": m.role, "content": content}
+            extra = m.model_extra or {}
+            for key in ("tool_calls", "tool_call_id", "name"):
+                if key in extra:
+                    message[key] = extra[key]
+            out.append(message)
         return out
 
     def unsupported_field(self) -> APIError | None:
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            return unsupported("response_format", "(only {'type': 'text'})")
-        if self.tools:
-            return unsupported("tools")
-        if self.tool_choice not in (None, "none"):
-            return unsupported("tool_choice")
         if self.functions:
             return unsupported("functions")
         if self.function_call not in (None, "none"):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraplex.platform.api.openai.logprobs import TokenText, chat_logprobs, completion_logprobs
+from loraplex.platform.api.openai.tools import ToolPlan
 from loraplex.platform.engine.outputs import CompletionOutput, RequestOutput
 
 
@@ -39,6 +40,12 @@ class ResponseShape:
     text_of: TokenText
     include_usage: bool = False
     """Streams only: send a final chunk with ``usage`` (``stream_options.include_usage``)."""
+    tools: ToolPlan | None = None
+    """Chat with tools that may be called: outputs are read for ``tool_calls`` (``openai.tools``)."""
+
+    @property
+    def calls_tools(self) -> bool:
+        return self.tools is not None and self.tools.mode != "none"
 
     @property
     def object(self) -> str:
@@ -71,7 +78,15 @@ class ResponseShape:
                     "finish_reason": c.finish_reason,
                     "logprobs": self.logprobs(c, 0, len(c.token_ids), 0)[0],
                 }
-                if self.chat:
+                if self.chat and self.calls_tools:
+                    assert self.tools is not None
+                    content, calls = self.tools.parse(c.text)
+                    choice["message"] = {"role": "assistant", "content": content}
+                    if calls:
+                        choice["message"]["tool_calls"] = [call.body() for call in calls]
+                        if c.finish_reason == "stop":
+                            choice["finish_reason"] = "tool_calls"
+                elif self.chat:
                     choice["message"] = {"role": "assistant", "content": c.text}
                 else:
                     choice["text"] = c.text

@@ -19,6 +19,7 @@ from starlette.types import Message, Receive, Scope, Send
 from loraplex.platform.api.errors import APIError, to_api_error
 from loraplex.platform.api.openai.responses import ResponseShape
 from loraplex.platform.api.openai.submission import abort_all, merged, step_failure
+from loraplex.platform.api.openai.tool_stream import ToolStream
 from loraplex.platform.engine.async_engine import RequestStream
 from loraplex.platform.engine.errors import EngineError
 from loraplex.platform.engine.outputs import RequestOutput
@@ -134,6 +135,7 @@ async def _chunks(
     # Hold back a possible stop-string prefix until the completion ends, so a stop
     # string split across tokens is never half-sent.
     hold = max(map(len, stop_strings), default=1) - 1
+    tool_stream = ToolStream(shape.tools) if shape.tools is not None and shape.calls_tools else None
     progress: dict[int, _Progress] = {}
     finals: dict[int, RequestOutput] = {}
     async for p, out in merged(streams):
@@ -152,7 +154,12 @@ async def _chunks(
                 continue
             logprobs, sent.text_offset = shape.logprobs(c, sent.tokens, len(c.token_ids), sent.text_offset)
             delta = c.text[sent.chars : end]
-            choices.append(shape.delta_choice(index, delta, not sent.started, c.finish_reason, logprobs))
+            if tool_stream is not None:
+                # Tool calls go out as delta.tool_calls, one choice entry per chunk.
+                for entry in tool_stream.choices(index, delta, not sent.started, c):
+                    yield event(shape.chunk([entry]))
+            else:
+                choices.append(shape.delta_choice(index, delta, not sent.started, c.finish_reason, logprobs))
             sent.chars, sent.tokens, sent.started = end, len(c.token_ids), True
             sent.finished = c.finished()
         if choices:

@@ -10,10 +10,16 @@ from starlette.responses import Response
 
 from loraplex.platform.api.deps import CallDep, StateDep
 from loraplex.platform.api.openai.json_body import documented_body, read_json
-from loraplex.platform.api.openai.params import check_prompt_chars, completion_params
+from loraplex.platform.api.openai.params import (
+    check_prompt_chars,
+    completion_params,
+    guided_constraint,
+    one_constraint,
+)
 from loraplex.platform.api.openai.protocol import CompletionRequest
 from loraplex.platform.api.openai.responses import ResponseShape
 from loraplex.platform.api.openai.serving import respond
+from loraplex.platform.api.openai.tools import response_format_constraint
 
 router = APIRouter(tags=["completions"])
 
@@ -25,7 +31,10 @@ async def create_completion(request: Request, state: StateDep, call: CallDep) ->
     target = await call.resolve(body.model)
     prompts = body.prompts()
     check_prompt_chars(sum(len(p) for p in prompts if isinstance(p, str)), state.limits, "prompt")
-    params = completion_params(body, state.limits, len(prompts))
+    constraint = one_constraint(response_format_constraint(body.response_format), guided_constraint(body))
+    params = completion_params(body, state.limits, len(prompts), constraint)
+    if constraint is not None:
+        await state.engine.compile_grammar(constraint)  # off the loop; 400 naming the problem
     shape = ResponseShape(
         chat=False,
         request_id=f"cmpl-{uuid.uuid4().hex}",

@@ -1,0 +1,242 @@
+"""Speculative decoding: prompt-lookup (n-gram) drafts verified in one forward, KV rolled back.
+
+``speculative_config`` is vLLM's: ``{"method": "ngram", "num_speculative_tokens": k,
+"prompt_lookup_min": 1, "prompt_lookup_max": 4, "disable_by_batch_size": 4}``.
+
+Per decode step of a running sequence the proposer looks for the last ``n`` tokens
+(``prompt_lookup_max`` down to ``prompt_lookup_min``) earlier in the sequence and proposes
+the ``k`` tokens that followed that match. The drafts are appended to the sequence and the
+step schedules ``1 + k`` tokens for it: the same path as a prefill chunk, mixed with the other
+sequences' decodes and prefills, with the request's own adapter. Every one of those positions
+returns logits; ``verify`` keeps the longest run of drafts the target agrees with plus one
+token of the target's own, so each step emits 1 to ``k + 1`` tokens:
+
+- temperature 0: a draft is kept while it equals the target's argmax (exactly the greedy tokens);
+- temperature > 0: rejection sampling (Leviathan et al., 2023) with the draft as a point mass
+  ``q``: a draft ``d`` is kept with probability ``p(d)``; on the first rejection the token is drawn
+  from ``p`` without ``d``, renormalised (``(p - q)+``); after all ``k`` a bonus token from ``p``.
+  The emitted tokens are distributed exactly as the target's samples.
+
+KV: the drafts' slots are allocated like any tokens; after verification the sequence's
+``num_computed_tokens`` drops to the accepted length and whole blocks past it go back to the
+pool (``KVBlockManager.truncate``). Blocks are made findable for the prefix cache only after
+verification, up to the accepted tokens: a rejected token is never cached.
+
+Policy: speculation is off for a step when more than ``disable_by_batch_size`` sequences run
+(vLLM's knob: a batch already reads the weights once for many tokens), and off for a request
+whose measured acceptance fell below ``min_acceptance`` (it backs off, trying again later).
+Requests with penalties, logprobs, ``n > 1``, pending ``min_tokens`` or structured outputs
+(``structured_outputs``: the grammar masks are computed for one position per step) decode
+normally, token by token, beside speculating ones.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from loraplex.platform.engine.sampler import filter_logits, greedy_tokens
+from loraplex.platform.engine.sampling_params import SamplingParams
+from loraplex.platform.engine.sequence import Sequence
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``speculative_config`` (the fields loraplex serves)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int | None = 4
+    """Speculate only while at most this many sequences run (None: always)."""
+    min_acceptance: float = 0.2
+    """A request whose acceptance rate (after ``warmup`` drafts) falls below this stops proposing
+    for ``backoff_steps`` decode steps."""
+    warmup: int = 16
+    backoff_steps: int = 32
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
+        """From the dict (or JSON text) vLLM takes; ValueError naming what is wrong."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        data = json.loads(value) if isinstance(value, str) else dict(value)
+        if not isinstance(data, dict):
+            raise ValueError("speculative_config must be a JSON object")
+        method = data.pop("method", "ngram")
+        if method == "draft_model" or "model" in data:
+            raise ValueError(
+                "speculative_config method 'draft_model' is not supported yet; use method 'ngram'"
+            )
+        if method not in METHODS:
+            raise ValueError(f"speculative_config method must be one of {METHODS}, got {method!r}")
+        known = {f for f in cls.__dataclass_fields__ if f != "method"}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        cfg = cls(method=method, **data)
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            v = getattr(cfg, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"speculative_config {name} must be an integer >= 1, got {v!r}")
+        if cfg.prompt_lookup_min > cfg.prompt_lookup_max:
+            raise ValueError("speculative_config prompt_lookup_min must be <= prompt_lookup_max")
+        if cfg.disable_by_batch_size is not None and cfg.disable_by_batch_size < 1:
+            raise ValueError("speculative_config disable_by_batch_size must be >= 1 (or null)")
+        return cfg
+
+
+def ngram_propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Prompt lookup: the ``k`` tokens that followed the latest earlier occurrence of the longest
+    suffix (``n_max`` down to ``n_min`` tokens) of ``tokens``; [] when none occurs."""
+    size = len(tokens)
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        suffix = tokens[size - n :]
+        # The latest match wins: recent text is the likeliest to be copied again.
+        for start in range(size - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                follow = tokens[start + n : start + n + k]
+                if follow:
+                    return follow
+                break
+    return []
+
+
+@dataclass
+class SpecCounters:
+    """Proposed / accepted draft tokens (vLLM's ``spec_decode`` counters), engine-wide."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def snapshot(self) -> SpecCounters:
+        """A copy (for ``EngineStats``: other threads read it)."""
+        return SpecCounters(
+            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, list(self.accepted_per_pos)
+        )
+
+    def count(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        while len(self.accepted_per_pos) < proposed:
+            self.accepted_per_pos.append(0)
+        for pos in range(accepted):
+            self.accepted_per_pos[pos] += 1
+
+
+@dataclass
+class _SeqSpec:
+    proposed: int = 0
+    accepted: int = 0
+    backoff: int = 0
+
+
+class Speculator:
+    """Proposes drafts for the scheduler and verifies them for the output processor."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.counters = SpecCounters()
+        self._seqs: dict[int, _SeqSpec] = {}
+
+    # -- proposing (the scheduler, per running decode) -----------------------------------
+    def propose(self, seq: Sequence, budget: int, num_running: int, max_model_len: int) -> list[int]:
+        cfg = self.config
+        if cfg.disable_by_batch_size is not None and num_running > cfg.disable_by_batch_size:
+            return []
+        if seq.num_uncomputed_tokens != 1 or not eligible(seq.params, seq):
+            return []
+        state = self._seqs.setdefault(seq.seq_id, _SeqSpec())
+        if state.backoff > 0:
+            state.backoff -= 1
+            return []
+        p = seq.params
+        k = min(cfg.num_speculative_tokens, budget - 1, max_model_len - seq.num_tokens - 1)
+        if p.max_tokens is not None:
+            k = min(k, p.max_tokens - seq.num_output_tokens - 1)
+        if k <= 0:
+            return []
+        return ngram_propose(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+
+    def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        """Count one verification; back off a request whose acceptance is low."""
+        self.counters.count(proposed, accepted)
+        req = seq.request
+        req.spec_proposed += proposed
+        req.spec_accepted += accepted
+        state = self._seqs.setdefault(seq.seq_id, _SeqSpec())
+        state.proposed += proposed
+        state.accepted += accepted
+        cfg = self.config
+        if state.proposed >= cfg.warmup and state.accepted < cfg.min_acceptance * state.proposed:
+            state.backoff = cfg.backoff_steps
+            state.proposed = state.accepted = 0  # judged afresh after the back-off
+
+    def forget(self, seq: Sequence) -> None:
+        self._seqs.pop(seq.seq_id, None)
+
+
+def eligible(params: SamplingParams, seq: Sequence) -> bool:
+    """Whether ``verify`` reproduces the sampler for this request: no penalties (they change
+    with every token), no logprobs, one completion, ``min_tokens`` reached, and no output grammar
+    (structured outputs decode one token at a time for now: their masks are per position)."""
+    return (
+        seq.grammar is None
+        and not params.needs_penalties
+        and params.logprobs is None
+        and params.n == 1
+        and seq.num_output_tokens >= params.min_tokens
+    )
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The sampler's distribution for each row of ``logits`` [rows, vocab] under ``params``
+    (temperature, then top-k / top-p / min-p), float32 on the CPU."""
+    rows, vocab = logits.shape
+    sub = logits.float()
+    sub = (sub - sub.amax(dim=-1, keepdim=True)) / max(params.temperature, 1e-30)
+    top_k = min(params.top_k, vocab)
+    if top_k > 0 or params.top_p < 1 or params.min_p > 0:
+        sub = filter_logits(
+            sub,
+            torch.full((rows,), top_k, dtype=torch.long),
+            torch.full((rows,), params.top_p, dtype=sub.dtype),
+            torch.full((rows,), params.min_p, dtype=sub.dtype),
+        )
+    return sub.softmax(dim=-1).cpu()
+
+
+def verify(
+    logits: torch.Tensor, drafts: list[int], params: SamplingParams, generator: torch.Generator | None
+) -> tuple[list[int], int]:
+    """The tokens to emit for ``drafts`` scored by ``logits`` [len(drafts) + 1, vocab], and how
+    many drafts were accepted (see the module docstring)."""
+    k = len(drafts)
+    if params.greedy:
+        target = greedy_tokens(logits).tolist()
+        a = 0
+        while a < k and drafts[a] == target[a]:
+            a += 1
+        return [*drafts[:a], int(target[a])], a
+    probs = target_probs(logits, params)
+    uniforms = torch.rand(k, generator=generator).tolist() if k else []
+    out: list[int] = []
+    for j, d in enumerate(drafts):
+        if uniforms[j] < float(probs[j, d]):
+            out.append(d)
+            continue
+        residual = probs[j].clone()
+        residual[d] = 0.0
+        out.append(int(torch.multinomial(residual, 1, generator=generator)[0]))
+        return out, j
+    out.append(int(torch.multinomial(probs[k], 1, generator=generator)[0]))
+    return out, k
