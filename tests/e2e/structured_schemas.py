@@ -1,8 +1,11 @@
-"""JSON schemas the structured-output tests run (issue 40): one feature each, as callers write them."""
+"""JSON schemas the structured-output tests run (issue 40): one feature each, as callers write them,
+and the hostile classes (deep, huge, recursive, backtracking) a tenant may send."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from loraplex.platform.engine.structured.bounds import COMPILE_TIMEOUT_S, MAX_SCHEMA_DEPTH
 
 NAME = {"type": "string", "minLength": 1, "maxLength": 16}
 
@@ -103,3 +106,25 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         {"a": _obj({"b": _obj({"c": _obj({"d": {"type": "integer", "minimum": 0, "maximum": 5}})})})}
     ),
 }
+
+
+def _deep(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+HOSTILE: dict[str, dict[str, Any]] = {
+    "deep nesting": _deep(MAX_SCHEMA_DEPTH * 4),
+    "huge enum": {"enum": [f"value-{i}" for i in range(200_000)]},
+    "recursive $ref": {"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"},
+    "backtracking pattern": {
+        "type": "object",
+        "properties": {"s": {"type": "string", "pattern": "^(a+)+$", "maxLength": 12}},
+        "required": ["s"],
+    },
+}
+BOUND_S = COMPILE_TIMEOUT_S + 20
+"""What docs/operations.md states: a hostile schema is answered (200 or 400) within the compile
+timeout plus a generation of max_tokens."""

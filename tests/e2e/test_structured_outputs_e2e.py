@@ -19,9 +19,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel
-from structured_schemas import SCHEMAS
-
-from loraplex.platform.engine.structured.bounds import COMPILE_TIMEOUT_S, MAX_SCHEMA_DEPTH
+from structured_schemas import BOUND_S, HOSTILE, SCHEMAS
 
 MODEL = "SmolLM2-135M-Instruct"
 pytestmark = pytest.mark.slow
@@ -306,28 +304,6 @@ def test_completions_guided_fields(client: openai.OpenAI) -> None:
         extra_body={"guided_grammar": 'start: " " NUMBER\nNUMBER: /[0-9]{1,2}/'},
     )
     assert grammar.choices[0].text.strip().isdigit()
-
-
-def _deep(levels: int) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "string"}
-    for _ in range(levels):
-        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
-    return schema
-
-
-HOSTILE: dict[str, dict[str, Any]] = {
-    "deep nesting": _deep(MAX_SCHEMA_DEPTH * 4),
-    "huge enum": {"enum": [f"value-{i}" for i in range(200_000)]},
-    "recursive $ref": {"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"},
-    "backtracking pattern": {
-        "type": "object",
-        "properties": {"s": {"type": "string", "pattern": "^(a+)+$", "maxLength": 12}},
-        "required": ["s"],
-    },
-}
-BOUND_S = COMPILE_TIMEOUT_S + 20
-"""What docs/operations.md states: a hostile schema is answered (200 or 400) within the compile
-timeout plus a generation of max_tokens."""
 
 
 @pytest.mark.parametrize("name", list(HOSTILE))

@@ -83,8 +83,8 @@ def test_beams_equal_hf(model_dir: Path, hf_model: Any, width: int) -> None:
     )  # every beam's blocks came back (cached ones are free)
 
 
-def test_length_penalty_and_eos(model_dir: Path, hf_model: Any) -> None:
-    """A prompt whose beams meet EOS early (the model is steered to it) and a length penalty."""
+def test_length_penalty(model_dir: Path, hf_model: Any) -> None:
+    """Length penalties other than 1 (these prompts' beams all run to max_tokens)."""
     llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=64, block_size=8)
     for lp in (0.0, 2.0):
         for prompt in PROMPTS:
@@ -146,3 +146,32 @@ def test_bad_params() -> None:
         BeamSearchParams(beam_width=0, max_tokens=4)
     with pytest.raises(InvalidParameterError):
         BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.5)
+
+
+def test_eos_beams_equal_hf(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A model steered to EOS (its output row scaled up): beams end early, finished hypotheses
+    compete with running beams, and the result is still HF's, in HF's order."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dirs["mha_untied"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf.lm_head.weight[2] *= 4.0
+    hf.save_pretrained(tmp_path / "eos")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "eos" / name).write_bytes((tiny_dirs["mha_untied"] / name).read_bytes())
+    llm = LLM(model=str(tmp_path / "eos"), dtype="float32", num_kv_blocks=128, block_size=8)
+    ended = 0
+    for lp in (1.0, 0.5):
+        for seed in range(6):
+            prompt = [
+                1,
+                *torch.randint(100, 4000, (8,), generator=torch.Generator().manual_seed(seed)).tolist(),
+            ]
+            out = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(4, 10, length_penalty=lp))[
+                0
+            ]
+            ref = hf_beams(hf, prompt, 4, 10, length_penalty=lp)
+            ours = [s.tokens[len(prompt) :] for s in out.sequences]
+            assert ours == ref, f"lp={lp} seed={seed}\nours {ours}\nHF   {ref}"
+            ended += sum(s.finish_reason == "stop" for s in out.sequences)
+    assert ended > 0, "no beam met EOS: the test would not cover it"

@@ -221,3 +221,32 @@ def test_metrics_in_vllm_dialect_and_per_request(tiny_dirs: dict[str, Path]) -> 
     assert value["vllm:spec_decode_num_drafts"] == counters.num_drafts
     per_pos = families["vllm:spec_decode_num_accepted_tokens_per_pos"].samples
     assert sum(s.value for s in per_pos if s.name.endswith("_total")) == counters.num_accepted_tokens
+
+
+def test_beams_then_speculation_on_one_pool(tiny_dirs: dict[str, Path]) -> None:
+    """Beam searches (one aborted midway, preemption in a tight pool) and speculative requests
+    take turns on one engine: the pool is consistent after every step and empty at the end.
+    (A beam search needs an idle engine, so the two do not share a step.)"""
+    from loraplex import BeamSearchParams
+    from loraplex.platform.engine.beam_search import BeamSearch
+
+    llm = _llm(tiny_dirs["gqa_tied"], SPEC, num_kv_blocks=10)
+    engine = llm.llm_engine
+    rng = random.Random(3)
+    for round_ in range(3):
+        prompts: list[str | list[int]] = [copy_prompt(rng.randrange(9), 12) for _ in range(2)]
+        search = BeamSearch(engine, prompts, BeamSearchParams(beam_width=4, max_tokens=12))
+        stop_at = rng.randrange(2, 8) if round_ == 1 else None
+        steps = 0
+        while not search.finished:
+            search.step()
+            engine.check_integrity()
+            steps += 1
+            if steps == stop_at:
+                search.abort()
+                engine.check_integrity()
+        assert not engine.has_unfinished_requests()
+        sp = SamplingParams(max_tokens=16, temperature=rng.choice([0.0, 1.0]), ignore_eos=True)
+        _run_checked(llm, [copy_prompt(rng.randrange(9), 16) for _ in range(3)], [sp] * 3)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
