@@ -26,7 +26,7 @@ from loraplex.adapters import LoRARequest
 from loraplex.platform.api.errors import install_error_handlers
 from loraplex.platform.api.gateway import Gateway
 from loraplex.platform.api.lifecycle import Lifecycle
-from loraplex.platform.api.middleware import BodyLimits
+from loraplex.platform.api.middleware import BodyLimits, NoSniff
 from loraplex.platform.api.observability.access_log import log_access
 from loraplex.platform.api.observability.kv_events_metrics import KVEventsCollector
 from loraplex.platform.api.observability.metrics import ServerMetrics
@@ -152,6 +152,7 @@ def build_app(
 
     # Added last, so it runs first: it sees the 413 of BodyLimits and the draining refusal.
     app.add_middleware(RequestObserver, lifecycle=lifecycle, on_close=on_close)
+    app.add_middleware(NoSniff)  # outermost: every response, the observer's own included
     for module in (completions, chat, models, health, metrics):
         app.include_router(module.router)
     if gateway is not None:

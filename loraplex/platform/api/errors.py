@@ -42,12 +42,15 @@ name it (``reason=``); otherwise it follows from the status and ``code``.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
 
 from loraplex.adapters import AdapterValidationError
 from loraplex.platform.api.observability.record import note_error
@@ -69,6 +72,8 @@ from loraplex.platform.engine.errors import (
     UnknownAdapterError,
 )
 from loraplex.storage.db import DatabaseUnavailable
+
+logger = logging.getLogger(__name__)
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
@@ -352,6 +357,13 @@ def install_error_handlers(app: FastAPI) -> None:
             exc.status_code, message, code=codes.get(exc.status_code), headers=dict(exc.headers or {})
         )
         return answer(request, err)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(request: Request, exc: ClientDisconnect) -> Response:
+        # The client closed the connection while sending its body: nothing to answer, and not the
+        # server's failure. Logged and counted as 499 (nginx's "client closed request"), not a 500.
+        logger.info("client left while sending %s %s (499)", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

@@ -97,3 +97,26 @@ class BodyLimits:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         limiter = self.by_path.get(scope.get("path", ""), self.default) if scope["type"] == "http" else None
         await (limiter or self.default)(scope, receive, send)
+
+
+class NoSniff:
+    """``X-Content-Type-Options: nosniff`` on every response (JSON errors, streams, 413s, probes):
+    a browser must never guess an answer's type from what a tenant made the model write."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_header(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                if not any(name.lower() == b"x-content-type-options" for name, _ in headers):
+                    headers.append((b"x-content-type-options", b"nosniff"))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, with_header)

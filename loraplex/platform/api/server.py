@@ -26,6 +26,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from loraplex.platform.api.connections import ConnectionGuard, guarded_protocol
 from loraplex.platform.api.lifecycle import Lifecycle
 from loraplex.platform.api.state import app_state
 
@@ -130,12 +131,24 @@ class Server:
         self, app: FastAPI, host: str, port: int, log_level: str = "info", access_log: bool = True
     ) -> None:
         self.state = app_state(app)
+        serving = self.state.settings.serving
+        self.connections = ConnectionGuard.for_process(
+            serving.max_connections, serving.header_timeout_s, serving.body_idle_timeout_s, serving.backlog
+        )
+        """The connection limits (header and body timeouts, max_connections) and their counts."""
         self.uvicorn = _Uvicorn(
             uvicorn.Config(
                 app,
                 host=host,
                 port=port,
                 log_level=log_level,
+                http=guarded_protocol(self.connections),
+                backlog=serving.backlog,
+                # X-Forwarded-For is believed only from the listed proxies (uvicorn's default would
+                # believe any loopback peer, so a local client could pick its own address).
+                proxy_headers=bool(serving.trusted_proxies),
+                forwarded_allow_ips=list(serving.trusted_proxies) or None,
+                timeout_keep_alive=serving.timeout_keep_alive_s,  # type: ignore[arg-type]
                 # The drain already waited for the requests; this bounds the flush of the last bytes.
                 timeout_graceful_shutdown=int(_FLUSH_S),
                 # The app writes its own JSON access log; uvicorn's would repeat each request.

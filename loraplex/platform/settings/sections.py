@@ -64,11 +64,30 @@ class ServingSettings(BaseModel):
     """A second port, on the same host, that serves only GET /metrics and without auth: for routers'
     endpoint pickers and Prometheus inside the cluster (keep it off the network clients reach);
     unset: no such listener."""
+    trusted_proxies: list[str] = Field(default_factory=list)
+    """Addresses (or CIDR ranges) of proxies whose X-Forwarded-For / X-Forwarded-Proto are believed
+    (the client address of the sign-in limiter and the access log); empty: none, the socket's peer is
+    the client. Set it to your ingress's addresses when one sits in front."""
+    max_connections: int = Field(default=4096, ge=1)
+    """Open client connections of this process; at the limit a new one evicts the oldest that has no
+    request running (slow headers, idle keep-alive), else is refused with 503 at once. Kept under the
+    open-files limit (raised to its hard limit at start) less the backlog and a reserve of 256."""
+    backlog: int = Field(default=2048, ge=1)
+    """The listening socket's queue of connections not yet accepted (uvicorn's backlog); the event
+    loop may accept this many at once before max_connections sees them, so it counts against the
+    open-files limit too."""
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    """A connection (or a keep-alive connection's next request) must send its whole headers within
+    this; past it the connection is closed (slowloris)."""
+    body_idle_timeout_s: float = Field(default=30.0, gt=0)
+    """A request body that sends nothing for this long is cut (the request ends as 499)."""
+    timeout_keep_alive_s: float = Field(default=5.0, gt=0)
+    """An idle keep-alive connection is closed after this (uvicorn's timeout_keep_alive)."""
     metrics_tenant_label: bool = True
     """Label the per-tenant metrics with the tenant's name; turn off with many tenants (one series
     per tenant and status otherwise)."""
 
-    @field_validator("lora_modules", mode="before")
+    @field_validator("lora_modules", "trusted_proxies", mode="before")
     @classmethod
     def _split(cls, value: object) -> object:
         # From the environment: one string, entries separated by spaces or commas.

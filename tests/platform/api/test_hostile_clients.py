@@ -9,7 +9,11 @@ limit it covers (an unbounded per-request queue, no write timeout, ...).
 from __future__ import annotations
 
 import json
+import os
+import resource
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -31,6 +35,9 @@ WRITE_TIMEOUT_S = 1
 MAX_SEQUENCES = 24
 MAX_RESPONSE_LOGPROBS = 16 * 200 * 21
 """The largest whole answer: n=16, 200 tokens, top_logprobs=20 (about 6 MB of JSON)."""
+MAX_CONNECTIONS = 64
+HEADER_TIMEOUT_S = 2.0
+BACKLOG = 32
 STALL_S = 1.0
 """Longest /health may take while a hostile request runs."""
 RSS_BOUND_BYTES = 100 << 20
@@ -46,6 +53,7 @@ class Live:
     alice: str
     others: list[str]
     """Two more tenants without limits."""
+    server: Server
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -70,6 +78,9 @@ def live(tiny_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
         f"sqlite+aiosqlite:///{tmp / 'g.db'}",
         limits=limits,
         max_sequences_per_tenant=MAX_SEQUENCES,
+        max_connections=MAX_CONNECTIONS,
+        header_timeout_s=HEADER_TIMEOUT_S,
+        backlog=BACKLOG,
     )
     # A small send buffer on the listening socket (connections inherit it): a stalled reader
     # blocks the server's writes after a few kilobytes, not after the kernel's 4 MiB.
@@ -91,7 +102,7 @@ def live(tiny_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
             assert admin.post("/admin/api/tenants", json={"name": name, **quotas}).status_code == 201
             keys[name] = admin.post(f"/admin/api/tenants/{name}/keys", json={}).json()["key"]
     try:
-        yield Live(url, engine, keys["mallory"], keys["alice"], [keys["bob"], keys["carol"]])
+        yield Live(url, engine, keys["mallory"], keys["alice"], [keys["bob"], keys["carol"]], server)
     finally:
         server.stop()
         thread.join(60)
@@ -310,3 +321,132 @@ def test_health_answers_while_maximal_answers_are_built(live: Live) -> None:
             thread.join(300)
     assert len(sizes) == 3 and min(sizes) > 3_000_000, sizes
     assert watch.num_polls > 10 and watch.worst_s < STALL_S, (watch.worst_s, watch.num_polls)
+
+
+SLOWLORIS = """
+import socket, sys, time
+host, port, n, duration = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+socks, opened, end = [], 0, time.monotonic() + duration
+while time.monotonic() < end:
+    burst_end = time.monotonic() + 0.5
+    while len(socks) < n and time.monotonic() < burst_end:  # keep n half-sent requests open
+        s = socket.socket()
+        s.settimeout(0.2)  # a full accept queue drops the SYN: try the next one soon
+        try:
+            s.connect((host, port))
+            s.sendall(b"GET /health HTTP/1.1\\r\\nHost: x\\r\\n")
+        except OSError:
+            s.close()
+            continue
+        s.setblocking(False)
+        socks.append(s)
+        opened += 1
+    time.sleep(0.2)  # then reopen what the server closed, five times a second
+    alive = []
+    for s in socks:
+        try:
+            closed = True  # closed, or answered (a 503 refusal): reconnect either way
+            s.recv(4096)
+        except BlockingIOError:
+            closed = False
+        except OSError:
+            pass
+        if closed:
+            s.close()
+        else:
+            alive.append(s)
+    socks = alive
+print(opened)
+"""
+
+
+def test_half_open_connections_beyond_the_fd_limit_leave_others_served(live: Live) -> None:
+    """Class 3: 600 connections that never finish their headers, those the server closes reopened
+    five times a second, against a process allowed 200 more open files: /health and another tenant's
+    completion still answer within a second, and the server never holds more than
+    ``max_connections`` of them plus the accept batches (the rest are evicted or refused, the slow
+    ones time out)."""
+    host, port = live.host_port
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    open_before = len(os.listdir("/proc/self/fd"))
+    attacker = subprocess.Popen(
+        [sys.executable, "-c", SLOWLORIS, host, str(port), "600", "6"], stdout=subprocess.PIPE, text=True
+    )
+    worst = {"health": 0.0, "completion": 0.0}
+    most_fds = 0
+    resource.setrlimit(resource.RLIMIT_NOFILE, (open_before + 200, hard))
+    try:
+        time.sleep(1.0)  # the attack is at full strength
+        with httpx.Client(base_url=live.url, timeout=30) as client:
+            end = time.monotonic() + 4
+            while time.monotonic() < end:
+                for what, call in (
+                    ("health", lambda: client.get("/health", headers={"Connection": "close"})),
+                    (
+                        "completion",
+                        lambda: client.post(
+                            "/v1/completions",
+                            json={"model": "tiny", "prompt": "hi", "max_tokens": 1},
+                            headers={**bearer(live.others[0]), "Connection": "close"},
+                        ),
+                    ),
+                ):
+                    started = time.monotonic()
+                    response = call()
+                    assert response.status_code == 200, response.text
+                    worst[what] = max(worst[what], time.monotonic() - started)
+                most_fds = max(most_fds, len(os.listdir("/proc/self/fd")))
+                time.sleep(0.05)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        out, _ = attacker.communicate(timeout=30)
+    assert attacker.returncode == 0
+    assert int(out) > 200, out  # more half-open connections than the 200 files the process may open
+    assert worst["health"] < STALL_S and worst["completion"] < STALL_S, worst
+    assert most_fds < open_before + MAX_CONNECTIONS + 2 * BACKLOG, (most_fds, open_before)
+
+
+def test_every_response_says_nosniff(live: Live) -> None:
+    """Class 6: JSON errors, probes and answers all carry X-Content-Type-Options: nosniff."""
+    with httpx.Client(base_url=live.url, timeout=30) as client:
+        answers = [
+            client.get("/health"),
+            client.get("/v1/models"),  # 401, no key
+            client.post(
+                "/v1/completions",
+                content=b"{",
+                headers={**bearer(live.alice), "Content-Type": "application/json"},
+            ),
+            client.get("/no/such/path"),
+            client.post(
+                "/v1/completions",
+                json={"model": "tiny", "prompt": "hi", "max_tokens": 1},
+                headers=bearer(live.alice),
+            ),
+        ]
+    assert [a.status_code for a in answers] == [200, 401, 400, 404, 200]
+    for answer in answers:
+        assert answer.headers.get("x-content-type-options") == "nosniff", (answer.request.url, answer.headers)
+
+
+def test_forwarded_for_is_not_believed_by_default(live: Live) -> None:
+    """Class 6: trusted_proxies is empty by default, so X-Forwarded-For from a loopback peer is not
+    taken as the client's address (the sign-in limiter would otherwise be bypassed by rotating it)."""
+    config = live.server.uvicorn.config
+    assert config.proxy_headers is False
+
+
+def test_a_client_leaving_mid_body_is_a_499_not_a_500(live: Live, caplog: pytest.LogCaptureFixture) -> None:
+    """Class 6: a body cut short by the client is logged as the client's doing, never a 500."""
+    host, port = live.host_port
+    with caplog.at_level("INFO"), socket.create_connection((host, port)) as sock:
+        sock.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {live.alice}\r\n"
+            'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"model": '.encode()
+        )
+        time.sleep(0.3)
+        sock.close()
+        wait_until(
+            lambda: any("client left while sending" in r.getMessage() for r in caplog.records), 10, "the 499"
+        )
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text

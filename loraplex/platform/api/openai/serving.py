@@ -157,11 +157,28 @@ async def respond(
     return Response(body, media_type="application/json")
 
 
+_CHOICES = "\u0000choices\u0000"
+"""Stands for the choices in the answer's frame while that is encoded (no client text holds it: it
+is encoded as an escape, never as this raw string)."""
+
+
+def _dumps(value: object) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
+
+
 def _encode(shape: ResponseShape, finals: list[RequestOutput]) -> bytes:
-    """The whole answer as JSON bytes, exactly as ``JSONResponse`` renders it."""
-    return json.dumps(
-        shape.response(finals), ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
-    ).encode("utf-8")
+    """The whole answer as JSON bytes, exactly as ``JSONResponse`` renders it, one choice per
+    ``json.dumps``: the C encoder holds the GIL for a whole call, so one call over a 15 MB answer
+    would stall the event loop even from a worker thread; a choice at a time lets it run between."""
+    payload = shape.response(finals)
+    choices = payload["choices"]
+    payload["choices"] = _CHOICES
+    before, after = _dumps(payload).split(_dumps(_CHOICES), 1)
+    parts = [before, "["]
+    for i, choice in enumerate(choices):
+        parts.append("," + _dumps(choice) if i else _dumps(choice))
+    parts += ["]", after]
+    return "".join(parts).encode("utf-8")
 
 
 def check_answer_size(state: AppState, params: SamplingParams, num_prompts: int) -> None:
