@@ -24,4 +24,7 @@
 | ``errors`` | the engine's typed errors, which the HTTP layer maps to status codes |
 | ``host_memory`` | process-wide malloc tuning on CPU |
 | ``kv_events`` | KV cache events for routers: vLLM's config, msgpack layout and ZeroMQ publisher |
+| ``structured/`` | guided decoding: grammars compiled per constraint, per-sequence state, the masks |
+| ``speculative`` | n-gram (prompt-lookup) drafts, their verification and the KV rolled back |
+| ``beam_search`` | ``LLM.beam_search``: beams that fork block tables and share blocks copy-on-write |
 """
