@@ -10,7 +10,7 @@ engine's internals, the model and the KV storage here).
 | ``deps`` | every dependency the routes declare (``StateDep``, ``CallDep``, ``SessionDep``, ...) |
 | ``errors`` | ``APIError`` and OpenAI's error body for every error, all handlers in one place |
 | ``middleware`` | the request body size limit (per path: uploads have their own) |
-| ``connections`` | ``ConnectionGuard``: header/body/keep-alive timeouts and the connection cap under uvicorn |
+| ``connections`` | ``ConnectionGuard``: header, body and keep-alive timeouts, the connection cap |
 | ``open_mode`` | open mode's guard: ``Host`` and ``Origin`` of the local machine only |
 | ``gateway`` | ``Gateway``: database, quotas, adapter store and catalog; tenant deletion, cache reset |
 | ``schemas`` | request and response bodies of the gateway's own APIs (admin, adapters) |

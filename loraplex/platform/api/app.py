@@ -108,7 +108,11 @@ def build_app(
         openapi_url="/openapi.json" if docs else None,
     )
     serving = settings.serving
-    server_metrics = ServerMetrics(engine, gateway, engine.limits.block_size, serving.metrics_tenant_label)
+    server_metrics = ServerMetrics(
+        engine, gateway, engine.limits.block_size, serving.metrics_tenant_label, serving.metrics_max_tenants
+    )
+    if gateway is not None:
+        gateway.on_tenant_deleted.append(server_metrics.forget_tenant)
     server_metrics.registry.register(
         VLLMCollector(
             engine, name, settings.engine.gpu_memory_utilization, settings.engine.enable_prefix_caching

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -198,6 +199,9 @@ class Gateway:
             self.db, self.catalog, settings.operator_tenant, settings.lora_load_root, self.max_upload_bytes
         )
         """``/v1/load_lora_adapter``: the operator's adapters, public, loaded at run time."""
+        self.on_tenant_deleted: list[Callable[[str], None]] = []
+        """Called with a tenant's name once it is deleted, here or on another replica (the
+        metrics drop its series)."""
 
     async def start(self) -> None:
         """Migrate the database, open the store, create ``local`` in open mode."""
@@ -280,6 +284,7 @@ class Gateway:
         self.gate.revoke(tenant_id, deleted=True)
         await self.catalog.forget(refs)
         device, host, disk = await self.engine.purge_tenant(engine_id)
+        self._tenant_gone(name)
         await self._publish(replica_events.TenantDeleted(engine_id, tenant_id, name))
         return TenantDeleted(name, len(refs), device + host + disk)
 
@@ -321,11 +326,16 @@ class Gateway:
             self.gate.drop_resolutions(event.owner, event.name)
             await self.engine_adapters.unload_name(event.owner, event.name)
 
+    def _tenant_gone(self, name: str) -> None:
+        for listener in self.on_tenant_deleted:
+            listener(name)
+
     async def _deleted_elsewhere(self, event: replica_events.TenantDeleted) -> None:
         if event.tenant_id is not None:
             self.gate.authenticator.drop_tenant(event.tenant_id)
             self.gate.revoke(event.tenant_id, deleted=True)
         if event.name is not None:
+            self._tenant_gone(event.name)
             await self.engine_adapters.unload_owner(event.name)
         device, host, disk = await self.engine.purge_tenant(event.tenant)
         logger.info(

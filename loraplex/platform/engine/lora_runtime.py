@@ -45,6 +45,9 @@ from loraplex.adapters import (
     AdapterIdentity,
     AdapterManager,
     AdapterManagerConfig,
+    AdapterNotFoundError,
+    AdapterRemovedError,
+    AdapterValidationError,
     BaseModelSpec,
     LoRARequest,
     NoFreeSlotError,
@@ -67,6 +70,24 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
+
+
+def public_name(lora: LoRARequest) -> str:
+    """How a client-facing message names ``lora``: its name without the version and row id a gateway
+    appends to make engine names unique (``owner/name@version#id`` -> ``owner/name``)."""
+    return lora.name.split("@", 1)[0]
+
+
+def public_reason(exc: AdapterError) -> str:
+    """Why an adapter cannot be served, in words that name no internal id, path or file: the
+    validation rule that failed, or what happened to it. The full error goes to the server's log."""
+    if isinstance(exc, AdapterValidationError):
+        return f"its files failed the check {exc.reason!r}"
+    if isinstance(exc, AdapterRemovedError):
+        return "it was removed"
+    if isinstance(exc, AdapterNotFoundError):
+        return "it is not registered"
+    return "it could not be loaded"
 
 
 class LoRARuntime:
@@ -236,11 +257,11 @@ class LoRARuntime:
             self.manager.prefetch(aid, start=False)
         except AdapterError as exc:
             if aid in self._removed:
-                message = f"adapter {lora.name!r} (id {aid}) was removed while this request waited"
+                message = f"adapter {public_name(lora)!r} was removed while this request waited"
             else:
-                message = f"adapter {lora.name!r} (id {aid}) cannot be served: {exc}"
+                message = f"adapter {public_name(lora)!r} cannot be served: {public_reason(exc)}"
             seq.request.error = RequestError(ErrorKind.ADAPTER_UNAVAILABLE, message)
-            logger.warning("request %s rejected: %s", seq.request.request_id, exc)
+            self._log_rejected(seq, lora, exc)
             return AdmitDecision.REJECT
         return self._blocked_wait(aid)
 
@@ -264,18 +285,25 @@ class LoRARuntime:
         except NoFreeSlotError:
             pass
         except AdapterError as exc:
-            message = f"adapter {lora.name!r} (id {lora.int_id}) cannot be served: {exc}"
+            message = f"adapter {public_name(lora)!r} cannot be served: {public_reason(exc)}"
             seq.request.error = RequestError(ErrorKind.ADAPTER_UNAVAILABLE, message)
+            self._log_rejected(seq, lora, exc)
             return AdmitDecision.REJECT
         kv_blocks = -(-seq.num_tokens // self.block_size)
         if not self.manager.could_ever_fit_beside(lora.int_id, kv_blocks):
             seq.request.error = RequestError(
                 ErrorKind.INVALID,
-                f"adapter {lora.name!r} (id {lora.int_id}) and this request's KV do not fit the "
+                f"adapter {public_name(lora)!r} and this request's KV do not fit the "
                 "device pool together; shorten the prompt or raise kv_cache_memory",
             )
             return AdmitDecision.REJECT
         return self._blocked_wait(lora.int_id)
+
+    @staticmethod
+    def _log_rejected(seq: Sequence, lora: LoRARequest, exc: AdapterError) -> None:
+        # The whole story for the operator; the client's message names no id or path.
+        request_id = seq.request.request_id
+        logger.warning("request %s rejected: adapter %r (id %d): %s", request_id, lora.name, lora.int_id, exc)
 
     def give_back_memory(self, num_blocks: int) -> int:
         """The scheduler's memory hook: ``num_blocks`` pool blocks back to the KV cache (see

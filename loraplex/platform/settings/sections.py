@@ -58,8 +58,10 @@ class ServingSettings(BaseModel):
     tokens, time to first token, latency."""
     access_log_prompts: bool = False
     """Also log each request's prompts in its access-log line (they may hold personal data)."""
-    metrics_require_admin: bool = False
-    """GET /metrics needs the admin token (with tenants); off: anyone who reaches the port may scrape."""
+    metrics_require_admin: bool | None = None
+    """GET /metrics on the serving port needs the admin token; default: yes with auth=keys (its
+    series name tenants), no in open and single-tenant mode. Routers and Prometheus scrape
+    metrics_port instead."""
     metrics_port: int | None = Field(default=None, ge=1, le=65535)
     """A second port, on the same host, that serves only GET /metrics and without auth: for routers'
     endpoint pickers and Prometheus inside the cluster (keep it off the network clients reach);
@@ -86,6 +88,9 @@ class ServingSettings(BaseModel):
     metrics_tenant_label: bool = True
     """Label the per-tenant metrics with the tenant's name; turn off with many tenants (one series
     per tenant and status otherwise)."""
+    metrics_max_tenants: int = Field(default=200, ge=0)
+    """At most this many tenants get series of their own; the rest are counted under
+    tenant="(other)". A deleted tenant's series are removed, freeing its place."""
 
     @field_validator("lora_modules", "trusted_proxies", mode="before")
     @classmethod

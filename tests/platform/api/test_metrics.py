@@ -134,7 +134,8 @@ async def test_metrics_after_a_mixed_load_agree_with_usage_and_responses(
 
         await gateway.background.drain(10)  # usage records are written in the background
         assert await gateway.usage.written(10)  # then by the usage buffer's writer
-        r = await client.get("/metrics")
+        assert (await client.get("/metrics")).status_code == 401  # keys mode: the admin's, by default
+        r = await client.get("/metrics", headers=ADMIN)
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
         metrics = scrape(r.text)
         usage_by_tenant = {}
@@ -269,3 +270,41 @@ async def test_metrics_without_the_tenant_label_and_behind_the_admin_token(
         if r.name == "loraplex.access" and "v1/c" in r.getMessage()
     )
     assert entry["prompts"] == [[5, 6, 7]]
+
+
+@pytest.mark.asyncio
+async def test_per_tenant_series_are_bounded_and_leave_with_their_tenant(
+    gateway_engine: AsyncEngine, tmp_path: Path
+) -> None:
+    """Issue 43 (6): at most ``metrics_max_tenants`` tenants get series of their own, the rest count
+    under tenant="(other)"; deleting a tenant removes its series and frees its place."""
+    settings = settings_for(tmp_path, f"sqlite+aiosqlite:///{tmp_path / 'g.db'}", metrics_max_tenants=2)
+    async with serving(make_gateway(gateway_engine, settings)) as client:
+        admin = Admin(client)
+        keys = {name: await admin.tenant_with_key(name) for name in ("t1", "t2", "t3", "t4")}
+
+        async def call(name: str) -> None:
+            r = await client.post("/v1/completions", json=completion_body(BASE), headers=bearer(keys[name]))
+            assert r.status_code == 200, r.text
+
+        async def scraped() -> dict[str, Any]:
+            r = await client.get("/metrics", headers=ADMIN)
+            assert r.status_code == 200
+            return scrape(r.text)
+
+        for name in ("t1", "t2", "t3", "t4"):
+            await call(name)
+        metrics = await scraped()
+        tenants = {dict(labels).get("tenant") for labels in metrics["loraplex_requests"]}
+        assert tenants == {"t1", "t2", "(other)"}, tenants
+        assert value(metrics, "loraplex_requests", tenant="(other)", status="200") == 2
+        assert value(metrics, "loraplex_generation_tokens", tenant="(other)") > 0
+
+        assert (await client.delete("/admin/api/tenants/t1", headers=ADMIN)).status_code in (200, 204)
+        metrics = await scraped()
+        for family in ("loraplex_requests", "loraplex_prompt_tokens", "loraplex_generation_tokens"):
+            assert all(dict(labels).get("tenant") != "t1" for labels in metrics[family]), family
+        await call("t4")  # t1's place is free: the next tenant seen takes it
+        metrics = await scraped()
+        assert value(metrics, "loraplex_requests", tenant="t4", status="200") == 1
+        assert value(metrics, "loraplex_requests", tenant="(other)", status="200") == 2

@@ -18,6 +18,7 @@ import httpx
 import pytest
 from gateway_testlib import (
     ADAPTER_SPEC,
+    ADMIN,
     BASE,
     Admin,
     bearer,
@@ -110,7 +111,7 @@ async def test_vllm_families_types_labels_running_adapters_and_residency(
         assert (await upload(client, acme, "pub", others["de"], visibility="public")).status_code == 201
         assert (await upload(client, acme, "es", others["es"])).status_code == 201
 
-        families = parse((await client.get("/metrics")).text)
+        families = parse((await client.get("/metrics", headers=ADMIN)).text)
         for name, (kind, labels) in EXPECTED.items():
             assert name in families, f"{name} missing"
             got_kind, samples = families[name]
@@ -128,7 +129,7 @@ async def test_vllm_families_types_labels_running_adapters_and_residency(
         body = completion_body("fr", max_tokens=400)
         running = asyncio.create_task(client.post("/v1/completions", json=body, headers=bearer(acme)))
         while True:
-            during = parse((await client.get("/metrics")).text)
+            during = parse((await client.get("/metrics", headers=ADMIN)).text)
             if single(during, "vllm:num_requests_running").value > 0:
                 break
             assert not running.done(), "the request ended before a scrape saw it run"
@@ -146,7 +147,7 @@ async def test_vllm_families_types_labels_running_adapters_and_residency(
         for model in ("acme/pub", "es"):
             r = await client.post("/v1/completions", json=completion_body(model), headers=bearer(acme))
             assert r.status_code == 200, r.text
-        after = parse((await client.get("/metrics")).text)
+        after = parse((await client.get("/metrics", headers=ADMIN)).text)
         assert loaded(after) == {"es": ("gpu", "false"), "acme/pub": ("gpu", "false"), "fr": ("cpu", "false")}
         assert single(after, "vllm:num_gpu_loaded_lora_adapters").value == 2
         assert single(after, "vllm:num_cpu_loaded_lora_adapters").value == 3  # the host LRU holds all three

@@ -14,7 +14,10 @@ Two kinds of series, one registry per app (tests build many apps in one process)
 under its error event's status; 499: the client left). ``tenant`` is the tenant's name
 (``local`` in open and single-tenant mode, ``unknown`` before authentication); with
 ``metrics_tenant_label`` off the label is dropped (one series per status instead of one per
-tenant and status: choose that with thousands of tenants).
+tenant and status: choose that with thousands of tenants). With it on, at most
+``metrics_max_tenants`` tenants get series of their own (the first seen); the rest count under
+``tenant="(other)"``, and a deleted tenant's series are removed (``forget_tenant``), which frees its
+place, so the number of series stays bounded whatever tenants come and go.
 
 One process serves one port (the engine lives in it), so prometheus-client's multiprocess
 mode is not needed: a replica is scraped per pod.
@@ -22,6 +25,7 @@ mode is not needed: a replica is scraped per pod.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -61,6 +65,8 @@ REJECTION_REASONS = (
 """Reasons present from the start (zero), so ``rate()`` works before the first refusal."""
 
 UNKNOWN_TENANT = "unknown"
+OTHER_TENANTS = "(other)"
+"""The label of tenants past ``metrics_max_tenants`` (no tenant name has parentheses)."""
 
 _TIER_COUNTERS = (
     ("hits", "blocks this tier served (promotion or swap-in)"),
@@ -287,10 +293,18 @@ class ServerMetrics:
     """One app's metrics: ``observe`` each closed request, ``render`` for a scrape."""
 
     def __init__(
-        self, engine: AsyncEngine, gateway: Gateway | None, block_size: int, tenant_label: bool = True
+        self,
+        engine: AsyncEngine,
+        gateway: Gateway | None,
+        block_size: int,
+        tenant_label: bool = True,
+        max_tenants: int = 200,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.tenant_label = tenant_label
+        self.max_tenants = max_tenants
+        self._statuses: dict[str, set[str]] = {}
+        """The tenants with series of their own, and the statuses each has a request series for."""
         by_tenant = ["tenant"] if tenant_label else []
         r = self.registry
         self.ttft = Histogram(
@@ -343,8 +357,9 @@ class ServerMetrics:
         """Count one closed request (completions and chat completions only)."""
         if not record.is_inference:
             return
-        tenant = {"tenant": record.tenant or UNKNOWN_TENANT} if self.tenant_label else {}
-        self.requests.labels(**tenant, status=str(record.effective_status)).inc()
+        status = str(record.effective_status)
+        tenant = {"tenant": self._label(record.tenant or UNKNOWN_TENANT, status)} if self.tenant_label else {}
+        self.requests.labels(**tenant, status=status).inc()
         reason = None
         if record.error is not None:
             reason = rejection_reason(record.error)
@@ -369,6 +384,27 @@ class ServerMetrics:
                 for _ in range(num_tokens):
                     self.itl.observe(gap_s)
         self.e2e.observe(record.latency_s)
+
+    def _label(self, tenant: str, status: str) -> str:
+        """``tenant``'s label: its name while it has (or gets) one of the ``max_tenants`` places."""
+        statuses = self._statuses.get(tenant)
+        if statuses is None:
+            if tenant != UNKNOWN_TENANT and len(self._statuses) >= self.max_tenants:
+                return OTHER_TENANTS
+            statuses = self._statuses[tenant] = set()
+        statuses.add(status)
+        return tenant
+
+    def forget_tenant(self, name: str) -> None:
+        """Remove a deleted tenant's series (what it counted before stays in Prometheus' history)."""
+        statuses = self._statuses.pop(name, None)
+        if statuses is None:
+            return
+        for status in statuses:
+            self.requests.remove(name, status)
+        for counter in (self.prompt_tokens, self.cached_tokens, self.generation_tokens):
+            with contextlib.suppress(KeyError):  # none of its requests ran: no token series
+                counter.remove(name)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every series (call on the event loop)."""

@@ -10,6 +10,6 @@
 | ``streaming`` | SSE chunks, error events, and a response that watches the client |
 | ``responses`` / ``logprobs`` | response bodies and OpenAI's two logprobs shapes |
 | ``tools`` | ``tools`` / ``tool_choice`` checked, forced choices turned into a grammar, calls read back |
-| ``tool_parsers`` | reading tool calls out of a model's text, one parser per family (hermes, mistral, llama3_json) |
+| ``tool_parsers`` | tool calls read out of a model's text, one parser per family (hermes, mistral, ...) |
 | ``tool_stream`` | a tool-calling answer streamed as OpenAI's ``delta.tool_calls`` chunks |
 """

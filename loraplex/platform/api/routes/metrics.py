@@ -1,5 +1,5 @@
-"""``GET /metrics``: Prometheus' text format (``observability.metrics``); open unless
-``metrics_require_admin`` asks for the admin token."""
+"""``GET /metrics``: Prometheus' text format (``observability.metrics``); behind the admin token
+where ``metrics_require_admin`` says so (by default: with auth=keys, whose series name tenants)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,10 @@ router = APIRouter(tags=["metrics"])
 @router.get("/metrics", response_class=Response)
 async def metrics(request: Request, state: StateDep) -> Response:
     """Every series of this replica, read now (engine and gateway snapshots, request counters)."""
-    if state.settings.serving.metrics_require_admin:
+    require_admin = state.settings.serving.metrics_require_admin
+    if require_admin is None:
+        require_admin = state.gateway is not None and state.gateway.settings.auth == "keys"
+    if require_admin:
         if state.gateway is None:
             raise forbidden("metrics need the admin token, and a single-tenant server has none")
         check_admin(state.gateway.settings.admin_token, request)
