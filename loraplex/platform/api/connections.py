@@ -11,8 +11,9 @@ failed accept is logged). ``guarded_protocol`` is its protocol with three bounds
     max_connections       open connections; over it, the oldest connections with no request running
                           (still sending headers, or idle between requests) are evicted, a few
                           milliseconds later (``TRIM_DELAY_S``: the newcomers' requests are read
-                          first); a new connection past max_connections + backlog is refused with
-                          503 at once
+                          first), and idle keep-alive connections that were served after those
+                          that never completed a request; a new connection past max_connections +
+                          backlog is refused with 503 at once
 
 Evicting rather than refusing is what keeps slow-header clients from locking everyone out: they can
 only push each other out, while a client that sends its request at once is served. The process's
@@ -117,6 +118,8 @@ def guarded_protocol(guard: ConnectionGuard) -> type[H11Protocol]:
 
     class GuardedH11Protocol(H11Protocol):
         _timer: asyncio.TimerHandle | None = None
+        served = False
+        """A response was completed on this connection (it is evicted after those never served)."""
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -124,7 +127,7 @@ def guarded_protocol(guard: ConnectionGuard) -> type[H11Protocol]:
                 # Full even with a burst: make room by evicting idle connections that had their
                 # chance (TRIM_DELAY_S); refuse only when every connection is busy or brand new.
                 self._evict(guard.max_connections + guard.burst, self.loop.time() - TRIM_DELAY_S)
-                if len(self.connections) > guard.max_connections + guard.burst:
+                if self._num_open() > guard.max_connections + guard.burst:
                     guard.num_refused += 1
                     transport.write(REFUSAL)
                     transport.close()
@@ -144,13 +147,37 @@ def guarded_protocol(guard: ConnectionGuard) -> type[H11Protocol]:
             """Close connections until at most ``keep`` are open: first those that sent part of their
             headers and stopped (a client sends a small request's headers in one go), oldest first;
             then the oldest idle ones (idle since before ``since``, if given)."""
-            while len(self.connections) > keep and guard.partial:
+            # Counted once: a closed transport leaves self.connections only in connection_lost, on a
+            # later loop iteration, so len() would not shrink here and every idle one would go.
+            excess = self._num_open() - keep
+            while excess > 0 and guard.partial:
                 self._close(next(iter(guard.partial)))
-            while len(self.connections) > keep and guard.evictable:
-                victim, idle_since = min(guard.evictable.items(), key=lambda item: item[1])
-                if since is not None and idle_since > since:
+                excess -= 1
+            while excess > 0:
+                victim = self._oldest_idle(since)
+                if victim is None:
                     return
                 self._close(victim)
+                excess -= 1
+
+        def _num_open(self) -> int:
+            return sum(1 for connection in self.connections if not connection.transport.is_closing())
+
+        @staticmethod
+        def _oldest_idle(since: float | None) -> Any:
+            """The idle connection to evict next: one that never completed a request before one that
+            did (a keep-alive client that was served is the one most likely to come back with a
+            whole request; evicting it would cost it a reconnect, and under a flood a dropped SYN's
+            1 s retransmission), oldest first within each. With ``since`` (room for a newcomer at
+            the hard limit) only those never served and idle before ``since``; None if there is none."""
+            best: tuple[tuple[bool, float], Any] | None = None
+            for connection, idle_since in guard.evictable.items():
+                if since is not None and (idle_since > since or connection.served):
+                    continue  # making room for a newcomer: never at a served client's cost
+                rank = (connection.served, idle_since)
+                if best is None or rank < best[0]:
+                    best = (rank, connection)
+            return None if best is None else best[1]
 
         @staticmethod
         def _close(victim: Any) -> None:
@@ -192,6 +219,7 @@ def guarded_protocol(guard: ConnectionGuard) -> type[H11Protocol]:
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            self.served = True
             if not self.transport.is_closing():
                 self._waiting(None)
 

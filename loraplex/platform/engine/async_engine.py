@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from loraplex.adapters import BaseModelSpec, LoRARequest
 from loraplex.platform.engine.engine import LLMEngine
 from loraplex.platform.engine.errors import EngineDeadError, EngineOverloadedError, StructuredOutputError
+from loraplex.platform.engine.host_memory import IDLE_TRIM_S, trim_host_malloc
 from loraplex.platform.engine.limits import EngineLimits
 from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.engine.sampling_params import SamplingParams, StructuredOutputsParams
@@ -180,6 +181,27 @@ class RequestStream:
             self.failure = error
             self._ready.set()  # wakes a reader waiting for the next output
             self._engine.abort(self.request_id)
+
+
+class _IdleTrim:
+    """Once per idle period of ``IDLE_TRIM_S``, the freed host memory goes back to the OS
+    (``host_memory``: malloc keeps it while the engine runs)."""
+
+    def __init__(self) -> None:
+        self._idle_since: float | None = None
+        self._trimmed = True  # nothing ran yet
+
+    def busy(self) -> None:
+        self._idle_since = None
+        self._trimmed = False
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+        elif not self._trimmed and now - self._idle_since >= IDLE_TRIM_S:
+            self._trimmed = True
+            trim_host_malloc()
 
 
 class AsyncEngine:
@@ -458,6 +480,7 @@ class AsyncEngine:
 
     # -- engine thread -----------------------------------------------------------------
     def _run(self) -> None:
+        idle = _IdleTrim()
         try:
             while not self._stop.is_set():
                 if self._drain_inbox():
@@ -476,9 +499,11 @@ class AsyncEngine:
                         self._wake.wait(timeout=_JOB_POLL_S)
                         self._wake.clear()
                         continue
+                    idle.tick()
                     self._wake.wait(timeout=_IDLE_WAIT_S)
                     self._wake.clear()
                     continue
+                idle.busy()
                 self._publish(self._engine.step())
         except BaseException as exc:
             logger.exception("the engine loop failed; no request can be served until a restart")

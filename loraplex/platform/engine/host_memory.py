@@ -13,6 +13,11 @@ guides of PyTorch and Intel recommend through ``LD_PRELOAD``).
 
 The setting is process-wide: everything else in the process (another model, a
 benchmark's peers) gets it too. ``LORAPLEX_MALLOC_TUNING=0`` leaves malloc alone.
+
+The price is that a burst's freed memory (a whole answer of megabytes of logprobs, a long
+prefill's activations) stays in the process. ``trim_host_malloc`` gives it back; the engine
+thread calls it once each time it has been idle for ``IDLE_TRIM_S``, where the page faults of
+the next first step cost nothing that matters.
 """
 
 from __future__ import annotations
@@ -34,19 +39,42 @@ _M_MMAP_THRESHOLD = -3
 THRESHOLD_BYTES = 1 << 30
 
 
+IDLE_TRIM_S = 2.0
+"""How long the engine is idle before its freed host memory goes back to the OS."""
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.mallopt.restype = ctypes.c_int
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        libc.malloc_trim.restype = ctypes.c_int
+    except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS): nothing to do
+        return None
+    return libc
+
+
+def trim_host_malloc() -> bool:
+    """Give the heap's free memory back to the OS (glibc's ``malloc_trim(0)``), if this process
+    tuned malloc; True if anything was released."""
+    libc = _libc()
+    if libc is None or not tune_host_malloc():
+        return False
+    return bool(libc.malloc_trim(0))
+
+
 @functools.cache
 def tune_host_malloc() -> bool:
     """Apply the thresholds once per process; True if glibc accepted them."""
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         return False
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS): nothing to do
+    libc = _libc()
+    if libc is None:
         return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
+    mallopt = libc.mallopt
     ok = bool(mallopt(_M_MMAP_THRESHOLD, THRESHOLD_BYTES)) and bool(
         mallopt(_M_TRIM_THRESHOLD, THRESHOLD_BYTES)
     )

@@ -133,6 +133,26 @@ class Sampler:
     def __init__(self, default_generator: torch.Generator) -> None:
         self.default_generator = default_generator
 
+    def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """One token per row of ``probs`` [rows, vocab] (CPU), by inverse transform sampling: each
+        row's generator (or the default one) draws one uniform ``u``, and the token is the first
+        whose cumulative probability passes ``u`` x the row's total.
+
+        The same distribution as ``torch.multinomial`` with one draw per row and per step (so a
+        seeded sequence's tokens still do not depend on its batch), at a fraction of the cost: one
+        batched float64 cumsum and searchsorted against ~2-7 ms per 49,152-token row for
+        ``multinomial`` on a loaded 2-core machine. A token of probability 0 is never drawn (its
+        cumulative value equals its predecessor's, and the search takes the first one strictly
+        above the target).
+        """
+        cdf = probs.to(torch.float64).cumsum(dim=-1)
+        uniforms = torch.empty(len(generators), dtype=torch.float64)
+        for row, gen in enumerate(generators):
+            uniforms[row] = torch.rand((), generator=gen or self.default_generator, dtype=torch.float64)
+        targets = (uniforms * cdf[:, -1]).unsqueeze(-1)
+        drawn = torch.searchsorted(cdf, targets, right=True).squeeze(-1)
+        return drawn.clamp_(max=probs.shape[-1] - 1)
+
     def sample(
         self,
         logits: torch.Tensor,  # [rows, vocab] float32
@@ -178,9 +198,7 @@ class Sampler:
             if bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any()):
                 sub = filter_logits(sub, top_k, top_p, min_p)
             probs = sub.softmax(dim=-1).cpu()
-            for row, i in enumerate(sampled):
-                gen = generators[i] or self.default_generator
-                tokens[i] = torch.multinomial(probs[row], 1, generator=gen)[0]
+            tokens[sampled] = self._draw(probs, [generators[i] for i in sampled])
 
         results: list[SampleResult] = []
         token_list = tokens.tolist()
@@ -190,7 +208,9 @@ class Sampler:
             if raw_logprobs is not None and params[i].logprobs is not None:
                 dist = raw_logprobs[i]
                 lp = float(dist[tok])
-                rank = int((dist > dist[tok]).sum()) + 1
+                # count_nonzero, not (..).sum(): a bool sum takes the intra-op thread pool and costs
+                # ~3 ms a 49,152-token row on a loaded 2-core machine against ~20 us.
+                rank = int(torch.count_nonzero(dist > dist[tok])) + 1
                 top = {tok: Logprob(lp, rank)}
                 k = min(params[i].logprobs or 0, vocab)
                 if k > 0:
