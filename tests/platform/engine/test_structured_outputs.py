@@ -186,7 +186,10 @@ def _deep(levels: int) -> dict:
 HOSTILE = {
     "deep nesting": (_deep(MAX_SCHEMA_DEPTH * 2), "nested deeper"),
     "huge enum": ({"enum": [f"value-{i}" for i in range(200_000)]}, "bytes|too large|values"),
-    "recursive $ref": ({"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"}, "cannot be used"),
+    "recursive $ref": (
+        {"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"},
+        r"cannot be used: it admits no output at all: a rule that refers only to itself",
+    ),
     "bad pattern": ({"type": "string", "pattern": "(((("}, "cannot be used"),
 }
 

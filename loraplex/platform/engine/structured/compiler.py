@@ -204,7 +204,19 @@ def _check_size(num_bytes: int, spec: StructuredOutputsParams) -> None:
         )
 
 
+_PLAIN_WORDS = {
+    "NoExtensionBias": (
+        "it admits no output at all: a rule that refers only to itself (such as a $ref cycle "
+        "with no way out) matches nothing"
+    ),
+}
+"""llguidance errors that are internal names, in words a caller can act on (the name kept after)."""
+
+
 def _problem(spec: StructuredOutputsParams, error: str) -> str:
     first = error.strip().splitlines()[0] if error.strip() else "invalid"
+    for name, words in _PLAIN_WORDS.items():
+        if name in first:
+            first = f"{words} (llguidance: {first})"
     what = {"json": "JSON schema", "json_object": "JSON object grammar"}.get(spec.kind, spec.kind)
     return f"{spec.param}: the {what} cannot be used: {first[:500]}"
