@@ -62,7 +62,8 @@ def has_register_tile() -> bool:
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """``[out, in]`` -> ``[ceil(out / P), in, P]`` panels (rows past ``out`` are zero)."""
     width = panel_width()
-    assert width > 0, "C linear kernel unavailable"
+    if width <= 0:
+        raise RuntimeError("C linear kernel unavailable")
     out_features, in_features = weight.shape
     num_panels = -(-out_features // width)
     padded = torch.zeros(num_panels * width, in_features, dtype=weight.dtype, device=weight.device)
@@ -78,19 +79,24 @@ def linear_packed(
 ) -> torch.Tensor:  # [num_tokens, out_features]
     """``x @ W^T + bias`` with the C panel kernel."""
     num_panels, in_features, width = packed.shape
-    assert packed.is_contiguous() and width == panel_width(), "packed weight layout"
-    assert x.dim() == 2 and x.shape[1] == in_features, f"x {tuple(x.shape)} vs in_features {in_features}"
-    assert x.dtype == torch.float32 and packed.dtype == torch.float32, "float32 only"
-    assert (num_panels - 1) * width < out_features <= num_panels * width, "out_features vs panels"
-    if bias is not None:
-        assert bias.shape == (out_features,) and bias.is_contiguous(), "bias"
+    if not (packed.is_contiguous() and width == panel_width()):
+        raise ValueError("packed weight layout")
+    if not (x.dim() == 2 and x.shape[1] == in_features):
+        raise ValueError(f"x {tuple(x.shape)} vs in_features {in_features}")
+    if not (x.dtype == torch.float32 and packed.dtype == torch.float32):
+        raise ValueError("float32 only")
+    if not ((num_panels - 1) * width < out_features <= num_panels * width):
+        raise ValueError("out_features vs panels")
+    if bias is not None and not (bias.shape == (out_features,) and bias.is_contiguous()):
+        raise ValueError("bias")
     if x.stride(1) != 1:
         x = x.contiguous()
     y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
     if x.shape[0] == 0:
         return y
     kernel = c_kernel()
-    assert kernel is not None
+    if kernel is None:
+        raise RuntimeError("the C kernel is not built")
     kernel(
         x.data_ptr(),
         x.stride(0),

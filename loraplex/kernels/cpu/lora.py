@@ -249,13 +249,13 @@ def lora_grouped_cpu(
     groups: TokenGroups,
 ) -> None:
     """Add every grouped token's LoRA delta into ``y`` with the C kernel."""
-    assert weights.takes(y, x), (
-        "C LoRA kernel: x / y do not fit these weights (float32 CPU, unit column stride)"
-    )
+    if not weights.takes(y, x):
+        raise ValueError("C LoRA kernel: x / y do not fit these weights (float32 CPU, unit column stride)")
     if groups.num_groups == 0:
         return
     kernel = _kernel()
-    assert kernel is not None
+    if kernel is None:
+        raise RuntimeError("the C kernel is not built")
     bad = kernel(
         x.data_ptr(),
         x.stride(0),

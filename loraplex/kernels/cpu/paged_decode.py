@@ -71,25 +71,34 @@ def paged_decode_cpu(
     of them outside ``[0, num_blocks)``, padding included, instead of reading it:
     this raises ``ValueError`` then.
     """
-    assert supports(query, k_cache), "C paged decode does not support these shapes or dtype"
+    if not supports(query, k_cache):
+        raise ValueError("C paged decode does not support these shapes or dtype")
     num_seqs, num_heads, head_dim = query.shape
     num_cache_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0, "head shapes disagree"
-    assert v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype, "v_cache differs from k_cache"
-    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
-    assert block_tables.dtype == torch.int32 and block_tables.dim() == 2, "block_tables: int32 [seqs, blocks]"
-    assert block_tables.shape[0] >= num_seqs and block_tables.stride(1) == 1, "block_tables rows"
-    assert seq_lens.dtype == torch.int32 and seq_lens.shape[0] >= num_seqs, "seq_lens: int32 [seqs]"
+    if not (cache_head_dim == head_dim and num_heads % num_kv_heads == 0):
+        raise ValueError("head shapes disagree")
+    if not (v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype):
+        raise ValueError("v_cache differs from k_cache")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("caches must be contiguous")
+    if not (block_tables.dtype == torch.int32 and block_tables.dim() == 2):
+        raise ValueError("block_tables: int32 [seqs, blocks]")
+    if not (block_tables.shape[0] >= num_seqs and block_tables.stride(1) == 1):
+        raise ValueError("block_tables rows")
+    if not (seq_lens.dtype == torch.int32 and seq_lens.shape[0] >= num_seqs):
+        raise ValueError("seq_lens: int32 [seqs]")
     if not (query.stride(2) == 1 and query.stride(1) == head_dim):  # rows of heads, any row stride
         query = query.contiguous()
     seq_lens = seq_lens.contiguous()
     if out is None:
         out = torch.empty_like(query)
-    assert out.shape == query.shape and out.dtype == query.dtype and out.is_contiguous(), "out"
+    if not (out.shape == query.shape and out.dtype == query.dtype and out.is_contiguous()):
+        raise ValueError("out")
     if num_seqs == 0:
         return out
     kernel = c_kernel(query.dtype)
-    assert kernel is not None
+    if kernel is None:
+        raise RuntimeError("the C kernel is not built")
     bad_items = kernel(
         query.data_ptr(),
         k_cache.data_ptr(),

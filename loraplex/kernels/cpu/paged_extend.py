@@ -103,23 +103,33 @@ def paged_extend_cpu(
     num_tokens, num_heads, head_dim = query.shape
     num_cache_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    assert k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape, "cache shapes"
-    assert num_heads % num_kv_heads == 0, "query heads must be a multiple of the KV heads (GQA)"
-    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
-    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1, "block_tables: int32 rows"
-    assert block_tables.shape[0] >= num_seqs, "block_tables rows"
-    assert seq_lens.dtype == torch.int32 and query_start.dtype == torch.int32, "seq_lens, query_start: int32"
-    assert query_start.shape[0] == num_seqs + 1, "query_start: [num_seqs + 1]"
-    assert seq_lens.stride(0) == 1 and query_start.stride(0) == 1, "seq_lens, query_start: contiguous"
+    if not (k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape):
+        raise ValueError("cache shapes")
+    if not (num_heads % num_kv_heads == 0):
+        raise ValueError("query heads must be a multiple of the KV heads (GQA)")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("caches must be contiguous")
+    if not (block_tables.dtype == torch.int32 and block_tables.stride(1) == 1):
+        raise ValueError("block_tables: int32 rows")
+    if not (block_tables.shape[0] >= num_seqs):
+        raise ValueError("block_tables rows")
+    if not (seq_lens.dtype == torch.int32 and query_start.dtype == torch.int32):
+        raise ValueError("seq_lens, query_start: int32")
+    if not (query_start.shape[0] == num_seqs + 1):
+        raise ValueError("query_start: [num_seqs + 1]")
+    if not (seq_lens.stride(0) == 1 and query_start.stride(0) == 1):
+        raise ValueError("seq_lens, query_start: contiguous")
     if not (query.stride(2) == 1 and query.stride(1) == head_dim):  # rows of heads, any row stride
         query = query.contiguous()
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype)
-    assert out.shape == query.shape and out.dtype == query.dtype and out.is_contiguous(), "out"
+    if not (out.shape == query.shape and out.dtype == query.dtype and out.is_contiguous()):
+        raise ValueError("out")
     if num_seqs == 0 or num_tokens == 0:
         return out
     kernel = c_kernel(query.dtype)
-    assert kernel is not None
+    if kernel is None:
+        raise RuntimeError("the C kernel is not built")
     bad_items = kernel(
         query.data_ptr(),
         k_cache.data_ptr(),

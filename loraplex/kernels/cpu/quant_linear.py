@@ -161,11 +161,14 @@ def qlinear(
 ) -> torch.Tensor:  # [num_tokens, out_features] float32
     """``x @ dequantize(weight)^T + bias`` with the C kernel."""
     n, k = weight.out_features, weight.in_features
-    assert x.dim() == 2 and x.shape[1] == k, f"x {tuple(x.shape)} vs in_features {k}"
-    assert x.dtype == torch.float32, "float32 activations"
-    assert weight.data.is_contiguous(), "packed rows contiguous"
-    if bias is not None:
-        assert bias.shape == (n,) and bias.dtype == torch.float32 and bias.is_contiguous(), "bias"
+    if not (x.dim() == 2 and x.shape[1] == k):
+        raise ValueError(f"x {tuple(x.shape)} vs in_features {k}")
+    if not (x.dtype == torch.float32):
+        raise ValueError("float32 activations")
+    if not weight.data.is_contiguous():
+        raise ValueError("packed rows contiguous")
+    if bias is not None and not (bias.shape == (n,) and bias.dtype == torch.float32 and bias.is_contiguous()):
+        raise ValueError("bias")
     if x.stride(1) != 1:
         x = x.contiguous()
     y = torch.empty(x.shape[0], n, dtype=torch.float32)

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from loraplex.platform.engine.errors import ErrorKind, RequestError
-from loraplex.platform.engine.policy import SchedulingPolicy, make_policy
+from loraplex.platform.engine.policy import PolicyName, SchedulingPolicy, make_policy
 from loraplex.platform.engine.preemption import PreemptionPolicy
 from loraplex.platform.engine.sequence import SeqStatus, Sequence
 from loraplex.platform.engine.speculative import Speculator
@@ -104,7 +104,8 @@ class SchedulerOutput:
 class SchedulerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
-    policy: str = "fcfs"
+    policy: PolicyName = "fair"
+    """The engine's default (``EngineConfig.scheduling_policy``); without tenants it orders like fcfs."""
     # Keep a few blocks free when admitting new work, so the running set does not
     # preempt itself on the very next step (vLLM's watermark).
     watermark_blocks: int = 0
