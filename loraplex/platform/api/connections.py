@@ -8,12 +8,13 @@ failed accept is logged). ``guarded_protocol`` is its protocol with three bounds
                           request) to the end of the headers; past it the connection is closed
     body_idle_timeout_s   a request body that sends nothing for this long: closed (the app hears a
                           disconnect, logged as 499); reset by every chunk, so large uploads pass
-    max_connections       open connections; over it, the oldest connections with no request running
-                          (still sending headers, or idle between requests) are evicted, a few
-                          milliseconds later (``TRIM_DELAY_S``: the newcomers' requests are read
-                          first), and idle keep-alive connections that were served after those
-                          that never completed a request; a new connection past max_connections +
-                          backlog is refused with 503 at once
+    max_connections       open connections; over it, a few milliseconds later (``TRIM_DELAY_S``:
+                          the newcomers' requests are read first), every suspect is evicted (part
+                          of a request head and then nothing, or idle without ever completing a
+                          request), then as few served keep-alive connections as it takes, oldest
+                          first; a new connection past max_connections + backlog evicts the
+                          suspects that had their chance, never a served one, or is refused with
+                          503 at once
 
 Evicting rather than refusing is what keeps slow-header clients from locking everyone out: they can
 only push each other out, while a client that sends its request at once is served. The process's
@@ -144,40 +145,29 @@ def guarded_protocol(guard: ConnectionGuard) -> type[H11Protocol]:
             self._evict(guard.max_connections, None)
 
         def _evict(self, keep: int, since: float | None) -> None:
-            """Close connections until at most ``keep`` are open: first those that sent part of their
-            headers and stopped (a client sends a small request's headers in one go), oldest first;
-            then the oldest idle ones (idle since before ``since``, if given)."""
-            # Counted once: a closed transport leaves self.connections only in connection_lost, on a
-            # later loop iteration, so len() would not shrink here and every idle one would go.
-            excess = self._num_open() - keep
-            while excess > 0 and guard.partial:
-                self._close(next(iter(guard.partial)))
-                excess -= 1
-            while excess > 0:
-                victim = self._oldest_idle(since)
-                if victim is None:
-                    return
+            """Over ``keep`` open connections: close every suspect, those that sent part of their
+            headers and stopped (a client sends a small request's headers in one go) and those
+            idle that never completed a request (idle since before ``since``, if given); then, only
+            when trimming (``since`` None) and still over, served idle keep-alive connections,
+            oldest first, as few as it takes."""
+            if self._num_open() <= keep:
+                return
+            for victim in list(guard.partial):
                 self._close(victim)
-                excess -= 1
+            for victim, idle_since in list(guard.evictable.items()):
+                if not victim.served and (since is None or idle_since <= since):
+                    self._close(victim)
+            if since is not None:
+                return  # making room for a newcomer: never at a served client's cost
+            # Counted once: a closed transport leaves self.connections only in connection_lost,
+            # on a later loop iteration, so len() would not shrink while closing here.
+            excess = self._num_open() - keep
+            served = sorted(guard.evictable.items(), key=lambda item: item[1])
+            for victim, _ in served[: max(0, excess)]:
+                self._close(victim)
 
         def _num_open(self) -> int:
             return sum(1 for connection in self.connections if not connection.transport.is_closing())
-
-        @staticmethod
-        def _oldest_idle(since: float | None) -> Any:
-            """The idle connection to evict next: one that never completed a request before one that
-            did (a keep-alive client that was served is the one most likely to come back with a
-            whole request; evicting it would cost it a reconnect, and under a flood a dropped SYN's
-            1 s retransmission), oldest first within each. With ``since`` (room for a newcomer at
-            the hard limit) only those never served and idle before ``since``; None if there is none."""
-            best: tuple[tuple[bool, float], Any] | None = None
-            for connection, idle_since in guard.evictable.items():
-                if since is not None and (idle_since > since or connection.served):
-                    continue  # making room for a newcomer: never at a served client's cost
-                rank = (connection.served, idle_since)
-                if best is None or rank < best[0]:
-                    best = (rank, connection)
-            return None if best is None else best[1]
 
         @staticmethod
         def _close(victim: Any) -> None:
