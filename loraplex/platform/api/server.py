@@ -16,6 +16,7 @@ A second signal skips the rest of the grace (SIGINT twice: uvicorn's force exit)
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import socket
@@ -169,6 +170,11 @@ class Server:
     def run(self, sockets: list[socket.socket] | None = None) -> int:
         """Serve until stopped; ``sockets``: listening sockets bound already (socket activation,
         or a socket with its own options), instead of binding ``host:port``."""
+        # Everything built so far (torch, transformers, the model, the app) lives as long as the
+        # process: out of the cyclic collector's sight, a full collection walks only what requests
+        # allocate. Walking all of it held the GIL for hundreds of ms while a large answer was built.
+        gc.collect()
+        gc.freeze()
         try:
             self.uvicorn.run(sockets=sockets)
         finally:

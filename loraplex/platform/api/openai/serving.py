@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import weakref
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -153,8 +154,24 @@ async def respond(
         return Response(status_code=CLIENT_CLOSED)
     # Built and encoded in a worker thread: a whole answer with logprobs is up to
     # ``max_response_logprobs`` entries, seconds of Python that would stall every other request.
-    body = await anyio.to_thread.run_sync(_encode, shape, finals)
+    # One at a time: the build holds the GIL, so two at once finish no sooner, and every thread
+    # that wants the GIL (the event loop, the engine at each torch call) waits behind each of them.
+    body = await anyio.to_thread.run_sync(_encode, shape, finals, limiter=_builder())
     return Response(body, media_type="application/json")
+
+
+_BUILDERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, anyio.CapacityLimiter] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _builder() -> anyio.CapacityLimiter:
+    """The one worker slot for building whole answers, per event loop (a limiter is bound to one)."""
+    loop = asyncio.get_running_loop()
+    limiter = _BUILDERS.get(loop)
+    if limiter is None:
+        limiter = _BUILDERS[loop] = anyio.CapacityLimiter(1)
+    return limiter
 
 
 _CHOICES = "\u0000choices\u0000"
