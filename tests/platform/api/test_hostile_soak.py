@@ -9,7 +9,7 @@ Its baseline is the same tenant beside the same neighbours made polite (the same
 the end, no half-sent heads): on a 2-core CPU, sharing the engine's batches with 20-odd other
 sequences, and the GIL with a thread that builds a 6 MB answer, costs its latency whatever the
 neighbours' manners (measured: p50 0.02 s alone, 0.08-0.09 s beside either mix; p99 0.03 s alone,
-0.9-1.0 s beside polite neighbours, 1.0-1.2 s beside hostile ones). What is asserted is that
+0.9-1.4 s beside polite neighbours, 1.0-1.3 s beside hostile ones). What is asserted is that
 hostility adds little to that: none of its requests fails, its p99 stays within twice the polite
 baseline's, none takes ``WORST_S``, and every class really ran.
 
