@@ -103,11 +103,11 @@ def profile_batch(engine: Any, prompts: list[list[int]], loras: list[Any], steps
         timers.wrap(engine.runner.model, "forward", "forward"),
         timers.wrap(cpu_lora, "lora_grouped_cpu", lambda y, x, w, g: f"lora kernel {_group_of(w)}"),
     ]
-    if engine.lora_manager is not None:
-        undo.append(timers.wrap(engine.lora_manager, "apply", lambda i, g, *a: f"lora hook {g}"))
-        plan = getattr(engine.lora_manager, "plan_step", None)
+    if engine.lora_runtime is not None:
+        undo.append(timers.wrap(engine.lora_runtime, "apply", lambda i, g, *a: f"lora hook {g}"))
+        plan = getattr(engine.lora_runtime, "plan_step", None)
         if plan is not None:
-            undo.append(timers.wrap(engine.lora_manager, "plan_step", "lora plan"))
+            undo.append(timers.wrap(engine.lora_runtime, "plan_step", "lora plan"))
     for _ in range(steps):
         start = time.perf_counter()
         engine.step()

@@ -962,7 +962,7 @@ def run_many(args: argparse.Namespace, argv: list[str] | None, model_dir: Path) 
                 "request_limit": limit,
                 "time_limit_s": seconds,
             }
-            runtime = llm.llm_engine.lora_manager
+            runtime = llm.llm_engine.lora_runtime
             assert runtime is not None
             info["resolved"] = {
                 "attention": llm.llm_engine.runner.attn.name,
@@ -1104,7 +1104,7 @@ def _same(a: RunResult, b: RunResult) -> bool:
 
 
 def _jsonable_stats(llm: Any) -> dict[str, Any]:
-    mgr = llm.llm_engine.lora_manager
+    mgr = llm.llm_engine.lora_runtime
     stats = getattr(getattr(mgr, "manager", None), "stats", None)
     if stats is None:
         return {}
@@ -1440,7 +1440,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         eargs["resolved_backends"] = {
             "attention": llm.llm_engine.runner.attn.name,
             "linear": llm.llm_engine.model.linear.name,
-            "lora": llm.llm_engine.lora_manager.backend.name,
+            "lora": llm.llm_engine.lora_runtime.backend.name,
         }
         print(f"backends: {eargs['resolved_backends']}", flush=True)
         warm_s = 0.0

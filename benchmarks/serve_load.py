@@ -320,7 +320,7 @@ class Loraplex(System):
     def command(self) -> list[str]:
         a = self.args
         return [
-            sys.executable, "-m", "loraplex.platform.cli", "serve",
+            sys.executable, "-m", "loraplex.cli", "serve",
             "--model", str(self.model_dir), "--dtype", "float32",
             "--port", str(self.port), "--served-model-name", "base",
             "--max-num-seqs", str(a.max_num_seqs), "--max-loras", str(max(1, a.adapters)),

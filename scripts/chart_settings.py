@@ -37,6 +37,7 @@ MANAGED: dict[str, str] = {
     "data_dir": "/var/lib/loraplex, an emptyDir (state that matters lives in the database and adapter store)",
     "adapter_store": "the adapterStore volume's mount, /var/lib/loraplex-adapters",
     "disk_kv_path": "kvCache.disk: the volume's mount, /var/lib/loraplex-kv",
+    "cache": "the cache volume's mount, /var/cache/loraplex (the image's default too)",
     "admin_token": "the Secret (adminToken, or existingSecret)",
     "database_url": "the Secret (database.url, existingSecret, or the in-chart postgresql)",
     "redis_url": "the Secret (redis.url, existingSecret, or the in-chart redisTrial)",

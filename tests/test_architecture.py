@@ -1,10 +1,12 @@
 """The architecture contracts in pyproject.toml ([tool.importlinter]) hold, and they bite.
 
-The layers: entry points (CLI) -> HTTP layer / offline API -> settings -> engine -> model ->
-kernels, adapters, storage; kernels and storage never import upward; no cycles among the kernel
-modules, nor among the KV storage modules; the HTTP layer reaches the engine only through
-``AsyncEngine`` and its public values. The second test adds a forbidden import to a copy of the
-package and checks that the same command then fails, so the first cannot pass vacuously.
+The layers: entry points (CLI, the composition root) -> the admin UI -> HTTP layer / offline API
+-> settings -> engine -> model -> kernels, adapters, storage; nothing in the platform imports the
+admin UI; kernels and storage never import upward; no cycles among the siblings of the kernels,
+the KV storage, the HTTP layer or the engine (type-only imports counted); the HTTP layer reaches
+the engine only through ``AsyncEngine`` and its public values. The second test adds a forbidden
+import to a copy of the package and checks that the same command then fails, so the first cannot
+pass vacuously.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def test_import_contracts_are_kept() -> None:
     [
         ("loraplex/kernels/metadata.py", "import loraplex.platform.engine.engine", "Kernels import nothing"),
         ("loraplex/storage/kv/block_pool.py", "import loraplex.adapters.request", "Storage imports nothing"),
-        ("loraplex/platform/engine/engine.py", "import loraplex.platform.api.app", "Platform layers"),
+        ("loraplex/platform/engine/engine.py", "import loraplex.platform.api.app", "Layers: cli"),
         ("loraplex/kernels/contracts.py", "import loraplex.kernels.registry", "No import cycles"),
         (
             "loraplex/platform/api/routes/models.py",
@@ -52,6 +54,25 @@ def test_import_contracts_are_kept() -> None:
             "The HTTP layer",
         ),
         ("loraplex/platform/api/deps.py", "import loraplex.storage.kv.block_pool", "The HTTP layer"),
+        ("loraplex/platform/api/app.py", "from loraplex import admin_ui", "The admin UI is a client"),
+        ("loraplex/admin_ui/views.py", "import loraplex.cli.serve", "Layers: cli"),
+        # Type-only imports count: a cycle through one breaks the contract.
+        (
+            "loraplex/platform/api/errors.py",
+            "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n    import loraplex.platform.api.observability.record",
+            "No import cycles between the API layer's parts",
+        ),
+        (
+            "loraplex/platform/api/tenancy/gate.py",
+            "import loraplex.platform.api.openai.protocol",
+            "No import cycles between the API layer's parts",
+        ),
+        (
+            "loraplex/platform/engine/stats.py",
+            "import loraplex.platform.engine.engine",
+            "No import cycles between the engine's modules",
+        ),
         (
             "loraplex/storage/kv/tier_transfers.py",
             "import loraplex.storage.kv.tier_manager",

@@ -23,7 +23,7 @@ MUST_HAVE_A_MAP = (
     "platform/api/services",
     "platform/api/routes",
     "platform/settings",
-    "platform/cli",
+    "cli",
     "platform/engine",
     "storage/kv",
 )

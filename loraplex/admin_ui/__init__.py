@@ -34,7 +34,8 @@ from loraplex.admin_ui.adapter_pages import UPLOAD_PATH
 from loraplex.admin_ui.security import SignInRequired, UIState, wants_json
 from loraplex.admin_ui.sessions import SessionStore, SignInLimiter
 from loraplex.admin_ui.views import render
-from loraplex.platform.api.errors import APIError, error_response, to_api_error, unauthorized
+from loraplex.platform.api.errors import APIError, to_api_error, unauthorized
+from loraplex.platform.api.observability.error_handlers import error_response
 from loraplex.platform.api.observability.record import note_error
 from loraplex.platform.api.services.errors import ServiceError
 from loraplex.platform.settings import GatewaySettings

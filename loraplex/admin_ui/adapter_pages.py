@@ -5,7 +5,7 @@
 | ``GET /admin/adapters`` | operator: every version (``tenant``, ``name_prefix``); tenant: its newest |
 | ``GET /admin/adapters/{owner}/{name}`` | the versions of one adapter (a tenant: only its own) |
 | ``POST /admin/ui/adapters[?tenant=]`` | an upload (the REST API's form: ``name``, ``visibility``, ``file``
-  or ``adapter_config`` + ``adapter_model``), answered in JSON; ``routes.adapters.receive_upload`` |
+  or ``adapter_config`` + ``adapter_model``), answered in JSON; ``Gateway.receive_upload`` |
 | ``POST /admin/adapters/{owner}/{name}/delete`` | delete it (every version, or ``version``) |
 
 The upload goes through the same function as ``POST /v1/adapters`` (size cap, staging,
@@ -24,7 +24,6 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 from loraplex.admin_ui.security import Viewer, ViewerDep, check_csrf, gateway_of
 from loraplex.admin_ui.views import SECURITY_HEADERS, render
 from loraplex.platform.api.deps import PageDep, forget_cached_auth
-from loraplex.platform.api.routes.adapters import receive_upload
 from loraplex.platform.api.schemas import AdapterPublic
 from loraplex.platform.api.services import adapters, tenants, usage
 from loraplex.platform.api.services.errors import NotFound
@@ -114,7 +113,7 @@ async def upload(
             {"error": {"message": "Choose the tenant the adapter is for.", "param": "tenant"}},
             status_code=400,
         )
-    adapter = await receive_upload(request, owner, gateway_of(request))
+    adapter = await gateway_of(request).receive_upload(request, owner)
     return JSONResponse(AdapterPublic.of(adapter).model_dump(mode="json"), status_code=201)
 
 

@@ -25,7 +25,7 @@ from loraplex.admin_ui.adapter_pages import owner_for
 from loraplex.admin_ui.security import Viewer, ViewerDep, check_csrf, gateway_of, ui_state
 from loraplex.admin_ui.views import SECURITY_HEADERS, render
 from loraplex.platform.api.deps import PageDep, get_state
-from loraplex.platform.api.routes.completions import create_completion
+from loraplex.platform.api.openai.completion import complete
 from loraplex.platform.api.services import adapters, tenants, usage
 from loraplex.platform.api.services.pages import PageRequest
 from loraplex.platform.api.services.tenants import engine_tenant_id
@@ -237,4 +237,4 @@ async def playground_completion(
             headers=SECURITY_HEADERS,
         )
     gateway = gateway_of(request)
-    return await create_completion(request, get_state(request), TenantCall(gateway.gate, owner))
+    return await complete(request, get_state(request), TenantCall(gateway.gate, owner))

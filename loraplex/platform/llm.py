@@ -18,10 +18,10 @@ from loraplex.adapters.request import LoRARequest
 from loraplex.platform.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from loraplex.platform.engine.config import EngineConfig
 from loraplex.platform.engine.engine import LLMEngine
+from loraplex.platform.engine.inputs import PromptType
 from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.engine.sampling_params import SamplingParams
 
-PromptType = str | list[int]
 T = TypeVar("T")
 
 

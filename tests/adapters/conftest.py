@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))  # for adapter_testlib.py
-
-from adapter_testlib import tiny_spec
+from support.adapters import tiny_spec
 
 from loraplex.adapters import AdapterManager, AdapterManagerConfig, BaseModelSpec
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from adapter_testlib import CONFIG, WEIGHTS, edit_tensors, files_under, key, make_adapter
+from support.adapters import CONFIG, WEIGHTS, edit_tensors, files_under, key, make_adapter
 
 from loraplex.adapters import AdapterValidationError, ArchiveLimits, LoRARequest, read_adapter
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from adapter_testlib import edit_tensors, key, make_adapter
+from support.adapters import edit_tensors, key, make_adapter
 
 from loraplex.adapters import AdapterManager, AdapterValidationError, LoRARequest
 from loraplex.adapters.host_cache import HostAdapterCache

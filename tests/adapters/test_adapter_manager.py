@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from adapter_testlib import CONFIG, WEIGHTS, edit_tensors, files_under, key, make_adapter
+from support.adapters import CONFIG, WEIGHTS, edit_tensors, files_under, key, make_adapter
 
 from loraplex.adapters import (
     GROUPS,

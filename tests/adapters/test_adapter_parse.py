@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from adapter_testlib import ALL_MODULES, make_adapter, make_peft_model, peft_deltas, random_inputs
+from support.adapters import ALL_MODULES, make_adapter, make_peft_model, peft_deltas, random_inputs
 
 from loraplex.adapters import GROUPS, AdapterManager, BaseModelSpec, LoRARequest, read_adapter
 from loraplex.adapters.peft_config import pattern_key

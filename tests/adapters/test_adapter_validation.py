@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from adapter_testlib import (
+from support.adapters import (
     CONFIG,
     WEIGHTS,
     edit_config,

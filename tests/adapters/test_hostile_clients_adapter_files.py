@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from adapter_testlib import CONFIG, edit_config, edit_tensors, key, make_adapter
+from support.adapters import CONFIG, edit_config, edit_tensors, key, make_adapter
 
 from loraplex.adapters import AdapterManager, AdapterValidationError, LoRARequest
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from adapter_testlib import make_adapter
+from support.adapters import make_adapter
 
 from loraplex.adapters import GROUPS, AdapterManager, BaseModelSpec, LoRARequest, NoFreeSlotError
 from loraplex.storage.kv.block_manager import KVBlockManager

@@ -21,9 +21,9 @@ from typing import Any
 
 import httpx
 import pytest
-from browser import LAUNCH_ARGS, chromium_path
-from gateway_testlib import ADAPTER_SPEC, ADMIN, ADMIN_TOKEN, BASE, MAX_LORA_RANK, settings_for, zip_bytes
-from ui_server import UIServer, start_ui_server
+from support.admin_ui import LAUNCH_ARGS, chromium_path
+from support.gateway import ADAPTER_SPEC, ADMIN, ADMIN_TOKEN, BASE, MAX_LORA_RANK, settings_for, zip_bytes
+from support.servers import UIServer, start_ui_server
 
 from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.engine.config import EngineConfig
@@ -73,7 +73,7 @@ def bad_uploads(
     tiny_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, peft_adapter_dir: Path
 ) -> dict[str, tuple[Path, str]]:
     """Archives the server must refuse, with a word of the reason it must give."""
-    from helpers import make_peft_adapter
+    from support.adapters import make_peft_adapter
 
     out = tmp_path_factory.mktemp("bad")
     high = out / "rank16"

@@ -8,17 +8,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from admin_ui_testlib import csrf_of, ui_sign_in
-from gateway_testlib import (
-    ADMIN,
-    ADMIN_TOKEN,
-    Admin,
-    make_gateway,
-    serving,
-    settings_for,
-    upload,
-    zip_bytes,
-)
+from support.admin_ui import csrf_of, ui_sign_in
+from support.gateway import ADMIN, ADMIN_TOKEN, Admin, make_gateway, serving, settings_for, upload, zip_bytes
 
 from loraplex.platform.api.services.pages import encode_cursor
 from loraplex.platform.engine.async_engine import AsyncEngine

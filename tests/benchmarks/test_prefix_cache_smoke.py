@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from helpers import load_benchmark
+from support.benchmarks import load_benchmark
 
 
 def test_prefix_cache_tiny(tmp_path: Path, tiny_dirs: dict[str, Path]) -> None:

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
-from helpers import load_benchmark
+from support.benchmarks import load_benchmark
 
 
 def test_arrivals_are_poisson_and_seeded() -> None:

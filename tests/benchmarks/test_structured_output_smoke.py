@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import load_benchmark
+from support.benchmarks import load_benchmark
 
 
 @pytest.mark.slow

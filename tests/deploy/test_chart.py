@@ -8,7 +8,7 @@ from pathlib import Path
 import jsonschema
 import kubernetes_validate
 import pytest
-from chart_testlib import (
+from support.charts import (
     CHART,
     KUBERNETES_VERSION,
     VALUE_SETS,
@@ -21,7 +21,7 @@ from chart_testlib import (
     value_args,
     workload,
 )
-from crd_schemas import CUSTOM_RESOURCES
+from support.crd_schemas import CUSTOM_RESOURCES
 
 from loraplex.platform.settings import all_fields
 

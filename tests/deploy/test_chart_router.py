@@ -12,10 +12,10 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from chart_testlib import VALUE_SETS, Manifest, RenderError, of_kind, render, workload
-from crd_schemas import INFERENCE_POOL
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from support.charts import VALUE_SETS, Manifest, RenderError, of_kind, render, workload
+from support.crd_schemas import INFERENCE_POOL
 
 from loraplex.platform.api.observability.vllm_metrics import VLLMCollector
 from loraplex.platform.engine.async_engine import AsyncEngine

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
-from chart_testlib import CHART, ROOT, VALUE_SETS, Manifest, of_kind, pod_specs, render
+from support.charts import CHART, ROOT, VALUE_SETS, Manifest, of_kind, pod_specs, render
 
 from loraplex.platform.settings import ENV_PREFIX, all_fields, load_settings
 

@@ -17,7 +17,7 @@ from sqlalchemy import make_url
 from loraplex.storage.db import Database, current_revision, head_revision, schema_diff
 from loraplex.storage.db.migrate import PG_LOCK_KEY
 
-COMMAND = [sys.executable, "-m", "loraplex.platform.cli", "db", "upgrade"]
+COMMAND = [sys.executable, "-m", "loraplex.cli", "db", "upgrade"]
 
 
 def start_upgrades(database_url: str, cwd: Path, count: int = 2) -> list[subprocess.Popen[str]]:

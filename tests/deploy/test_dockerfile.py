@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from chart_testlib import ROOT
+from support.charts import ROOT
 
 DOCKERFILE = ROOT / "Dockerfile"
 

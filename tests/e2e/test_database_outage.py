@@ -1,7 +1,7 @@
 """Issue 28: the metadata database goes away under running gateways (real processes, real PostgreSQL).
 
-A throwaway PostgreSQL (``service_starters``) is stopped (connections refused) or paused
-(SIGSTOP: connections hang) under a gateway serving the tiny model:
+A throwaway PostgreSQL (the ``postgres_process`` fixture) is stopped (connections refused) or
+paused (SIGSTOP: connections hang) under a gateway serving the tiny model:
 
 - a key used just before keeps completing, on the base model and on its adapter, for the
   auth cache's window; a key not seen gets 503 + ``Retry-After`` (never 401), and so do an
@@ -21,17 +21,17 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import httpx
 import pytest
-from gateway_testlib import ADAPTER_SPEC, ADMIN_TOKEN, MAX_LORA_RANK, zip_bytes
-from live_server import free_port, wait_until
-from service_starters import PostgresServer, start_postgres
+from support.databases import PostgresServer, create_database
+from support.gateway import ADAPTER_SPEC, ADMIN_TOKEN, MAX_LORA_RANK, zip_bytes
+from support.ports import free_port
+from support.servers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -114,37 +114,17 @@ def start_gateway(model: Path, database_url: str, root: Path, **settings: Any) -
     return gateway
 
 
-async def _create_database(server: str, name: str) -> str:
-    admin = await asyncpg.connect(server.replace("postgresql+asyncpg", "postgresql") + "/postgres")
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    return f"{server}/{name}"
-
-
-@pytest.fixture(scope="module")
-def postgres() -> Iterator[PostgresServer]:
-    """A PostgreSQL of this module's own: the tests stop and pause it."""
-    server = start_postgres()
-    try:
-        yield server
-    finally:
-        server.unpause()
-        server.stop()
-
-
 @pytest.fixture
-def outage_db_url(postgres: PostgresServer) -> str:
+def outage_db_url(postgres_process: PostgresServer) -> str:
     """A new database on the module's server."""
     import asyncio
 
-    return asyncio.run(_create_database(postgres.url, f"gw_{secrets.token_hex(4)}"))
+    return asyncio.run(create_database(postgres_process.url, f"gw_{secrets.token_hex(4)}"))
 
 
 @pytest.fixture(scope="module")
 def adapter_zips(tiny_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
-    from helpers import make_peft_adapter
+    from support.adapters import make_peft_adapter
 
     zips = []
     for seed in (7, 8):
@@ -278,7 +258,7 @@ def _outage_then_recovery(
 
 
 def test_stopped_database(
-    postgres: PostgresServer,
+    postgres_process: PostgresServer,
     outage_db_url: str,
     tiny_dirs: dict[str, Path],
     tmp_path: Path,
@@ -287,14 +267,14 @@ def test_stopped_database(
     gateway = start_gateway(tiny_dirs["gqa_tied"], outage_db_url, tmp_path)
     try:
         calls = Calls(gateway.url)
-        _outage_then_recovery(calls, postgres.halt, postgres.resume, adapter_zips)
+        _outage_then_recovery(calls, postgres_process.halt, postgres_process.resume, adapter_zips)
     finally:
         output = gateway.stop()
     assert "Traceback" not in output, output
 
 
 def test_paused_database_answers_within_the_timeouts(
-    postgres: PostgresServer,
+    postgres_process: PostgresServer,
     outage_db_url: str,
     tiny_dirs: dict[str, Path],
     tmp_path: Path,
@@ -303,7 +283,7 @@ def test_paused_database_answers_within_the_timeouts(
     gateway = start_gateway(tiny_dirs["gqa_tied"], outage_db_url, tmp_path)
     try:
         calls = Calls(gateway.url)
-        _outage_then_recovery(calls, postgres.pause, postgres.unpause, adapter_zips)
+        _outage_then_recovery(calls, postgres_process.pause, postgres_process.unpause, adapter_zips)
         print(f"slowest request with the database paused: {calls.slowest_s:.2f} s (bound {WAIT_BOUND_S} s)")
         assert calls.slowest_s <= WAIT_BOUND_S + SLACK_S, calls.slowest_s
     finally:
@@ -312,7 +292,7 @@ def test_paused_database_answers_within_the_timeouts(
 
 
 def test_revocation_reaches_every_replica_within_the_ttl(
-    postgres: PostgresServer, outage_db_url: str, tiny_dirs: dict[str, Path], tmp_path: Path
+    postgres_process: PostgresServer, outage_db_url: str, tiny_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
     replicas = [start_gateway(tiny_dirs["gqa_tied"], outage_db_url, tmp_path / f"r{i}") for i in range(2)]
     try:

@@ -10,17 +10,18 @@ from __future__ import annotations
 import json
 import socket
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from live_server import LiveServer, sse_lines, start_server, stream_text, wait_until
+from support.engines import tiny_engine
+from support.servers import LiveServer, sse_lines, start_server, stream_text, wait_until
 
 from loraplex.platform.api.app import build_app
 from loraplex.platform.engine.async_engine import AsyncEngine
-from loraplex.platform.engine.config import EngineConfig
 from loraplex.platform.engine.engine import LLMEngine
 from loraplex.platform.settings import ServerSettings
 
@@ -28,10 +29,7 @@ POISON_SEED = 4242
 BODY = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
-def _engine(tiny_dirs: dict[str, Path], max_num_seqs: int = 8) -> LLMEngine:
-    model = str(tiny_dirs["gqa_tied"])
-    config = EngineConfig(model=model, dtype="float32", num_kv_blocks=128, max_num_seqs=max_num_seqs)
-    return LLMEngine(config)
+_engine = partial(tiny_engine, num_kv_blocks=128, max_num_seqs=8)
 
 
 @pytest.fixture
@@ -179,7 +177,7 @@ def test_sigterm_stops_a_server_with_an_open_stream(tiny_dirs: dict[str, Path]) 
     import sys
     import time
 
-    from live_server import free_port
+    from support.ports import free_port
 
     port = free_port()
     cmd = [sys.executable, "-c", _SERVE_SCRIPT, str(tiny_dirs["gqa_tied"]), str(port)]

@@ -32,13 +32,13 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e.live_server import free_port, make_small_adapter
-from gateway_testlib import ADMIN, Admin, bearer, make_gateway, serving, settings_for
+from support.adapters import make_small_adapter
+from support.engines import make_engine
+from support.gateway import ADMIN, Admin, bearer, make_gateway, serving, settings_for
+from support.ports import free_port
 
 from loraplex.platform.api.server import Server
 from loraplex.platform.engine.async_engine import AsyncEngine
-from loraplex.platform.engine.config import EngineConfig
-from loraplex.platform.engine.engine import LLMEngine
 from loraplex.platform.settings import ServerSettings
 
 pytestmark = pytest.mark.slow
@@ -48,8 +48,9 @@ MAX_NUM_SEQS = 4
 
 
 def _engine(policy: str) -> AsyncEngine:
-    config = EngineConfig(
-        dtype="float32",
+    """The bundled SmolLM2 (not a tiny model) behind the async door, scheduling by ``policy``."""
+    engine = make_engine(
+        None,
         max_num_seqs=MAX_NUM_SEQS,
         max_num_batched_tokens=256,
         num_kv_blocks=512,
@@ -57,9 +58,9 @@ def _engine(policy: str) -> AsyncEngine:
         enable_lora=True,
         max_loras=1,
         max_lora_rank=8,
-        scheduling_policy=policy,  # type: ignore[arg-type]
+        scheduling_policy=policy,
     )
-    return AsyncEngine(LLMEngine(config))
+    return AsyncEngine(engine)
 
 
 @dataclass

@@ -18,15 +18,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from e2e.live_server import free_port, sse_lines, stream_text
-from gateway_testlib import (
-    ADMIN,
-    BASE,
-    bearer,
-    make_gateway,
-    settings_for,
-    zip_bytes,
-)
+from support.gateway import ADMIN, BASE, bearer, make_gateway, settings_for, zip_bytes
+from support.ports import free_port
+from support.servers import sse_lines, stream_text
 
 from loraplex.adapters import LoRARequest
 from loraplex.platform.api.server import Server

@@ -19,7 +19,8 @@ from typing import Any
 
 import httpx
 import pytest
-from live_server import free_port, wait_until
+from support.ports import free_port
+from support.servers import wait_until
 
 GRACE_S = 3
 SHORT_TOKENS = 24

@@ -31,9 +31,10 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e.live_server import free_port, make_small_adapter
-from gateway_testlib import ADMIN, bearer, make_gateway, settings_for, zip_bytes
 from safetensors.torch import load_file, save_file
+from support.adapters import make_small_adapter
+from support.gateway import ADMIN, bearer, make_gateway, settings_for, zip_bytes
+from support.ports import free_port
 
 from loraplex import LLM, SamplingParams
 from loraplex.adapters import LoRARequest

@@ -14,11 +14,11 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import schemathesis
-from gateway_testlib import ADMIN, settings_for
 from hypothesis import HealthCheck, Phase, given, settings
-from live_server import free_port
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
+from support.gateway import ADMIN, settings_for
+from support.ports import free_port
 
 from loraplex.platform.api.app import build_app
 from loraplex.platform.api.server import Server

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 from e2e.test_replicas import ADMIN, Replica, start_replica, tenant_key
-from redis_starter import RedisProcess
+from support.redis import RedisProcess
 
 TTL_S = 10.0
 EVENT_BOUND_S = 2.0
@@ -127,7 +127,7 @@ def test_changes_through_the_cli_are_in_force_on_a_running_replica_within_2s(
 ) -> None:
     """``loraplex keys revoke`` / ``tenants disable`` / ``tenants update`` talk to the database, and
     through Redis to the running replicas, which drop their cached checks at once (not at the TTL)."""
-    from loraplex.platform.cli import main
+    from loraplex.cli import main
 
     a, _, redis = pair
     keys = {name: tenant_key(a, name) for name in ("cli-revoked", "cli-switched", "cli-metered")}

@@ -22,9 +22,10 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from e2e.live_server import free_port, make_small_adapter
-from gateway_testlib import ADMIN_TOKEN, MAX_LORA_RANK, zip_bytes
 from safetensors.torch import load_file, save_file
+from support.adapters import make_small_adapter
+from support.gateway import ADMIN_TOKEN, MAX_LORA_RANK, zip_bytes
+from support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -83,7 +84,7 @@ def start_replica(name: str, tmp: Path, model: Path, shared: dict[str, str]) -> 
     log = tmp / f"{name}.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "loraplex.platform.cli", "serve"],
+            [sys.executable, "-m", "loraplex.cli", "serve"],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -5,29 +5,23 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from support.ports import free_port
 
 
 @pytest.mark.slow
 def test_serve_default_model_answers_chat() -> None:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [
         sys.executable,
         "-m",
-        "loraplex.platform.cli",
+        "loraplex.cli",
         "serve",
         "--port",
         str(port),

@@ -9,7 +9,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from support.ports import free_port
 
 from loraplex.platform.api.services import tenants
 from loraplex.platform.model.arch import ModelArch
@@ -30,19 +30,13 @@ from loraplex.storage.kv.kv_cache import kv_bytes_per_block
 ADMIN_TOKEN = "settings-e2e-admin-token-0123456789"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def serve(args: list[str], env: dict[str, str], log: Path) -> Iterator[str]:
     """``loraplex serve ARGS`` in a child process with ``env``; yields its URL once healthy."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "loraplex.platform.cli", "serve", *args],
+            [sys.executable, "-m", "loraplex.cli", "serve", *args],
             env={**clean, "PYTHONUNBUFFERED": "1", **env},
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -86,7 +80,7 @@ def test_env_and_file_reach_serving_engine_and_limits(tiny_dirs: dict[str, Path]
     )
     env = {
         "LORAPLEX_CONFIG_FILE": str(config),
-        "LORAPLEX_PORT": str(_free_port()),  # serving
+        "LORAPLEX_PORT": str(free_port()),  # serving
         "LORAPLEX_MAX_NUM_SEQS": "2",  # engine
         "LORAPLEX_MAX_N": "5",  # limits
     }
@@ -120,7 +114,7 @@ def test_env_and_file_reach_the_gateway(tiny_dirs: dict[str, Path], tmp_path: Pa
     )
     env = {
         "LORAPLEX_CONFIG_FILE": str(config),
-        "LORAPLEX_PORT": str(_free_port()),
+        "LORAPLEX_PORT": str(free_port()),
         "LORAPLEX_ADMIN_TOKEN": ADMIN_TOKEN,  # gateway, from the environment
     }
     log = tmp_path / "serve.log"

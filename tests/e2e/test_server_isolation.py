@@ -18,7 +18,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from live_server import LiveServer, make_small_adapter, sse_lines, start_server, stream_text, wait_until
+from support.adapters import make_small_adapter
+from support.servers import LiveServer, sse_lines, start_server, stream_text, wait_until
 
 from loraplex.adapters import LoRARequest
 from loraplex.platform.engine.config import EngineConfig
@@ -145,7 +146,7 @@ def _abandon(live: LiveServer, num_clients: int) -> None:
     _idle(live)
     free_at_start = engine.block_manager.num_free_blocks
     kv_at_start = engine.kv.block_counts().num_used_device_blocks
-    pins_at_start = engine.lora_manager.num_pins
+    pins_at_start = engine.lora_runtime.num_pins
     socks = []
     for i in range(num_clients):
         body = {
@@ -174,7 +175,7 @@ def _abandon(live: LiveServer, num_clients: int) -> None:
     assert time.process_time() - cpu_start < 0.3, "the server still burns CPU after its clients left"
     # Every KV block is back (adapters loaded meanwhile keep the pool blocks they borrowed).
     assert engine.kv.block_counts().num_used_device_blocks == kv_at_start
-    assert engine.lora_manager.num_pins == pins_at_start
+    assert engine.lora_runtime.num_pins == pins_at_start
     assert not engine.requests
     engine.check_integrity()
     assert took < 2.0

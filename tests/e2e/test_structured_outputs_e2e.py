@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,22 +18,17 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel
-from structured_schemas import BOUND_S, HOSTILE, SCHEMAS
+from support.ports import free_port
+from support.structured_schemas import BOUND_S, HOSTILE, SCHEMAS
 
 MODEL = "SmolLM2-135M-Instruct"
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "loraplex.platform.cli", "serve", "--port", str(port)]
+    port = free_port()
+    cmd = [sys.executable, "-m", "loraplex.cli", "serve", "--port", str(port)]
     cmd += ["--kv-cache-memory", "256MiB", "--single-tenant"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)

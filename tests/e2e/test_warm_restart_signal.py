@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 import httpx
-from live_server import free_port, wait_until
+from support.ports import free_port
+from support.servers import wait_until
 
 BLOCK = 16
 PROMPT = [(7 * i) % 90 + 3 for i in range(3 * BLOCK + 5)]  # 3 full blocks + 5 tokens

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from kernel_testlib import assert_close, cpu_flags, make_paged_context, naive_paged_extend
+from support.kernels import assert_close, cpu_flags, make_paged_context, naive_paged_extend
 
 from loraplex.kernels.cpu import build
 from loraplex.kernels.cpu.linear import has_register_tile, linear_packed, pack_weight, panel_width
@@ -117,7 +117,7 @@ def test_paged_extend(
 
 @pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "f16", "bf16", "int8"])
 def test_quant_linear(variant: tuple[str, int, bool, int, bool], name: str) -> None:
-    from quant_testlib import random_packed
+    from support.kernels import random_packed
 
     from loraplex.kernels.cpu.quant_linear import qlinear
 
@@ -136,7 +136,7 @@ def test_quant_linear(variant: tuple[str, int, bool, int, bool], name: str) -> N
 @pytest.mark.parametrize("name", ["q8_0x16", "q4_0x16", "q4_1x16", "q8_0x16a8", "q4_0x16a8", "q4_1x16a8"])
 def test_interleaved_quant_linear(variant: tuple[str, int, bool, int, bool], name: str) -> None:
     """The interleaved formats' integer dot products (GCC vectors without VNNI) and panels."""
-    from quant_testlib import random_packed
+    from support.kernels import random_packed
 
     from loraplex.kernels.cpu.quant_linear import qlinear
     from loraplex.kernels.formats.interleaved import Interleaved, quantize_activations
@@ -163,7 +163,7 @@ def test_interleaved_quant_linear(variant: tuple[str, int, bool, int, bool], nam
 def test_amx_needs_the_avx512_build(variant: tuple[str, int, bool, int, bool]) -> None:
     """Builds without AVX-512 have no AMX kernels: "auto" never picks them, and asking for the
     plan is an error, not a wrong answer."""
-    from quant_testlib import random_packed
+    from support.kernels import random_packed
 
     from loraplex.kernels.cpu.quant_linear import has_amx, qlinear
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testlib import cpu_flags
+from support.kernels import cpu_flags
 
 from loraplex.kernels.cpu import build
 from loraplex.kernels.cpu.linear import (

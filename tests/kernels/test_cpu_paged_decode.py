@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_testlib import assert_close, make_paged_context, naive_paged_decode
+from support.kernels import assert_close, make_paged_context, naive_paged_decode
 
 from loraplex.kernels.cpu import build
 from loraplex.kernels.cpu.attention import CpuAttentionBackend

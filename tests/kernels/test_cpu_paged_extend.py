@@ -13,13 +13,7 @@ import itertools
 
 import pytest
 import torch
-from kernel_testlib import (
-    PagedContext,
-    assert_close,
-    cpu_flags,
-    make_paged_context,
-    naive_paged_extend,
-)
+from support.kernels import PagedContext, assert_close, cpu_flags, make_paged_context, naive_paged_extend
 
 from loraplex.kernels.cpu.attention import CpuAttentionBackend
 from loraplex.kernels.cpu.paged_extend import max_row_vectors, paged_extend_cpu, supports

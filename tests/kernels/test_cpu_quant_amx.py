@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quant_testlib import random_packed
+from support.kernels import random_packed
 
 from loraplex.kernels.cpu.quant_linear import amx_min_m, c_kernel, has_amx, qlinear
 from loraplex.kernels.formats.interleaved import Interleaved, quantize_activations

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quant_testlib import random_packed
+from support.kernels import random_packed
 
 from loraplex.kernels.contracts import PackedWeight
 from loraplex.kernels.cpu.quant_linear import c_kernel, qlinear

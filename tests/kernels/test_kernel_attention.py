@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 import torch
-from kernel_testlib import (
+from support.kernels import (
     DTYPES,
     assert_close,
     kernel_device,

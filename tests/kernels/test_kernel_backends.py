@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from kernel_testlib import (
+from support.kernels import (
     DTYPES,
     PagedContext,
     assert_close,

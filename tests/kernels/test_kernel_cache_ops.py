@@ -10,8 +10,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from kernel_refs import swap_blocks
-from kernel_testlib import DTYPES, kernel_device
+from support.kernels import DTYPES, kernel_device, swap_blocks
 
 from loraplex.kernels.portable import cache_ops as portable_cache_ops
 from loraplex.kernels.triton import cache_ops

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from kernel_testlib import (
+from support.kernels import (
     DTYPES,
     LoRAWeights,
     assert_close,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testlib import (
+from support.kernels import (
     PagedContext,
     assert_close,
     attention_metadata,

@@ -22,7 +22,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_testlib import (
+from support.kernels import (
     LoRAWeights,
     assert_close,
     kernel_device,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quant_testlib import random_packed
+from support.kernels import random_packed
 
 from loraplex.kernels.registry import select_linear_backend, weight_format
 from loraplex.kernels.triton.quant_linear import supports, triton_qlinear

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from quant_testlib import random_packed
+from support.kernels import random_packed
 
 from loraplex.kernels.contracts import PackedWeight
 from loraplex.kernels.formats import FORMATS

@@ -63,6 +63,14 @@ CFLAGS = (
     "-fno-trapping-math",
 )
 ENV_SWITCH = "LORAPLEX_CPU_KERNELS"
+"""Off ("0", "false", "no", "off"): ``load_library`` returns None and the torch path runs."""
+AMX_ENV_SWITCH = "LORAPLEX_AMX"
+"""Read by the C code itself (``quant_amx.c``'s probe, with ``getenv``): "0", "off" or "false" keep
+the tile unit off."""
+# Both are settings of ``loraplex serve`` (``cpu_kernels`` and ``amx``, ``ProcessSettings`` in
+# loraplex/platform/settings), which exports their effective values into these variables before
+# the kernels load: the kernels never import the platform, and the C probe reads only the
+# environment. Offline users (``LLM``, the benchmarks) set the variables themselves.
 
 
 def _cpu_signature() -> str:

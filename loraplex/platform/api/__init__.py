@@ -8,10 +8,12 @@ engine's internals, the model and the KV storage here).
 | ``app`` | ``build_app``: the one app factory (single-tenant = a static gate and no database) |
 | ``state`` | ``AppState``: the engine, the settings, the gate and the gateway every route shares |
 | ``deps`` | every dependency the routes declare (``StateDep``, ``CallDep``, ``SessionDep``, ...) |
-| ``errors`` | ``APIError`` and OpenAI's error body for every error, all handlers in one place |
+| ``errors`` | ``APIError``, OpenAI's error body and the one map of every exception to it (a leaf) |
+| ``token_text`` | ``TokenText``: single tokens' text for logprobs, cached |
 | ``middleware`` | the request body size limit (per path: uploads have their own) |
 | ``connections`` | ``ConnectionGuard``: header, body and keep-alive timeouts, the connection cap |
 | ``open_mode`` | open mode's guard: ``Host`` and ``Origin`` of the local machine only |
+| ``gateway_stats`` | ``GatewayStats``: the gateway's counters at one moment (what ``/metrics`` reads) |
 | ``gateway`` | ``Gateway``: database, quotas, adapter store and catalog; tenant deletion, cache reset |
 | ``schemas`` | request and response bodies of the gateway's own APIs (admin, adapters) |
 | ``background`` | work that must finish after a response (settling quotas, usage records) |

@@ -2,32 +2,32 @@
 
 ``/v1/completions``, ``/v1/chat/completions`` (both streamed with SSE, with
 ``stream_options.include_usage``), ``/v1/models`` and ``/health`` always; with tenants (the
-default) also ``/v1/adapters`` (tenant uploads), ``/admin/api`` (operators) and the admin web UI under
-``/admin`` (``loraplex.admin_ui``). Every error is
-OpenAI's error body (``errors``); per-request limits are ``ServerLimits``. Who may call and what
-is the ``gate``: a single-tenant server has a ``StaticGate`` (no auth, the ``lora_modules``
-names, no quotas, no database); with tenants the ``Gateway``'s ``TenantGate`` (API keys,
-per-tenant adapters, quotas, usage) and the gateway's start-up and shutdown run in the
-app's lifespan. Around every request but the probes, the ``RequestObserver`` (``observability``)
-feeds ``/metrics`` and the access log and refuses new work while the server drains (``lifecycle``).
+default) also ``/v1/adapters`` (tenant uploads) and ``/admin/api`` (operators). The served app
+(``loraplex.cli.server_app``) mounts the admin web UI (``loraplex.admin_ui``, a client of this
+layer) under ``/admin`` on top. Every error is OpenAI's error body (``errors``); per-request
+limits are ``ServerLimits``. Who may call and what is the ``gate``: a single-tenant server has a
+``StaticGate`` (no auth, the ``lora_modules`` names, no quotas, no database); with tenants the
+``Gateway``'s ``TenantGate`` (API keys, per-tenant adapters, quotas, usage) and the gateway's
+start-up and shutdown run in the app's lifespan. Around every request but the probes, the
+``RequestObserver`` (``observability``) feeds ``/metrics`` and the access log and refuses new
+work while the server drains (``lifecycle``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from importlib.metadata import version
 
 from fastapi import FastAPI
 
-from loraplex import admin_ui
 from loraplex.adapters import LoRARequest
-from loraplex.platform.api.errors import install_error_handlers
 from loraplex.platform.api.gateway import Gateway
 from loraplex.platform.api.lifecycle import Lifecycle
 from loraplex.platform.api.middleware import BodyLimits, NoSniff
 from loraplex.platform.api.observability.access_log import log_access
+from loraplex.platform.api.observability.error_handlers import install_error_handlers
 from loraplex.platform.api.observability.kv_events_metrics import KVEventsCollector
 from loraplex.platform.api.observability.metrics import ServerMetrics
 from loraplex.platform.api.observability.metrics_listener import MetricsListener
@@ -35,7 +35,6 @@ from loraplex.platform.api.observability.observer import RequestObserver
 from loraplex.platform.api.observability.record import RequestRecord
 from loraplex.platform.api.observability.vllm_metrics import VLLMCollector
 from loraplex.platform.api.open_mode import OpenModeGuard
-from loraplex.platform.api.openai.logprobs import TokenText
 from loraplex.platform.api.routes import (
     adapters,
     admin,
@@ -48,6 +47,7 @@ from loraplex.platform.api.routes import (
 )
 from loraplex.platform.api.state import AppState
 from loraplex.platform.api.tenancy.gate import StaticGate
+from loraplex.platform.api.token_text import TokenText
 from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.settings import ServerSettings
 
@@ -59,11 +59,14 @@ def build_app(
     engine: AsyncEngine,
     settings: ServerSettings,
     loras: Mapping[str, LoRARequest] | None = None,
+    upload_paths: Sequence[str] = (),
 ) -> FastAPI:
     """The application serving ``engine`` with ``settings`` (see the module docstring).
 
     ``loras`` maps model ids to registered ``LoRARequest``s on a single-tenant server: a
-    request whose ``model`` names one runs on it (vLLM's ``--lora-modules``).
+    request whose ``model`` names one runs on it (vLLM's ``--lora-modules``). ``upload_paths``:
+    routes mounted on the app later that take adapter uploads too (the admin UI's form), so
+    their bodies are capped at the upload limit, not the request limit.
     """
     name = settings.serving.served_model_name or engine.limits.model_name
     named = dict(loras or {})
@@ -109,7 +112,11 @@ def build_app(
     )
     serving = settings.serving
     server_metrics = ServerMetrics(
-        engine, gateway, engine.limits.block_size, serving.metrics_tenant_label, serving.metrics_max_tenants
+        engine,
+        None if gateway is None else gateway.stats,
+        engine.limits.block_size,
+        serving.metrics_tenant_label,
+        serving.metrics_max_tenants,
     )
     if gateway is not None:
         gateway.on_tenant_deleted.append(server_metrics.forget_tenant)
@@ -136,10 +143,11 @@ def build_app(
     by_path, shown_by_path = {}, {}
     if gateway is not None:
         by_path[adapters.UPLOAD_PATH] = gateway.max_upload_bytes + _MULTIPART_SLACK_BYTES
-        by_path[admin_ui.UPLOAD_PATH] = gateway.max_upload_bytes + _MULTIPART_SLACK_BYTES
-        # Both 413s of an upload quote max_upload_bytes, as the upload form's does.
+        # Every 413 of an upload quotes max_upload_bytes, as the upload form's does.
         shown_by_path[adapters.UPLOAD_PATH] = gateway.max_upload_bytes
-        shown_by_path[admin_ui.UPLOAD_PATH] = gateway.max_upload_bytes
+        for path in upload_paths:
+            by_path[path] = gateway.max_upload_bytes + _MULTIPART_SLACK_BYTES
+            shown_by_path[path] = gateway.max_upload_bytes
     app.add_middleware(
         BodyLimits,
         default_bytes=settings.limits.max_request_body_bytes,
@@ -163,5 +171,4 @@ def build_app(
         app.include_router(adapters.router)
         app.include_router(lora_adapters.router)
         app.include_router(admin.router)
-        admin_ui.mount_admin_ui(app, settings.gateway)
     return app

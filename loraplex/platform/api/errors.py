@@ -1,7 +1,9 @@
 """Every error the server returns, in OpenAI's body ``{"error": {message, type, param, code}}``.
 
 One exception class, ``APIError`` (status, message, code, param, headers), and one place that
-maps everything else to it (``to_api_error``), installed on the app by ``install_error_handlers``.
+maps everything else to it (``to_api_error``). This module is a leaf of the API layer: the handlers
+that answer with these bodies (and note the error on the request's record) are
+``observability.error_handlers``; the quota refusals are ``tenancy.quotas.refusal``.
 Invalid input is always 400 (FastAPI's own 422 included), never 422.
 
 | raised | status | ``code`` |
@@ -14,9 +16,9 @@ Invalid input is always 400 (FastAPI's own 422 included), never 422.
 | ``request_error``: a ``RequestError`` the engine ended a request with | by its kind (below) | by its kind |
 | ``DatabaseUnavailable``: database unreachable or too slow | 503, ``Retry-After`` | database_unavailable |
 | ``unauthorized``: no, wrong, revoked, expired key | 401, ``WWW-Authenticate: Bearer`` | invalid_api_key |
-| ``quota_refusal``: rpm, tpm, concurrency | 429, ``Retry-After`` | rate_limit_exceeded |
-| ``quota_refusal``: request_over_tpm (never fits) | 429 | rate_limit_exceeded |
-| ``quota_refusal``: unavailable (Redis down, fail_closed) | 503, ``Retry-After`` | quota_unavailable |
+| ``quota_refusal`` (tenancy): rpm, tpm, concurrency | 429, ``Retry-After`` | rate_limit_exceeded |
+| ``quota_refusal`` (tenancy): request_over_tpm (never fits) | 429 | rate_limit_exceeded |
+| ``quota_refusal`` (tenancy): unavailable (Redis down) | 503, ``Retry-After`` | quota_unavailable |
 | ``NotFound`` (services) | 404 | not_found (model_not_found for a model) |
 | ``Conflict`` (services) | 409 | conflict |
 | ``EngineBusy`` (services) | 409, ``Retry-After`` | engine_busy |
@@ -42,18 +44,11 @@ name it (``reason=``); otherwise it follows from the status and ``code``.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
-from starlette.responses import Response
 
 from loraplex.adapters import AdapterValidationError
-from loraplex.platform.api.observability.record import note_error
 from loraplex.platform.api.services.errors import (
     Conflict,
     EngineBusy,
@@ -62,18 +57,16 @@ from loraplex.platform.api.services.errors import (
     QuotaExceeded,
     ServiceError,
 )
-from loraplex.platform.api.tenancy.quotas import QuotaDecision
 from loraplex.platform.engine.errors import (
     EngineDeadError,
     EngineOverloadedError,
     ErrorKind,
     InvalidParameterError,
+    RejectionReason,
     RequestError,
     UnknownAdapterError,
 )
 from loraplex.storage.db import DatabaseUnavailable
-
-logger = logging.getLogger(__name__)
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
@@ -98,7 +91,7 @@ class APIError(Exception):
         code: str | int | None = None,
         err_type: str = INVALID_REQUEST,
         headers: dict[str, str] | None = None,
-        reason: str | None = None,
+        reason: RejectionReason | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -146,34 +139,7 @@ def forbidden(message: str, code: str = "forbidden") -> APIError:
     return APIError(403, message, code=code)
 
 
-def quota_refusal(decision: QuotaDecision) -> APIError:
-    """The answer to a refused admission: 429 for a full limit, 503 while quotas cannot be checked."""
-    headers = {} if decision.retry_after_header is None else {"Retry-After": decision.retry_after_header}
-    if decision.reason == "unavailable":
-        return APIError(
-            503,
-            decision.detail,
-            code="quota_unavailable",
-            err_type=SERVER_ERROR,
-            headers=headers,
-            reason="quota_unavailable",
-        )
-    kind = "tokens" if decision.reason in ("tpm", "request_over_tpm") else "requests"
-    reason = _QUOTA_REASONS.get(decision.reason or "", "rate_limit")
-    return APIError(
-        429, decision.detail, code="rate_limit_exceeded", err_type=kind, headers=headers, reason=reason
-    )
-
-
-_QUOTA_REASONS = {
-    "rpm": "rate_limit",
-    "tpm": "token_limit",
-    "request_over_tpm": "token_limit",
-    "concurrency": "concurrency",
-}
-"""Quota refusal reason -> the ``rejected_requests_total`` reason."""
-
-_REASONS_BY_CODE = {
+_REASONS_BY_CODE: dict[str, RejectionReason] = {
     "rate_limit_exceeded": "rate_limit",
     "quota_unavailable": "quota_unavailable",
     "shutting_down": "shutting_down",
@@ -186,7 +152,7 @@ _REASONS_BY_CODE = {
 """``code`` -> reason, for errors that do not name their reason."""
 
 
-def rejection_reason(err: APIError) -> str | None:
+def rejection_reason(err: APIError) -> RejectionReason | None:
     """Why ``err`` refused (or cut short) a request, as counted in ``loraplex_rejected_requests_total``;
     None for an error that is not a refusal (a 500, the engine gone, a conflict)."""
     if err.reason is not None:
@@ -313,7 +279,7 @@ def validation_error(errors: list[Any]) -> APIError:
     return bad_request(message, param)
 
 
-_MAPPED: tuple[type[Exception], ...] = (
+MAPPED_ERRORS: tuple[type[Exception], ...] = (
     APIError,
     InvalidParameterError,
     UnknownAdapterError,
@@ -323,50 +289,4 @@ _MAPPED: tuple[type[Exception], ...] = (
     AdapterValidationError,
     DatabaseUnavailable,
 )
-
-
-def error_response(request: Request, err: APIError) -> JSONResponse:
-    """``err`` as OpenAI's error body, noted on the request's record first (where the metrics and
-    the access log read it): every handler that answers an error goes through here."""
-    note_error(request.scope, err)
-    return err.response()
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    """Route every exception the app can raise to OpenAI's error body (and note it on the
-    request's record, where the metrics count refusals by reason)."""
-
-    answer = error_response
-
-    async def _mapped(request: Request, exc: Exception) -> JSONResponse:
-        return answer(request, to_api_error(exc))
-
-    for error_class in _MAPPED:
-        app.add_exception_handler(error_class, _mapped)
-
-    @app.exception_handler(RequestValidationError)
-    async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return answer(request, validation_error(list(exc.errors())))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        codes = {404: "not_found", 405: "method_not_allowed"}
-        detail = exc.detail if isinstance(exc.detail, str) else "error"
-        message = f"{detail}: {request.method} {request.url.path}"
-        err = APIError(
-            exc.status_code, message, code=codes.get(exc.status_code), headers=dict(exc.headers or {})
-        )
-        return answer(request, err)
-
-    @app.exception_handler(ClientDisconnect)
-    async def _client_left(request: Request, exc: ClientDisconnect) -> Response:
-        # The client closed the connection while sending its body: nothing to answer, and not the
-        # server's failure. Logged and counted as 499 (nginx's "client closed request"), not a 500.
-        logger.info("client left while sending %s %s (499)", request.method, request.url.path)
-        return Response(status_code=499)
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        # Starlette re-raises the exception after this response is sent, so the
-        # server (uvicorn) logs its trace once; logging it here too would double it.
-        return answer(request, to_api_error(exc))
+"""The exception classes ``to_api_error`` maps (the error handlers route each to it)."""

@@ -39,14 +39,18 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from fastapi import Request
+
+from loraplex.adapters import AdapterValidationError
 from loraplex.adapters.store import AdapterStore
 from loraplex.adapters.uploads import AdapterValidator
 from loraplex.platform.api.background import BackgroundWork
-from loraplex.platform.api.catalog.catalog import AdapterCatalog
+from loraplex.platform.api.catalog.catalog import AdapterCatalog, parse_visibility
 from loraplex.platform.api.catalog.engine_adapters import EngineAdapters
 from loraplex.platform.api.catalog.runtime_loras import RuntimeLoRAs
-from loraplex.platform.api.catalog.upload_admission import UploadAdmission
-from loraplex.platform.api.catalog.upload_form import UploadDeadlines
+from loraplex.platform.api.catalog.upload_form import UploadDeadlines, read_upload_form
+from loraplex.platform.api.errors import bad_field, rejected_adapter
+from loraplex.platform.api.gateway_stats import GatewayStats
 from loraplex.platform.api.services import tenants
 from loraplex.platform.api.services.errors import EngineBusy
 from loraplex.platform.api.tenancy import replica_events
@@ -55,10 +59,12 @@ from loraplex.platform.api.tenancy.auth_cache import Authenticator
 from loraplex.platform.api.tenancy.quotas import QuotaSettings, RedisQuotaLimiter, make_quota_limiter
 from loraplex.platform.api.tenancy.replica_events import ReplicaEvents
 from loraplex.platform.api.tenancy.tenant_gate import TenantGate
+from loraplex.platform.api.tenancy.upload_admission import UploadAdmission
 from loraplex.platform.api.usage_buffer import UsageBuffer
 from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.settings import GatewaySettings
 from loraplex.storage.db import (
+    Adapter,
     Database,
     DatabaseUnavailable,
     PoolSettings,
@@ -101,39 +107,6 @@ def _restrict_sqlite_files(db: Database) -> None:
     for suffix in ("", "-wal", "-shm"):
         with contextlib.suppress(FileNotFoundError):
             os.chmod(f"{path}{suffix}", 0o600)
-
-
-@dataclass(frozen=True)
-class GatewayStats:
-    """The gateway's own counters at one moment (the engine's are ``EngineStats``). They live on
-    the event loop, so a snapshot taken there is consistent without a lock."""
-
-    num_usage_write_failures: int
-    """Usage records that could not be written (logged each time)."""
-    num_background_pending: int
-    num_background_failed: int
-    quota_backend: str
-    """``redis`` or ``local``."""
-    quota_backend_down: bool
-    """Redis for quotas is unreachable now (always False for the in-process limiter)."""
-    num_quota_backend_failures: int
-    num_quota_backend_outages: int
-    database_down: bool
-    """The metadata database is unreachable now (the last call that tried failed)."""
-    num_database_errors: int
-    """Calls that failed, or were answered 503 at once, because the database was unreachable."""
-    num_database_outages: int
-    num_auth_cache_hits: int
-    """Authentications served from the cache within its TTL (no database round trip)."""
-    num_auth_cache_outage_hits: int
-    """Authentications (and adapter resolutions) served from the caches because the database was
-    unreachable."""
-    num_usage_pending: int
-    """Usage records waiting in the buffer for the database."""
-    num_usage_dropped: int
-    """Usage records lost: the buffer was full, or shutdown could not write them (logged)."""
-    num_quota_refusals: int = 0
-    """Requests and uploads refused by a quota (429 / 503); no usage row is written for them."""
 
 
 @dataclass(frozen=True)
@@ -232,6 +205,25 @@ class Gateway:
             await self.replica_events.aclose()
         await self.limiter.aclose()
         await self.db.dispose()
+
+    async def receive_upload(self, request: Request, tenant: Tenant) -> Adapter:
+        """Read a multipart upload (``name``, ``visibility``, the files) and store it for ``tenant``:
+        the one code path of uploads, for ``POST /v1/adapters`` and the admin UI's upload form."""
+        async with self.uploads.admit(tenant):  # rpm, concurrency, uploads in flight: before the body
+            staging = self.store.new_staging()
+            try:
+                form = await read_upload_form(request, staging, self.max_upload_bytes, self.upload_deadlines)
+                name = form.fields.get("name")
+                if not name:
+                    raise bad_field("name", "Missing required field 'name' (the adapter's name).")
+                given = form.fields.get("visibility")
+                visibility = parse_visibility(given) if given else None  # None: keep the name's
+                try:
+                    return await self.catalog.upload(tenant, form.files, staging, name, visibility)
+                except AdapterValidationError as exc:
+                    raise rejected_adapter(exc, hide=(str(staging),)) from None
+            finally:
+                self.store.discard(staging)
 
     def stats(self) -> GatewayStats:
         """The gateway's counters now (call it on the event loop)."""

@@ -10,8 +10,8 @@ from fastapi import FastAPI
 
 from loraplex.adapters import LoRARequest
 from loraplex.platform.api.lifecycle import Lifecycle
-from loraplex.platform.api.openai.logprobs import TokenText
 from loraplex.platform.api.tenancy.gate import RequestGate
+from loraplex.platform.api.token_text import TokenText
 from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.settings import ServerLimits, ServerSettings
 

@@ -19,9 +19,11 @@
 | ``assembly`` | ``assemble``: the engine's parts built from its config, in dependency order |
 | ``maintenance`` | ``MaintenanceQueue``: purges and resets run in bounded slices between steps |
 | ``async_engine`` | ``AsyncEngine``: the engine in its own thread; the server's only door to it |
-| ``limits`` | ``EngineLimits``: what a running engine accepts, read once by the server |
-| ``stats`` | ``EngineStats``: one snapshot per step, published by a reference swap; per-tenant usage |
-| ``errors`` | the engine's typed errors, which the HTTP layer maps to status codes |
+| ``limits`` | ``EngineLimits``: what a running engine accepts (built by the engine, read by the server) |
+| ``inputs`` | ``PromptType``: a prompt as the engine takes it (text or token ids) |
+| ``stats`` | ``EngineStats`` / ``TenantUsage``: value types of one snapshot per step (built by the engine) |
+| ``counters`` | ``TenantCounters`` / ``RejectionCounters``: counted by the engine, frozen per snapshot |
+| ``errors`` | the engine's typed errors (the HTTP layer maps them to status codes); ``RejectionReason`` |
 | ``host_memory`` | process-wide malloc tuning on CPU |
 | ``kv_events`` | KV cache events for routers: vLLM's config, msgpack layout and ZeroMQ publisher |
 | ``structured/`` | guided decoding: grammars compiled per constraint, per-sequence state, the masks |

@@ -210,7 +210,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self._engine = engine
         # Read once, before the engine thread starts: none of these change while it runs.
-        self._limits = EngineLimits.of(engine)
+        self._limits = engine.limits
         self._adapter_spec = BaseModelSpec.from_hf_config(engine.hf_config)
         self._inbox: collections.deque[_Command] = collections.deque()
         self._wake = threading.Event()
@@ -220,8 +220,9 @@ class AsyncEngine:
         self._streams_lock = threading.Lock()
         self._dead_callbacks: list[Callable[[BaseException], None]] = []
         self._changed = False  # commands ran since the last stats snapshot (engine thread only)
-        # Sliced jobs started (engine thread only), in the engine's maintenance order.
-        self._jobs: list[tuple[SlicedJob[Any], concurrent.futures.Future[Any]]] = []
+        # The future of each sliced job started (engine thread only); the engine's maintenance
+        # queue owns the jobs and their order.
+        self._jobs: dict[SlicedJob[Any], concurrent.futures.Future[Any]] = {}
         # Adds posted (event loop) and applied (engine thread), each written by one thread only:
         # their difference is the adds in the inbox, which the overload check counts as queued.
         self._num_adds_posted = 0
@@ -518,19 +519,15 @@ class AsyncEngine:
     def _run_jobs(self, budget_s: float) -> None:
         """One slice of the maintenance jobs; settle the futures of those that ended."""
         self._changed = True
-        try:
-            finished = self._engine.run_maintenance(budget_s)
-        except Exception as exc:  # the job's failure is its caller's error, not the loop's
-            logger.exception("a maintenance job failed")
-            _, done = self._jobs.pop(0)  # the first job is the one that ran
-            done.set_exception(exc)
-            return
-        if finished:
+        ended = self._engine.run_maintenance(budget_s)
+        if ended:
             self._engine.publish_stats()  # the caller, woken below, may read the stats at once
-        for job in finished:
-            index = next(i for i, (j, _) in enumerate(self._jobs) if j is job)
-            _, done = self._jobs.pop(index)
-            done.set_result(job.result)
+        for job in ended:
+            done = self._jobs.pop(job)
+            if job.error is not None:  # the job's failure is its caller's error, not the loop's
+                done.set_exception(job.error)
+            else:
+                done.set_result(job.result)
 
     def _drain_inbox(self) -> int:
         """Apply every posted command in order; return how many were aborts."""
@@ -552,7 +549,7 @@ class AsyncEngine:
                     if job is None:
                         command.done.set_result(None)
                     else:
-                        self._jobs.append((job, command.done))
+                        self._jobs[job] = command.done
                 continue
             if isinstance(command, _Call):
                 if command.done.set_running_or_notify_cancel():
@@ -615,8 +612,8 @@ class AsyncEngine:
                 _resolve(command.loop, command.accepted, error)
             elif isinstance(command, _Call | _Job) and command.done.set_running_or_notify_cancel():
                 command.done.set_exception(error)
-        jobs, self._jobs = self._jobs, []
-        for _, done in jobs:
+        jobs, self._jobs = self._jobs, {}
+        for done in jobs.values():
             done.set_exception(error)
 
 

@@ -167,7 +167,7 @@ class BeamSearch:
         if not out.is_empty:
             engine.num_steps += 1
             engine.num_batched_tokens += out.num_batched_tokens
-            lora = engine.lora_manager
+            lora = engine.lora_runtime
             slots = lora.step_slots(out) if lora is not None else None
             logits, sample_idx = engine.runner.execute(out, slots, lora)
             engine.scheduler.update_from_output(out)

@@ -12,6 +12,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +21,7 @@ from loraplex.adapters import StagedAdapter
 from loraplex.adapters.request import LoRARequest
 from loraplex.platform.engine.assembly import assemble
 from loraplex.platform.engine.config import EngineConfig
+from loraplex.platform.engine.counters import RejectionCounters, TenantCounters
 from loraplex.platform.engine.deadlines import Deadlines
 from loraplex.platform.engine.detokenizer import IncrementalDetokenizer
 from loraplex.platform.engine.errors import (
@@ -30,6 +32,7 @@ from loraplex.platform.engine.errors import (
     RequestError,
 )
 from loraplex.platform.engine.kv_events.stream import KVEventStream
+from loraplex.platform.engine.limits import EngineLimits
 from loraplex.platform.engine.lora_runtime import LoRARuntime
 from loraplex.platform.engine.maintenance import MaintenanceQueue
 from loraplex.platform.engine.output_processor import OutputProcessor, request_output
@@ -40,14 +43,14 @@ from loraplex.platform.engine.sampling_params import SamplingParams
 from loraplex.platform.engine.scheduler import SchedulerOutput
 from loraplex.platform.engine.sequence import Request, Sequence, tenant_cache_salt
 from loraplex.platform.engine.speculative import Speculator
-from loraplex.platform.engine.stats import EngineStats, RejectionCounters, TenantCounters, build_stats
+from loraplex.platform.engine.stats import EngineStats
 from loraplex.platform.engine.structured import GrammarCompiler, GrammarMasker, StepMasks
 from loraplex.platform.engine.validation import (
-    RequestLimits,
     check_request_limits,
     check_scheduling_params,
     prompt_token_ids,
 )
+from loraplex.platform.model.source import model_display_name
 from loraplex.storage.kv.sliced import SlicedJob
 
 if TYPE_CHECKING:
@@ -69,10 +72,22 @@ class LLMEngine:
         self.tokenizer = parts.tokenizer
         self.model, self.arch, self.hf_config = parts.model, parts.arch, parts.hf_config
         self.info = parts.info
+        self.limits = EngineLimits(
+            model_name=model_display_name(config.model),
+            max_model_len=self.info.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_logprobs=config.max_logprobs,
+            vocab_size=self.arch.vocab_size,
+            enable_lora=config.enable_lora,
+            max_lora_rank=config.max_lora_rank,
+            dtype=self.info.dtype,
+            block_size=config.block_size,
+        )
+        """What this engine accepts (fixed while it runs): requests are checked against it."""
         self.runner = parts.runner
         self.kv = parts.kv
         self.block_manager = self.kv.block_manager  # what steps allocate from (owned by self.kv)
-        self.lora_manager = parts.lora
+        self.lora_runtime = parts.lora
         self.preemption = parts.preemption
         self.scheduler = parts.scheduler
         self.requests: dict[str, Request] = {}
@@ -105,7 +120,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_batched_tokens = 0  # tokens run through the model (prefill, recompute and decode)
-        self.stats: EngineStats = build_stats(self)
+        self.stats: EngineStats = self._freeze_stats()
         """The state after the last step, published by one reference swap (any thread may read it)."""
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, %s, quantization %s",
@@ -173,12 +188,7 @@ class LLMEngine:
         check_request_limits(
             len(token_ids),
             params,
-            RequestLimits(
-                max_model_len=self.info.max_model_len,
-                max_num_seqs=self.config.max_num_seqs,
-                max_logprobs=self.config.max_logprobs,
-                vocab_size=self.arch.vocab_size,
-            ),
+            self.limits,
             self.block_manager,
         )
         grammar = None
@@ -188,11 +198,11 @@ class LLMEngine:
                 self._masker = GrammarMasker(self.grammars.mask_words)
         adapter = None
         if lora_request is not None:
-            if self.lora_manager is None:
+            if self.lora_runtime is None:
                 raise AdapterUnavailableError(
                     "lora_request given but the engine was built without enable_lora=True", param="model"
                 )
-            adapter = self.lora_manager.resolve(lora_request)
+            adapter = self.lora_runtime.resolve(lora_request)
         req = Request(
             request_id,
             text,
@@ -302,14 +312,14 @@ class LLMEngine:
 
     def run_maintenance(self, budget_s: float) -> list[SlicedJob[Any]]:
         """Run the queued maintenance jobs (purges, resets) for about ``budget_s`` (at least one
-        piece of the first); the jobs that finished. A job that raises is dropped and raises."""
+        piece of the first); the jobs that ended: finished, or failed with ``job.error``."""
         return self.maintenance.run(budget_s)
 
     # -- adapters -------------------------------------------------------------------
     def _lora(self) -> LoRARuntime:
-        if self.lora_manager is None:
+        if self.lora_runtime is None:
             raise AdapterUnavailableError("LoRA is disabled: build the engine with enable_lora=True")
-        return self.lora_manager
+        return self.lora_runtime
 
     def add_lora(
         self, lora_request: LoRARequest, owner: str | None = None, served_name: str | None = None
@@ -346,7 +356,7 @@ class LLMEngine:
 
     def lora_tiers(self) -> dict[int, str]:
         """Where each registered adapter is now (``device``, ``host``, ``disk``); empty without LoRA."""
-        return {} if self.lora_manager is None else self.lora_manager.lora_tiers()
+        return {} if self.lora_runtime is None else self.lora_runtime.lora_tiers()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -380,11 +390,11 @@ class LLMEngine:
         self.num_batched_tokens += out.num_batched_tokens
         masks: StepMasks | None = None
         try:
-            lora_slots = self.lora_manager.step_slots(out) if self.lora_manager is not None else None
+            lora_slots = self.lora_runtime.step_slots(out) if self.lora_runtime is not None else None
             # The grammar masks are computed on the masker's thread while the forward runs.
             masks = self._start_masks(out)
             started = time.perf_counter()
-            logits, sample_idx = self.runner.execute(out, lora_slots, self.lora_manager)
+            logits, sample_idx = self.runner.execute(out, lora_slots, self.lora_runtime)
             self.preemption.observe_step(out.num_batched_tokens, time.perf_counter() - started)
             self.scheduler.update_from_output(out)
             return self.outputs.process(out, logits, sample_idx, masks)
@@ -436,7 +446,40 @@ class LLMEngine:
         batch, then the counters frozen into a new ``EngineStats`` (the engine's thread)."""
         if self.kv_events is not None:
             self.kv_events.flush()
-        self.stats = build_stats(self)
+        self.stats = self._freeze_stats()
+
+    def _freeze_stats(self) -> EngineStats:
+        """Freeze the counters into one ``EngineStats`` (on the engine's thread)."""
+        scheduler = self.scheduler
+        policy = scheduler.policy
+        kv = self.kv
+        return EngineStats(
+            step=self.num_steps,
+            timestamp=time.time(),
+            num_waiting=len(scheduler.waiting),
+            num_running=len(scheduler.running),
+            num_swapped=sum(seq.swapped is not None for seq in scheduler.waiting),
+            num_promotions_in_flight=scheduler.num_promotions_in_flight,
+            num_preemptions=scheduler.num_preemptions,
+            num_batched_tokens=self.num_batched_tokens,
+            kv=kv.block_counts(),
+            prefix_cache=kv.prefix_cache_stats(),
+            tiers=tuple(kv.tier_metrics()),
+            adapters=self.lora_runtime.adapter_manager.stats() if self.lora_runtime is not None else None,
+            tenants=self.usage.snapshot(),
+            virtual_counters=policy.snapshot() if isinstance(policy, FairSharePolicy) else {},
+            tenant_weights=MappingProxyType(dict(policy.weights))
+            if isinstance(policy, FairSharePolicy)
+            else {},
+            num_maintenance_jobs=len(self.maintenance),
+            num_maintenance_slices=self.maintenance.num_slices,
+            max_maintenance_slice_s=self.maintenance.max_slice_s,
+            rejections=self.rejections.snapshot(),
+            running_adapters=_adapter_names(scheduler.running),
+            waiting_adapters=_adapter_names(scheduler.waiting),
+            kv_events=self.kv_events.counters if self.kv_events is not None else None,
+            spec_decode=self.speculator.counters.snapshot() if self.speculator is not None else None,
+        )
 
     def _fail_step(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """Abort the requests of a step that raised; keep serving everyone else."""
@@ -507,9 +550,9 @@ class LLMEngine:
         self.kv.persist()
         if self._masker is not None:
             self._masker.close()
-        if self.lora_manager is not None:
+        if self.lora_runtime is not None:
             # Its store holds copies of tenants' adapters ($TMPDIR/loraplex-adapters-*): removed.
-            self.lora_manager.manager.close()
+            self.lora_runtime.adapter_manager.close()
 
     # -- invariants ----------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -520,5 +563,11 @@ class LLMEngine:
         for seq_id in self.block_manager.seq_ids():
             if seq_id not in live:
                 raise AssertionError(f"seq {seq_id} holds KV blocks but is neither running nor waiting")
-        if self.lora_manager is not None:
-            self.lora_manager.check_integrity(self.scheduler.running)
+        if self.lora_runtime is not None:
+            self.lora_runtime.check_integrity(self.scheduler.running)
+
+
+def _adapter_names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
+    """The display names of the adapters ``seqs`` run on, each once, in order."""
+    names = {seq.request.adapter.display_name: None for seq in seqs if seq.request.adapter is not None}
+    return tuple(names)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 
 class EngineError(Exception):
@@ -91,6 +92,23 @@ class EngineOverloadedError(EngineError):
             f"The server is overloaded: {self.num_waiting} requests are queued (the limit, "
             f"max_queued_requests, is {self.limit}); retry after {self.retry_after_s} s."
         )
+
+
+RejectionReason = Literal[
+    "rate_limit",
+    "token_limit",
+    "concurrency",
+    "overload",
+    "deadline",
+    "invalid",
+    "unauthorized",
+    "quota_unavailable",
+    "shutting_down",
+]
+"""Why a request was refused or cut short: the one vocabulary of the engine's ``rejections``
+counters and the server's ``loraplex_rejected_requests_total`` label."""
+
+REJECTION_REASONS: tuple[RejectionReason, ...] = get_args(RejectionReason)
 
 
 class ErrorKind(enum.Enum):

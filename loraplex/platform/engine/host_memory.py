@@ -31,6 +31,9 @@ import os
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "LORAPLEX_MALLOC_TUNING"
+# The setting ``malloc_tuning`` of ``loraplex serve`` (``ProcessSettings``, platform/settings): the
+# server exports its effective value into this variable before the engine starts, so this module
+# reads one place whether the value came from a flag, the config file or the environment.
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3

@@ -116,7 +116,7 @@ class LoRARuntime:
         """``arena``: where adapter pages live (the engine's KV pool); None: memory of their own."""
         self.block_size = config.block_size
         self.backend = select_lora_backend(config.lora_backend, device)
-        self.manager = AdapterManager(
+        self.adapter_manager = AdapterManager(
             BaseModelSpec.from_hf_config(hf_config),
             AdapterManagerConfig(
                 max_loras=config.max_loras,
@@ -141,7 +141,7 @@ class LoRARuntime:
         self._step = 0
         self._step_pages: IdentityCache[LoRAMetadata, _StepPages] = IdentityCache(max_entries=4)
         self._page_tables: dict[int, PageTable] = {}
-        self._pool_generation = self.manager.pool_generation
+        self._pool_generation = self.adapter_manager.pool_generation
         # (layer, group) -> the checked pool weights there (c_sites): the pool tensors stay
         # the same until it reallocates (a new generation clears this).
         self._site_weights: dict[tuple[int, str], PackedWeights] = {}
@@ -154,7 +154,7 @@ class LoRARuntime:
     def stage_lora(self, lora: LoRARequest) -> StagedAdapter:
         """Validate ``lora``'s files into the adapter store: slow, safe on any thread, changes
         nothing the engine serves; ``register_lora`` (on the engine thread) follows."""
-        return self.manager.stage(lora)
+        return self.adapter_manager.stage(lora)
 
     def register_lora(
         self,
@@ -164,26 +164,26 @@ class LoRARuntime:
         served_name: str | None = None,
     ) -> None:
         """Register a staged adapter (fast; the engine thread, between steps)."""
-        self.manager.register(lora, staged, owner=owner, served_name=served_name)
+        self.adapter_manager.register(lora, staged, owner=owner, served_name=served_name)
         self._removed.discard(lora.int_id)
 
     def discard_staged(self, staged: StagedAdapter) -> None:
         """Release a staged adapter that will not be registered."""
-        self.manager.discard_staged(staged)
+        self.adapter_manager.discard_staged(staged)
 
     def remove_lora(self, int_id: int) -> None:
         """Refuse new requests for the adapter; running ones finish on its old weights."""
-        self.manager.remove_adapter(int_id)
+        self.adapter_manager.remove_adapter(int_id)
         self._blocked.pop(int_id, None)
         self._removed.add(int_id)
         self._same_content = {k: v for k, v in self._same_content.items() if k[0] != int_id}
 
     def list_loras(self) -> list[int]:
-        return [info.adapter_id for info in self.manager.list_adapters()]
+        return [info.adapter_id for info in self.adapter_manager.list_adapters()]
 
     def lora_tiers(self) -> dict[int, str]:
         """Each registered adapter's fastest tier now: ``device`` (a slot), ``host`` or ``disk``."""
-        return {info.adapter_id: info.tier for info in self.manager.list_adapters()}
+        return {info.adapter_id: info.tier for info in self.adapter_manager.list_adapters()}
 
     def resolve(self, lora: LoRARequest, owner: str | None = None) -> AdapterIdentity:
         """Make sure ``lora`` is registered (first use loads it, as in vLLM); its identity.
@@ -196,11 +196,11 @@ class LoRARuntime:
             raise AdapterUnavailableError(
                 f"lora_request must be a LoRARequest, got {type(lora).__name__}", param="lora_request"
             )
-        known = {info.adapter_id: info for info in self.manager.list_adapters()}
+        known = {info.adapter_id: info for info in self.adapter_manager.list_adapters()}
         info = known.get(lora.int_id)
         if info is None:
             try:
-                info = self.manager.add_adapter(lora, owner=owner)
+                info = self.adapter_manager.add_adapter(lora, owner=owner)
             except AdapterError as exc:
                 raise AdapterUnavailableError(f"adapter {lora.name!r}: {exc}", param="model") from exc
             self._removed.discard(lora.int_id)
@@ -219,11 +219,11 @@ class LoRARuntime:
         found = self._same_content.get(key)
         if found is None:
             try:
-                staged = self.manager.stage(lora)
+                staged = self.adapter_manager.stage(lora)
             except AdapterError as exc:
                 raise AdapterUnavailableError(f"adapter {lora.name!r}: {exc}", param="model") from exc
             found = staged.parsed.version
-            self.manager.discard_staged(staged)
+            self.adapter_manager.discard_staged(staged)
             self._same_content[key] = found
         if found != version:
             raise AdapterUnavailableError(
@@ -247,14 +247,14 @@ class LoRARuntime:
         try:
             if aid in self._draining and self._blocked and aid not in self._blocked:
                 return AdmitDecision.WAIT  # let the draining adapter empty for a blocked one
-            if self.manager.is_resident(aid):
+            if self.adapter_manager.is_resident(aid):
                 return self._pin(seq)
-            if self.manager.can_acquire(aid):
+            if self.adapter_manager.can_acquire(aid):
                 return AdmitDecision.LOAD  # paged in once the sequence's KV is allocated
             # Not read here: the scheduler's lookahead starts the reads for the waiting
             # sequences in admission order, bounded by the host cache (reading for every
             # sequence admission reaches would push earlier reads out before they are used).
-            self.manager.prefetch(aid, start=False)
+            self.adapter_manager.prefetch(aid, start=False)
         except AdapterError as exc:
             if aid in self._removed:
                 message = f"adapter {public_name(lora)!r} was removed while this request waited"
@@ -268,7 +268,7 @@ class LoRARuntime:
     def _pin(self, seq: Sequence, keep_free_blocks: int = 0) -> AdmitDecision:
         assert seq.request.lora is not None
         aid = seq.request.lora.int_id
-        self.manager.acquire(aid, self._key(seq), keep_free_blocks=keep_free_blocks)
+        self.adapter_manager.acquire(aid, self._key(seq), keep_free_blocks=keep_free_blocks)
         if self._blocked.pop(aid, None) is not None:
             # The blocked adapter got its room; drain again only for another one.
             self._draining.clear()
@@ -290,7 +290,7 @@ class LoRARuntime:
             self._log_rejected(seq, lora, exc)
             return AdmitDecision.REJECT
         kv_blocks = -(-seq.num_tokens // self.block_size)
-        if not self.manager.could_ever_fit_beside(lora.int_id, kv_blocks):
+        if not self.adapter_manager.could_ever_fit_beside(lora.int_id, kv_blocks):
             seq.request.error = RequestError(
                 ErrorKind.INVALID,
                 f"adapter {public_name(lora)!r} and this request's KV do not fit the "
@@ -308,7 +308,7 @@ class LoRARuntime:
     def give_back_memory(self, num_blocks: int) -> int:
         """The scheduler's memory hook: ``num_blocks`` pool blocks back to the KV cache (see
         ``AdapterManager.give_back_memory``); how many came back."""
-        return self.manager.give_back_memory(num_blocks)
+        return self.adapter_manager.give_back_memory(num_blocks)
 
     def _blocked_wait(self, aid: int) -> AdmitDecision:
         """``aid`` has no room now: remember it, and drain an adapter if it waited long enough."""
@@ -316,7 +316,7 @@ class LoRARuntime:
         self._blocked[aid] = (since, self._step)
         if self._step - since >= self.drain_after_steps:
             pins: dict[int, int] = {}
-            for adapter_id in self.manager.pins().values():
+            for adapter_id in self.adapter_manager.pins().values():
                 pins[adapter_id] = pins.get(adapter_id, 0) + 1
             if not any(pins.get(a, 0) for a in self._draining):
                 # Nothing is draining, or what drained has emptied (it is evictable now) and
@@ -340,7 +340,7 @@ class LoRARuntime:
             ids.append(lora.int_id)
             if len(ids) >= self.lookahead_adapters:
                 break
-        self.manager.prefetch_ahead(ids, self.lookahead_adapters)
+        self.adapter_manager.prefetch_ahead(ids, self.lookahead_adapters)
 
     idle_wait_s = 0.05
     """How long an idle step waits for an adapter read before returning (empty) to its caller."""
@@ -348,21 +348,21 @@ class LoRARuntime:
     def wait_for_a_read(self) -> bool:
         """The step would be empty: block (up to ``idle_wait_s``) until a background adapter
         read finishes; True if one did."""
-        return self.manager.wait_for_a_read(self.idle_wait_s)
+        return self.adapter_manager.wait_for_a_read(self.idle_wait_s)
 
     def release(self, seq: Sequence) -> None:
-        self.manager.release(self._key(seq))
+        self.adapter_manager.release(self._key(seq))
 
     def on_fork(self, parent: Sequence, child: Sequence) -> None:
         """A forked sibling uses its parent's (resident, pinned) adapter slot too."""
         lora = parent.request.lora
-        if lora is not None and self.manager.pinned_slot(self._key(parent)) is not None:
-            self.manager.acquire(lora.int_id, self._key(child))
+        if lora is not None and self.adapter_manager.pinned_slot(self._key(parent)) is not None:
+            self.adapter_manager.acquire(lora.int_id, self._key(child))
 
     @property
     def num_pins(self) -> int:
         """Slot pins held by running sequences (0 when nothing runs on an adapter)."""
-        return sum(self.manager.pins_by_slot().values())
+        return sum(self.adapter_manager.pins_by_slot().values())
 
     # -- execution --------------------------------------------------------------------
     def step_slots(self, out: SchedulerOutput) -> list[int] | None:
@@ -379,8 +379,8 @@ class LoRARuntime:
         if all(s < 0 for s in slots):
             return None
         # The pages of every adapter this step uses, read once (the kernels read them per layer).
-        self._page_tables = self.manager.page_tables()
-        generation = self.manager.pool_generation
+        self._page_tables = self.adapter_manager.page_tables()
+        generation = self.adapter_manager.pool_generation
         if generation != self._pool_generation:
             self._pool_generation = generation
             self._site_weights.clear()
@@ -390,7 +390,7 @@ class LoRARuntime:
         return slots
 
     def _pinned(self, seq: Sequence) -> int:
-        slot = self.manager.pinned_slot(self._key(seq))
+        slot = self.adapter_manager.pinned_slot(self._key(seq))
         if slot is None:
             raise AssertionError(f"seq {seq.seq_id} is scheduled on an adapter but holds no slot pin")
         return slot
@@ -400,7 +400,7 @@ class LoRARuntime:
         passes = self._step_pages.get(meta, self._plan_pages).passes(group)
         if not passes:
             return
-        a, b, scales, sizes = self.manager.get_buffers(layer_idx, group)  # type: ignore[arg-type]
+        a, b, scales, sizes = self.adapter_manager.get_buffers(layer_idx, group)  # type: ignore[arg-type]
         self.backend.apply_paged(y, x, a, b, scales, sizes, passes)
 
     def c_sites(self, meta: LoRAMetadata, num_layers: int) -> LoRASites | None:
@@ -425,7 +425,7 @@ class LoRARuntime:
                     continue
                 weights = self._site_weights.get((layer, group))
                 if weights is None:
-                    a, b, scales, sizes = self.manager.get_buffers(layer, group)  # type: ignore[arg-type]
+                    a, b, scales, sizes = self.adapter_manager.get_buffers(layer, group)  # type: ignore[arg-type]
                     weights = self.backend.packed_weights(a, b, scales, sizes)  # type: ignore[attr-defined]
                     if weights is None:
                         return None
@@ -441,11 +441,11 @@ class LoRARuntime:
         """Adapter slots and pages consistent (``AdapterManager.check_integrity``); with
         ``running``: pins match the running sequences (each running sequence on an adapter
         holds one pin on that adapter's slot, nothing else holds a pin)."""
-        self.manager.check_integrity()
+        self.adapter_manager.check_integrity()
         if running is None:
             return
         want = {self._key(seq): seq.request.lora.int_id for seq in running if seq.request.lora is not None}
-        held = self.manager.pins()
+        held = self.adapter_manager.pins()
         if set(held) != set(want):
             raise AssertionError(f"adapter pins {sorted(held)} != running sequences {sorted(want)}")
         for key, adapter_id in want.items():

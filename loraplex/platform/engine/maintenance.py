@@ -9,11 +9,14 @@ between two steps (``MaintenanceQueue.run``), so a step never waits longer than 
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
 
 from loraplex.storage.kv.sliced import SlicedJob
+
+logger = logging.getLogger(__name__)
 
 
 class MaintenanceQueue:
@@ -42,20 +45,23 @@ class MaintenanceQueue:
 
     def run(self, budget_s: float) -> list[SlicedJob[Any]]:
         """Run the queued jobs for about ``budget_s`` (at least one piece of the first); the
-        jobs that finished. A job that raises is dropped and raises."""
-        finished: list[SlicedJob[Any]] = []
+        jobs that ended, in order: finished (``result``) or failed (``error``; logged, dropped,
+        and the slice ends there: the error is its job's caller's, never the engine loop's)."""
+        ended: list[SlicedJob[Any]] = []
         start = time.perf_counter()
         while self._jobs:
             job = self._jobs[0]
             try:
                 done = job.run(max(0.0, budget_s - (time.perf_counter() - start)))
-            except BaseException:
-                self._jobs.popleft()
-                raise
+            except Exception as exc:
+                logger.exception("maintenance job %r failed", job.name)
+                job.error = exc
+                ended.append(self._jobs.popleft())
+                break
             finally:
                 self.num_slices += 1
                 self.max_slice_s = max(self.max_slice_s, job.max_slice_s)
             if not done:
                 break
-            finished.append(self._jobs.popleft())
-        return finished
+            ended.append(self._jobs.popleft())
+        return ended

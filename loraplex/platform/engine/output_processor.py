@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from loraplex.platform.engine.config import RuntimeInfo
+from loraplex.platform.engine.counters import TenantCounters
 from loraplex.platform.engine.errors import ErrorKind, RequestError
 from loraplex.platform.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.platform.engine.sampler import Sampler, non_finite_rows
@@ -24,7 +25,6 @@ from loraplex.platform.engine.sampling_params import RequestOutputKind
 from loraplex.platform.engine.scheduler import Scheduler, SchedulerOutput
 from loraplex.platform.engine.sequence import Request, SeqStatus, Sequence
 from loraplex.platform.engine.speculative import Speculator, verify
-from loraplex.platform.engine.stats import TenantCounters
 from loraplex.platform.engine.structured import StepMasks
 
 logger = logging.getLogger(__name__)

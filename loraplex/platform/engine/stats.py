@@ -15,24 +15,19 @@ Counters are cumulative since start-up (Prometheus counters); the others are gau
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from loraplex.adapters import AdapterStats
 from loraplex.platform.engine.kv_events.publisher import PublisherCounters
-from loraplex.platform.engine.policy import FairSharePolicy
-from loraplex.platform.engine.sequence import Sequence
 from loraplex.platform.engine.speculative import SpecCounters
 from loraplex.storage.kv.prefix_cache import PrefixCacheStats
 from loraplex.storage.kv.tier_metrics import TierMetrics
 from loraplex.storage.kv.tiered_kv import KVBlockCounts
 
 if TYPE_CHECKING:
-    from loraplex.platform.engine.engine import LLMEngine
+    pass
 
 
 @dataclass(frozen=True)
@@ -105,117 +100,3 @@ class EngineStats:
     @property
     def num_unfinished(self) -> int:
         return self.num_waiting + self.num_running
-
-
-@dataclass
-class _Counts:
-    num_requests: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    generated_tokens: int = 0
-    num_finished: int = 0
-    num_failed: int = 0
-
-
-@dataclass
-class TenantCounters:
-    """Per-tenant usage, counted on the engine thread; ``snapshot`` copies only what changed."""
-
-    _counts: dict[str, _Counts] = field(default_factory=dict)
-    _dirty: set[str] = field(default_factory=set)
-    _frozen: dict[str, TenantUsage] = field(default_factory=dict)
-
-    def _of(self, tenant: str | None) -> _Counts:
-        key = tenant or ""
-        self._dirty.add(key)
-        counts = self._counts.get(key)
-        if counts is None:
-            counts = self._counts[key] = _Counts()
-        return counts
-
-    def added(self, tenant: str | None, prompt_tokens: int) -> None:
-        counts = self._of(tenant)
-        counts.num_requests += 1
-        counts.prompt_tokens += prompt_tokens
-
-    def generated(self, tenant: str | None, num_tokens: int) -> None:
-        self._of(tenant).generated_tokens += num_tokens
-
-    def finished(self, tenant: str | None, cached_tokens: int, failed: bool) -> None:
-        counts = self._of(tenant)
-        counts.cached_tokens += cached_tokens
-        counts.num_finished += 1
-        counts.num_failed += failed
-
-    def snapshot(self) -> Mapping[str, TenantUsage]:
-        """An immutable copy (a new mapping only when something changed since the last one)."""
-        if self._dirty:
-            frozen = dict(self._frozen)
-            for key in self._dirty:
-                c = self._counts[key]
-                frozen[key] = TenantUsage(
-                    c.num_requests,
-                    c.prompt_tokens,
-                    c.cached_tokens,
-                    c.generated_tokens,
-                    c.num_finished,
-                    c.num_failed,
-                )
-            self._frozen = frozen
-            self._dirty = set()
-        return MappingProxyType(self._frozen)
-
-
-class RejectionCounters:
-    """Counts by reason; ``count`` is safe from any thread (the server refuses on its event loop)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts: dict[str, int] = {}
-        self._frozen: Mapping[str, int] = MappingProxyType({})
-
-    def count(self, reason: str) -> None:
-        with self._lock:
-            self._counts[reason] = self._counts.get(reason, 0) + 1
-            self._frozen = MappingProxyType(dict(self._counts))
-
-    def snapshot(self) -> Mapping[str, int]:
-        return self._frozen
-
-
-def build_stats(engine: LLMEngine) -> EngineStats:
-    """Freeze ``engine``'s counters into one ``EngineStats`` (on the engine's thread)."""
-    scheduler = engine.scheduler
-    policy = scheduler.policy
-    kv = engine.kv
-    return EngineStats(
-        step=engine.num_steps,
-        timestamp=time.time(),
-        num_waiting=len(scheduler.waiting),
-        num_running=len(scheduler.running),
-        num_swapped=sum(seq.swapped is not None for seq in scheduler.waiting),
-        num_promotions_in_flight=scheduler.num_promotions_in_flight,
-        num_preemptions=scheduler.num_preemptions,
-        num_batched_tokens=engine.num_batched_tokens,
-        kv=kv.block_counts(),
-        prefix_cache=kv.prefix_cache_stats(),
-        tiers=tuple(kv.tier_metrics()),
-        adapters=engine.lora_manager.manager.stats() if engine.lora_manager is not None else None,
-        tenants=engine.usage.snapshot(),
-        virtual_counters=policy.snapshot() if isinstance(policy, FairSharePolicy) else {},
-        tenant_weights=MappingProxyType(dict(policy.weights)) if isinstance(policy, FairSharePolicy) else {},
-        num_maintenance_jobs=len(engine.maintenance),
-        num_maintenance_slices=engine.maintenance.num_slices,
-        max_maintenance_slice_s=engine.maintenance.max_slice_s,
-        rejections=engine.rejections.snapshot(),
-        running_adapters=_adapter_names(scheduler.running),
-        waiting_adapters=_adapter_names(scheduler.waiting),
-        kv_events=engine.kv_events.counters if engine.kv_events is not None else None,
-        spec_decode=engine.speculator.counters.snapshot() if engine.speculator is not None else None,
-    )
-
-
-def _adapter_names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
-    """The display names of the adapters ``seqs`` run on, each once, in order."""
-    names = {seq.request.adapter.display_name: None for seq in seqs if seq.request.adapter is not None}
-    return tuple(names)

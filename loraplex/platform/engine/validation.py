@@ -10,21 +10,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from loraplex.platform.engine.errors import InvalidParameterError, RequestTooLargeError
+from loraplex.platform.engine.limits import EngineLimits
 from loraplex.platform.engine.sampling_params import SamplingParams
 from loraplex.storage.kv.block_manager import AllocStatus, KVBlockManager
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """The engine limits a request is checked against."""
-
-    max_model_len: int
-    max_num_seqs: int
-    max_logprobs: int
-    vocab_size: int
 
 
 def prompt_token_ids(
@@ -55,7 +45,7 @@ def prompt_token_ids(
 
 
 def check_request_limits(
-    num_prompt_tokens: int, params: SamplingParams, limits: RequestLimits, kv: KVBlockManager
+    num_prompt_tokens: int, params: SamplingParams, limits: EngineLimits, kv: KVBlockManager
 ) -> None:
     """Refuse what the model, the pool or the scheduler could never serve."""
     max_len = limits.max_model_len

@@ -1,15 +1,15 @@
-"""The server's settings: one model, four sections, read from flags, the environment and a TOML file.
+"""The server's settings: one model, five sections, read from flags, the environment and a TOML file.
 
 | module | owns |
 |---|---|
 | ``server`` | ``ServerSettings``: the sections validated together, flat names routed, derived values |
-| ``sections`` | ``ServingSettings``, ``GatewaySettings``, ``ServerLimits`` (engine: ``EngineConfig``) |
+| ``sections`` | ``ServingSettings``, ``GatewaySettings``, ``ServerLimits``, ``ProcessSettings`` |
 | ``loader`` | ``load_settings``: flags > ``LORAPLEX_<NAME>`` > the config file > defaults, with each source |
 | ``fields`` | ``SettingField``: every setting described once (flags, env names, the settings table) |
 | ``units`` | byte sizes with units (``2GiB``) for every ``*_bytes`` / ``*_memory`` setting |
 
-It sits between the HTTP layer and the engine: it imports the engine's config, and the API
-and the CLI import it.
+It sits between the HTTP layer and the engine: it imports the engine's config (the ``engine``
+section, ``EngineConfig``), and the API and the CLI import it.
 """
 
 from loraplex.platform.settings.fields import ENV_PREFIX, SettingField
@@ -19,6 +19,7 @@ from loraplex.platform.settings.sections import (
     FailurePolicy,
     GatewaySettings,
     LogLevel,
+    ProcessSettings,
     ServerLimits,
     ServingSettings,
     default_data_dir,
@@ -35,6 +36,7 @@ __all__ = [
     "GatewaySettings",
     "LoadedSettings",
     "LogLevel",
+    "ProcessSettings",
     "ServerLimits",
     "ServerSettings",
     "ServingSettings",

@@ -31,7 +31,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from loraplex.platform.settings.fields import ENV_PREFIX
-from loraplex.platform.settings.server import ServerSettings, all_fields, route
+from loraplex.platform.settings.server import SECTIONS, ServerSettings, all_fields, route
 
 CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG_FILE"
 
@@ -115,7 +115,7 @@ def load_settings(
     settings = ServerSettings.model_validate(
         {
             "config_file": path,
-            **{name: getattr(loaded, name) for name in ("serving", "engine", "limits", "gateway")},
+            **{name: getattr(loaded, name) for name in SECTIONS},
         }
     )
     sources: dict[str, str] = {}

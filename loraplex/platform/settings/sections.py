@@ -6,6 +6,7 @@
 | ``engine`` | ``EngineConfig`` (``platform.engine.config``) | the model and the engine (vLLM's names) |
 | ``limits`` | ``ServerLimits`` | what one HTTP request may ask for |
 | ``gateway`` | ``GatewaySettings`` | tenants: the database, Redis, the adapter store, auth, quotas |
+| ``process`` | ``ProcessSettings`` | process-wide switches: the cache folder, the CPU kernels, AMX, malloc |
 
 Each field has a docstring: it becomes the flag's help, and ``--print-settings`` and
 ``docs/operations.md`` describe the setting with it.
@@ -14,11 +15,15 @@ Each field has a docstring: it becomes the flag's help, and ``--print-settings``
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
+from loraplex.paths import default_cache_root
+from loraplex.platform.settings.fields import ENV_PREFIX
 
 AuthMode = Literal["keys", "open"]
 FailurePolicy = Literal["fail_closed", "fail_open"]
@@ -210,6 +215,57 @@ class GatewaySettings(BaseModel):
     def adapter_store_dir(self) -> Path:
         """``adapter_store``, or ``data_dir/adapters``."""
         return self.adapter_store or self.data_dir / "adapters"
+
+
+class ProcessSettings(BaseModel):
+    """Process-wide switches of the machine the server runs on: the cache, the CPU kernels, malloc.
+
+    Their users sit below the platform (``loraplex.paths``, ``loraplex.kernels.cpu``, whose AMX
+    probe is C) or are process-wide (``platform.engine.host_memory``), and read their switch from
+    the environment as ``LORAPLEX_<NAME>``, the same names as these settings. The environment is
+    the one channel from here to them, so the layers stay one-way: ``apply`` writes the effective
+    values there (``loraplex serve`` and the operators' commands call it before the engine or the
+    model loader runs), so a flag or a config-file key reaches them as the variable does. Outside
+    the server (the offline ``LLM``, benchmarks) the variables are read as they are.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    cache: Path = Field(default_factory=default_cache_root)
+    """Folder for what loraplex derives on this machine and rebuilds on demand (GGUF models
+    de-quantised to safetensors, the compiled CPU kernels); safe to delete; default:
+    ~/.cache/loraplex."""
+    cpu_kernels: bool = True
+    """Build the C kernels of the CPU path with the system compiler (CC, else cc) on first use and
+    run them; off: the pure-torch path (slower, same tokens)."""
+    amx: bool = True
+    """Run a quantized base's steps of many rows on AMX where the CPU (Intel Xeon since Sapphire
+    Rapids) and the OS allow it; off: the AVX-512 / AVX2 kernels run them."""
+    malloc_tuning: bool = True
+    """On the CPU, raise glibc's mmap and trim thresholds to 1 GiB so freed activations are reused
+    instead of page-faulted in again (process-wide; the process keeps up to 1 GiB of freed heap);
+    off: leave malloc alone."""
+
+    @field_validator("cpu_kernels", "amx", "malloc_tuning", mode="before")
+    @classmethod
+    def _strip(cls, value: object) -> object:
+        # The layers below read " off " as off; so does the setting.
+        return value.strip() if isinstance(value, str) else value
+
+    def environ(self) -> dict[str, str]:
+        """These settings as the variables their users read: ``LORAPLEX_<NAME>``, "1" / "0" for a switch."""
+        out: dict[str, str] = {}
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            out[ENV_PREFIX + name.upper()] = (
+                ("1" if value else "0") if isinstance(value, bool) else str(value)
+            )
+        return out
+
+    def apply(self, environ: MutableMapping[str, str] | None = None) -> None:
+        """Export ``environ()`` into ``environ`` (default: ``os.environ``, which the C code's ``getenv``
+        sees too). Call it before the engine is built: the kernels and malloc read it once."""
+        (os.environ if environ is None else environ).update(self.environ())
 
 
 _ZERO_ALLOWED = (

@@ -1,6 +1,6 @@
-"""``ServerSettings``: every setting of ``loraplex serve``, in four sections, validated together.
+"""``ServerSettings``: every setting of ``loraplex serve``, in five sections, validated together.
 
-    ServerSettings(serving=..., engine=..., limits=..., gateway=...)
+    ServerSettings(serving=..., engine=..., limits=..., gateway=..., process=...)
     ServerSettings(max_num_seqs=8, redis_url="redis://...")   # flat names are routed to their section
 
 Each setting name is unique across the sections, so one name is the field, the flag
@@ -32,7 +32,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from loraplex.platform.engine.config import EngineConfig
 from loraplex.platform.model.source import model_display_name
 from loraplex.platform.settings.fields import SettingField, section_fields
-from loraplex.platform.settings.sections import GatewaySettings, ServerLimits, ServingSettings
+from loraplex.platform.settings.sections import (
+    GatewaySettings,
+    ProcessSettings,
+    ServerLimits,
+    ServingSettings,
+)
 from loraplex.platform.settings.units import parse_bytes
 
 SECTIONS: dict[str, type] = {
@@ -40,6 +45,7 @@ SECTIONS: dict[str, type] = {
     "engine": EngineConfig,
     "limits": ServerLimits,
     "gateway": GatewaySettings,
+    "process": ProcessSettings,
 }
 """Section name -> the class of its values, in the order flags and tables list them."""
 
@@ -117,6 +123,7 @@ class ServerSettings(BaseModel):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     limits: ServerLimits = Field(default_factory=ServerLimits)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    process: ProcessSettings = Field(default_factory=ProcessSettings)
 
     @model_validator(mode="before")
     @classmethod

@@ -58,6 +58,8 @@ class SlicedJob(Generic[T]):
         self._steps = steps
         self.done = False
         self.result: T | None = None
+        self.error: Exception | None = None
+        """What ended it, when a piece raised (set by the queue that ran it)."""
         self.num_slices = 0
         self.max_slice_s = 0.0
         """The longest slice so far (what a step waited for this job, at most)."""

@@ -9,8 +9,8 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e.live_server import make_small_adapter
-from gateway_testlib import (
+from support.adapters import make_small_adapter
+from support.gateway import (
     ADMIN,
     BASE,
     Admin,
@@ -182,7 +182,7 @@ async def test_reupload_makes_a_new_version_that_new_requests_run_on(
         report = await wait_for_usage(client, "tenant=acme", 2)
         assert [r["adapter_version"] for r in report["data"]] == [v2["version"], v1["version"]]
         # The engine now holds the new version only; the old one was unloaded when it was replaced.
-        names = {info.name for info in engine.lora_manager.manager.list_adapters()}  # type: ignore[union-attr]
+        names = {info.name for info in engine.lora_runtime.adapter_manager.list_adapters()}  # type: ignore[union-attr]
         assert any(n.startswith(f"acme/fr@{v2['version'][:12]}") for n in names)
         assert not any(n.startswith(f"acme/fr@{v1['version'][:12]}") for n in names)
         # The older content again is a conflict; deleting the newest serves the older one again.

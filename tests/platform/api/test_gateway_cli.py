@@ -7,10 +7,10 @@ import socket
 from pathlib import Path
 
 import pytest
-from e2e.live_server import make_small_adapter
+from support.adapters import make_small_adapter
 
+from loraplex.cli import main
 from loraplex.platform.api.services import keys
-from loraplex.platform.cli import main
 from loraplex.storage.db import Database, Tenant
 
 

@@ -8,17 +8,17 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 from pathlib import Path
 
 import asyncpg
 import pytest
 import pytest_asyncio
-from gateway_testlib import BASE as BASE_MODEL
-from gateway_testlib import Admin, bearer, completion_body, make_gateway, serving, settings_for
-from service_starters import PostgresServer, start_postgres
 from sqlalchemy import func, select
+from support.databases import PostgresServer, create_database
+from support.gateway import BASE as BASE_MODEL
+from support.gateway import Admin, bearer, completion_body, make_gateway, serving, settings_for
 
 from loraplex.platform.api.gateway import Gateway
 from loraplex.platform.api.services import tenants, usage
@@ -36,39 +36,23 @@ from loraplex.storage.db import (
 from loraplex.storage.db.models import utcnow
 
 
-@pytest.fixture(scope="module")
-def postgres() -> Iterator[PostgresServer]:
-    """A PostgreSQL of this module's own: the tests stop it."""
-    server = start_postgres()
-    try:
-        yield server
-    finally:
-        server.stop()
+@pytest_asyncio.fixture
+async def pg_url(postgres_process: PostgresServer) -> str:
+    return await create_database(postgres_process.url, f"gw_{secrets.token_hex(4)}")
 
 
 @pytest_asyncio.fixture
-async def pg_url(postgres: PostgresServer) -> str:
-    name = f"gw_{secrets.token_hex(4)}"
-    admin = await asyncpg.connect(postgres.url.replace("postgresql+asyncpg", "postgresql") + "/postgres")
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    return f"{postgres.url}/{name}"
-
-
-@pytest_asyncio.fixture
-async def halted(postgres: PostgresServer) -> AsyncIterator[Callable[[], None]]:
+async def halted(postgres_process: PostgresServer) -> AsyncIterator[Callable[[], None]]:
     """Call it to stop the server; it is started again after the test, whatever happened."""
     stopped = []
 
     def halt() -> None:
-        postgres.halt()
+        postgres_process.halt()
         stopped.append(True)
 
     yield halt
     if stopped:
-        await asyncio.to_thread(postgres.resume)
+        await asyncio.to_thread(postgres_process.resume)
 
 
 async def _eventually(check: Callable[[], object], timeout_s: float, what: str) -> None:
@@ -96,7 +80,7 @@ async def test_stats_and_readiness_follow_the_database(
     gateway_engine: AsyncEngine,
     tmp_path: Path,
     pg_url: str,
-    postgres: PostgresServer,
+    postgres_process: PostgresServer,
     halted: Callable[[], None],
 ) -> None:
     settings = settings_for(tmp_path, pg_url, auth_cache_ttl_s=60, database_connect_timeout_s=1)
@@ -124,7 +108,7 @@ async def test_stats_and_readiness_follow_the_database(
         assert stats.database_down and stats.num_database_errors >= 1 and stats.num_database_outages == 1
         assert stats.num_auth_cache_hits == 2 and stats.num_usage_dropped == 0
 
-        await asyncio.to_thread(postgres.resume)
+        await asyncio.to_thread(postgres_process.resume)
         await _eventually(lambda: gateway.stats().num_usage_pending == 0, 20, "the buffer written")
         assert await gateway.database_ready() == (True, "")
         assert not gateway.stats().database_down
@@ -136,7 +120,7 @@ async def test_known_keys_are_served_for_ttl_plus_stale_only(
     gateway_engine: AsyncEngine,
     tmp_path: Path,
     pg_url: str,
-    postgres: PostgresServer,
+    postgres_process: PostgresServer,
     halted: Callable[[], None],
 ) -> None:
     settings = settings_for(tmp_path, pg_url, auth_cache_ttl_s=0.5, auth_cache_stale_s=1.5)
@@ -156,7 +140,7 @@ async def test_known_keys_are_served_for_ttl_plus_stale_only(
         await asyncio.sleep(max(0.0, checked_s + 2.1 - time.monotonic()))
         r = await client.post("/v1/completions", json=completion_body(BASE_MODEL), headers=bearer(key))
         assert r.status_code == 503 and r.json()["error"]["code"] == "database_unavailable", r.text
-        await asyncio.to_thread(postgres.resume)  # so that shutdown writes the usage at once
+        await asyncio.to_thread(postgres_process.resume)  # so that shutdown writes the usage at once
 
 
 @pytest.mark.asyncio
@@ -189,7 +173,7 @@ async def db_with_tenants(pg_url: str) -> AsyncIterator[tuple[Database, Tenant, 
 @pytest.mark.asyncio
 async def test_usage_buffer_overflow_is_counted_and_logged_once(
     db_with_tenants: tuple[Database, Tenant, Tenant],
-    postgres: PostgresServer,
+    postgres_process: PostgresServer,
     halted: Callable[[], None],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -204,7 +188,7 @@ async def test_usage_buffer_overflow_is_counted_and_logged_once(
     assert len(full) == 1 and (buffer.num_pending, buffer.num_dropped) == (3, 3)
     await asyncio.sleep(0.5)  # the writer keeps trying, and keeps them
     assert buffer.num_pending == 3
-    await asyncio.to_thread(postgres.resume)
+    await asyncio.to_thread(postgres_process.resume)
     await _eventually(lambda: buffer.num_written == 3, 20, "the buffered records written")
     await buffer.flush(5)
     assert await _count_usage(db) == 3

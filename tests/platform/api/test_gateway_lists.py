@@ -10,9 +10,8 @@ from typing import Any
 
 import httpx
 import pytest
-from admin_ui_testlib import ui_sign_in
-from bulk_rows import WHALE, fill, tenant_name
-from gateway_testlib import (
+from support.admin_ui import ui_sign_in
+from support.gateway import (
     ADMIN,
     ADMIN_TOKEN,
     Admin,
@@ -23,6 +22,7 @@ from gateway_testlib import (
     upload,
     zip_bytes,
 )
+from support.rows import WHALE, fill, tenant_name
 
 from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.storage.db import Database

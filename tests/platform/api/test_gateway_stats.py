@@ -6,9 +6,9 @@ import time
 from pathlib import Path
 
 import pytest
-from gateway_testlib import BASE as BASE_MODEL
-from gateway_testlib import Admin, bearer, completion_body, make_gateway, serving, settings_for
-from redis_starter import RedisProcess
+from support.gateway import BASE as BASE_MODEL
+from support.gateway import Admin, bearer, completion_body, make_gateway, serving, settings_for
+from support.redis import RedisProcess
 
 from loraplex.platform.api.state import app_state
 from loraplex.platform.engine.async_engine import AsyncEngine

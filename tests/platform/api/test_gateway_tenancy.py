@@ -17,7 +17,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from fastapi import FastAPI
-from gateway_testlib import (
+from support.gateway import (
     ADMIN,
     BASE,
     Admin,

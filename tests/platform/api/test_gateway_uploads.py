@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
-from e2e.live_server import make_small_adapter
-from gateway_testlib import (
+from support.adapters import make_small_adapter
+from support.gateway import (
     Admin,
     bearer,
     make_gateway,

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2e.live_server import wait_until
-from gateway_testlib import ADMIN, bearer, engine_of, make_gateway, settings_for
+from support.gateway import ADMIN, bearer, engine_of, make_gateway, settings_for
+from support.servers import wait_until
 
 from loraplex.platform.api.server import Server
 from loraplex.platform.engine.async_engine import AsyncEngine
@@ -158,7 +158,9 @@ def test_a_stalled_stream_reader_is_aborted_and_costs_bounded_memory(live: Live)
 
 
 def test_a_flood_of_chat_messages_is_refused_before_templating(live: Live) -> None:
-    """Class 4: 200,000 tiny messages (a 6 MB body) are refused on their count, in under 0.5 s,
+    """Class 4: 200,000 tiny messages (a 6 MB body) are refused on their count, in under 2 s
+    (templating and tokenizing them took 16-19 s; parsing the 6 MB body alone takes ~0.4 s, more on
+    a loaded machine),
     before one of them is validated, templated or tokenized."""
     body = {"model": "tiny", "messages": [{"role": "user", "content": "a"}] * 200_000}
     data = json.dumps(body).encode()
@@ -173,7 +175,7 @@ def test_a_flood_of_chat_messages_is_refused_before_templating(live: Live) -> No
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "messages" and "200000 entries" in error["message"], error
-    assert took_s < 0.5, f"refused after {took_s:.2f} s"
+    assert took_s < 2.0, f"refused after {took_s:.2f} s"
 
 
 def test_n_counts_against_concurrency_as_sequences(live: Live) -> None:

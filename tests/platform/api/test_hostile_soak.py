@@ -33,8 +33,8 @@ import time
 
 import httpx
 import pytest
-from e2e.live_server import wait_until
-from gateway_testlib import bearer
+from support.gateway import bearer
+from support.servers import wait_until
 from test_hostile_clients import WRITE_TIMEOUT_S, Live, _rss_bytes, live
 
 from loraplex.platform.engine.host_memory import IDLE_TRIM_S

@@ -23,8 +23,8 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
-from e2e.live_server import make_small_adapter
-from gateway_testlib import (
+from support.adapters import make_small_adapter
+from support.gateway import (
     ADMIN,
     Admin,
     bearer,
@@ -500,7 +500,7 @@ async def test_api_docs_are_off_with_keys_and_secrets_are_never_echoed(
 def test_admin_token_on_the_command_line_warns(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from loraplex.platform.cli import main
+    from loraplex.cli import main
 
     monkeypatch.delenv("LORAPLEX_ADMIN_TOKEN", raising=False)
     assert main(["serve", "--print-settings", "--admin-token", "a-real-secret-of-some-length"]) == 0
@@ -523,7 +523,7 @@ async def test_both_upload_413s_quote_the_same_limit(hostile: Hostile) -> None:
 def test_cli_quota_errors_are_one_line_and_sizes_take_units(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from loraplex.platform.cli import main
+    from loraplex.cli import main
 
     monkeypatch.setenv("LORAPLEX_DATA_DIR", str(tmp_path))
     monkeypatch.delenv("LORAPLEX_DATABASE_URL", raising=False)

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_testlib import (
+from support.gateway import (
     ADAPTER_SPEC,
     ADMIN,
     BASE,
@@ -60,7 +60,7 @@ async def unload(client: httpx.AsyncClient, headers: dict[str, str], **body: Any
 async def test_load_list_serve_unload_and_refusals(
     gateway_engine: AsyncEngine, peft_adapter_dir: Path, tmp_path: Path, tiny_dirs: dict[str, Path]
 ) -> None:
-    from helpers import make_peft_adapter
+    from support.adapters import make_peft_adapter
 
     root = tmp_path / "loadable"
     shutil.copytree(peft_adapter_dir, root / "style")

@@ -10,7 +10,8 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_testlib import (
+from prometheus_client.parser import text_string_to_metric_families
+from support.gateway import (
     ADMIN,
     BASE,
     Admin,
@@ -22,7 +23,6 @@ from gateway_testlib import (
     upload,
     zip_bytes,
 )
-from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.platform.api.state import app_state
 from loraplex.platform.engine.async_engine import AsyncEngine

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from gateway_testlib import make_gateway, serving, settings_for
-from redis_starter import RedisProcess
-from services_fixtures import _create_database, _drop_database
+from support.databases import create_database, drop_database
+from support.gateway import make_gateway, serving, settings_for
+from support.redis import RedisProcess
 
 from loraplex.platform.api.app import build_app
 from loraplex.platform.api.state import app_state
@@ -55,17 +55,17 @@ async def test_ready_is_503_when_the_database_goes_away(
     gateway_engine: AsyncEngine, tmp_path: Path, postgres_server: str
 ) -> None:
     name = f"loraplex_ready_{secrets.token_hex(6)}"
-    url = await _create_database(postgres_server, name)
+    url = await create_database(postgres_server, name)
     app = make_gateway(gateway_engine, settings_for(tmp_path, url))
     try:
         async with serving(app) as client:
             assert (await client.get("/ready")).status_code == 200
-            await _drop_database(postgres_server, name)  # WITH (FORCE): its connections end too
+            await drop_database(postgres_server, name)  # WITH (FORCE): its connections end too
             r = await client.get("/ready")
             assert r.status_code == 503 and r.json()["error"]["code"] == "database_unavailable", r.text
             assert r.json()["checks"]["database"].startswith("down")
     finally:
-        await _drop_database(postgres_server, name)
+        await drop_database(postgres_server, name)
 
 
 @pytest.mark.asyncio

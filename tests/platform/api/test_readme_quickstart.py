@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from e2e.live_server import free_port, make_small_adapter
+from support.adapters import make_small_adapter
+from support.ports import free_port
 
 from loraplex.platform.model.source import resolve_model_dir
 

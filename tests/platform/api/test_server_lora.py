@@ -8,8 +8,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex.cli.serve import register_lora_modules
 from loraplex.platform.api.app import build_app
-from loraplex.platform.cli.serve import register_lora_modules
 from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.engine.config import EngineConfig
 from loraplex.platform.engine.engine import LLMEngine
@@ -17,7 +17,7 @@ from loraplex.platform.settings import ServerSettings
 
 
 def test_adapter_selected_by_model_name(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
-    from helpers import make_peft_adapter
+    from support.adapters import make_peft_adapter
 
     base = tiny_dirs["gqa_tied"]
     make_peft_adapter(

@@ -23,8 +23,9 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from e2e.live_server import free_port, sse_lines
-from gateway_testlib import ADMIN, BASE, bearer, make_gateway, settings_for
+from support.gateway import ADMIN, BASE, bearer, make_gateway, settings_for
+from support.ports import free_port
+from support.servers import sse_lines
 
 from loraplex.platform.api.server import Server
 from loraplex.platform.api.services import tenants

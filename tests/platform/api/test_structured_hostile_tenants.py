@@ -22,8 +22,8 @@ import httpx
 import jsonschema
 import pytest
 import pytest_asyncio
-from e2e.structured_schemas import BOUND_S, HOSTILE
-from gateway_testlib import BASE, Admin, bearer, make_gateway, serving, settings_for
+from support.gateway import BASE, Admin, bearer, make_gateway, serving, settings_for
+from support.structured_schemas import BOUND_S, HOSTILE
 
 from loraplex.platform.engine.async_engine import AsyncEngine
 

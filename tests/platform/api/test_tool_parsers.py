@@ -127,7 +127,7 @@ def test_response_format_shapes() -> None:
 
 
 def test_streamed_deltas_concatenate_to_the_arguments() -> None:
-    from loraplex.platform.api.openai.tools import ToolCall
+    from loraplex.platform.api.openai.tool_parsers import ToolCall
 
     calls = [ToolCall("f", '{"a": 1, "b": "xyz"}'), ToolCall("g", "{}")]
     deltas = tool_call_deltas(calls)

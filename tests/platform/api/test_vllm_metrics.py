@@ -16,7 +16,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from gateway_testlib import (
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+from support.gateway import (
     ADAPTER_SPEC,
     ADMIN,
     BASE,
@@ -31,10 +34,7 @@ from gateway_testlib import (
     upload,
     zip_bytes,
 )
-from kv_event_subscriber import free_port
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.samples import Sample
+from support.ports import free_port
 
 from loraplex import SamplingParams
 from loraplex.adapters import LoRARequest
@@ -97,7 +97,7 @@ def single(families: dict[str, tuple[str, list[Sample]]], name: str) -> Sample:
 async def test_vllm_families_types_labels_running_adapters_and_residency(
     gateway_engine: AsyncEngine, peft_adapter_dir: Path, tmp_path: Path, tiny_dirs: dict[str, Path]
 ) -> None:
-    from helpers import make_peft_adapter
+    from support.adapters import make_peft_adapter
 
     app = make_gateway(gateway_engine, settings_for(tmp_path, f"sqlite+aiosqlite:///{tmp_path / 'g.db'}"))
     others = {}
@@ -160,7 +160,7 @@ async def test_vllm_families_types_labels_running_adapters_and_residency(
 
 
 def test_residency_series_stay_capped_with_2000_adapters(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
-    from helpers import make_peft_adapter
+    from support.adapters import make_peft_adapter
 
     folder = tmp_path / "adapter"
     make_peft_adapter(

@@ -32,7 +32,7 @@ CHURN_S = 6.0
 
 @pytest.fixture(scope="module")
 def adapters(tiny_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> list[LoRARequest]:
-    from helpers import make_peft_adapter
+    from support.adapters import make_peft_adapter
 
     root = tmp_path_factory.mktemp("churn-adapters")
     out = []
@@ -102,8 +102,8 @@ def test_adapter_churn_from_another_thread_never_kills_the_engine(
             max_num_seqs=16,
         )
     )
-    assert engine.lora_manager is not None
-    engine.lora_manager._blocked = _WideWindows()
+    assert engine.lora_runtime is not None
+    engine.lora_runtime._blocked = _WideWindows()
     aeng = AsyncEngine(engine)
     stop = threading.Event()
     churn_errors: list[str] = []

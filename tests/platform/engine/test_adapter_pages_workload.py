@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import make_peft_adapter
+from support.adapters import make_peft_adapter
 
 from loraplex import LoRARequest, SamplingParams
 from loraplex.platform.engine.config import EngineConfig
@@ -42,13 +42,13 @@ MAX_STEPS = 3000  # the tight run takes a few hundred steps; more is a livelock
 
 
 def _state(engine: LLMEngine) -> str:
-    lora = engine.lora_manager
+    lora = engine.lora_runtime
     assert lora is not None
     waiting = [(s.request.request_id, s.request.lora) for s in engine.scheduler.waiting]
     running = [(s.request.request_id, s.request.lora) for s in engine.scheduler.running]
     return (
         f"waiting {waiting}; running {running}; blocked {lora._blocked}; draining {lora._draining}; "
-        f"pins {lora.manager.pins()}; stats {lora.manager.stats()}"
+        f"pins {lora.adapter_manager.pins()}; stats {lora.adapter_manager.stats()}"
     )
 
 
@@ -114,7 +114,7 @@ def _run(model: Path, loras: list[LoRARequest], reqs: list[Any], *, churn: bool,
             churned = LoRARequest("a-again", 100, churned.path)
             engine.check_integrity()
     stats = engine.stats
-    manager = engine.lora_manager.manager  # type: ignore[union-attr]
+    manager = engine.lora_runtime.adapter_manager  # type: ignore[union-attr]
     sizes = [manager._residency.held_nbytes(slot) for slot in manager.page_tables()]
     engine.shutdown()
     return tokens, stats, sizes, most_lent

@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+from functools import partial
 from pathlib import Path
 
 import pytest
+from support.engines import tiny_engine
 
 from loraplex import SamplingParams
 from loraplex.platform.engine.async_engine import AsyncEngine
-from loraplex.platform.engine.config import EngineConfig
 from loraplex.platform.engine.engine import LLMEngine
 from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.engine.stats import EngineStats
@@ -26,17 +27,9 @@ BLOCK = 8
 PREFIX = [(7 * i) % 500 + 3 for i in range(4 * BLOCK)]
 
 
-def _engine(tiny_dirs: dict[str, Path]) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model=str(tiny_dirs["gqa_tied"]),
-            dtype="float32",
-            block_size=BLOCK,
-            num_kv_blocks=40,
-            max_num_seqs=8,
-            host_kv_cache_bytes=1 << 20,
-        )
-    )
+_engine = partial(
+    tiny_engine, block_size=BLOCK, num_kv_blocks=40, max_num_seqs=8, host_kv_cache_bytes=1 << 20
+)
 
 
 def _drain(engine: LLMEngine) -> dict[str, RequestOutput]:

@@ -12,28 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
+from support.engines import tiny_engine
 
 from loraplex import SamplingParams
 from loraplex.platform.engine.async_engine import AsyncEngine
-from loraplex.platform.engine.config import EngineConfig
 from loraplex.platform.engine.engine import LLMEngine
 from loraplex.platform.engine.errors import EngineOverloadedError, ErrorKind, InvalidParameterError
 from loraplex.platform.engine.outputs import RequestOutput
 
-
-def _engine(tiny_dirs: dict[str, Path], policy: str = "fair", max_num_seqs: int = 4) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model=str(tiny_dirs["gqa_tied"]),
-            dtype="float32",
-            num_kv_blocks=256,
-            max_num_seqs=max_num_seqs,
-            scheduling_policy=policy,  # type: ignore[arg-type]
-        )
-    )
+_engine = partial(tiny_engine, num_kv_blocks=256, max_num_seqs=4)  # the fair policy: the default
 
 
 def _prompt(i: int) -> list[int]:
@@ -70,7 +61,7 @@ def test_weights_share_the_output_tokens_of_backlogged_tenants(tiny_dirs: dict[s
 def test_without_tenants_fair_is_fcfs(tiny_dirs: dict[str, Path]) -> None:
     finals: dict[str, list[tuple[str, list[int]]]] = {}
     for policy in ("fair", "fcfs"):
-        engine = _engine(tiny_dirs, policy, max_num_seqs=2)
+        engine = _engine(tiny_dirs, scheduling_policy=policy, max_num_seqs=2)
         for i in range(6):
             engine.add_request(
                 str(i), _prompt(i), SamplingParams(temperature=0, max_tokens=4 + i, ignore_eos=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import make_peft_adapter
+from support.adapters import make_peft_adapter
 
 from loraplex import LoRARequest, SamplingParams
 from loraplex.platform.engine.config import EngineConfig

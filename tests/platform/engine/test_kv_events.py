@@ -17,8 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e.live_server import make_small_adapter
-from kv_event_subscriber import Cleared, Removed, Stored, Subscriber, events_of, free_port
+from support.adapters import make_small_adapter
+from support.kv_events import Cleared, Removed, Stored, Subscriber, events_of
+from support.ports import free_port
 
 from loraplex import SamplingParams
 from loraplex.adapters import LoRARequest

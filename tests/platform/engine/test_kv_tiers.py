@@ -7,9 +7,11 @@ follows it; the tiers catch them (demotion) and give them back on the next hit
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
+from support.engines import tiny_engine
 
 from loraplex import LLM, SamplingParams
 from loraplex.platform.engine.engine import LLMEngine
@@ -21,16 +23,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 FILLERS = [[(13 * i + 7 * j) % 900 + 5 for i in range(60)] for j in range(4)]
 
 
-def _engine(tiny_dirs: dict[str, Path], **tiers: object) -> LLMEngine:
-    llm = LLM(
-        model=str(tiny_dirs["gqa_tied"]),
-        dtype="float32",
-        block_size=BLOCK,
-        num_kv_blocks=20,  # two prompts' worth: later traffic evicts earlier blocks
-        max_num_seqs=2,
-        **tiers,  # type: ignore[arg-type]
-    )
-    return llm.llm_engine
+# Twenty blocks are two prompts' worth: later traffic evicts earlier blocks.
+_engine = partial(tiny_engine, block_size=BLOCK, num_kv_blocks=20, max_num_seqs=2)
 
 
 def _run(engine: LLMEngine, rid: str, prompt: list[int], tenant: str | None = None) -> RequestOutput:

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 import pytest
+from support.engines import tiny_engine
 
 from loraplex import LLM, LoRARequest, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def three_adapters(tiny_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> list[LoRARequest]:
-    from helpers import make_peft_adapter
+    from support.adapters import make_peft_adapter
 
     root = tmp_path_factory.mktemp("sched-adapters")
     out = []
@@ -24,17 +25,9 @@ def three_adapters(tiny_dirs: dict[str, Path], tmp_path_factory: pytest.TempPath
     return out
 
 
-def _engine(tiny_dirs: dict[str, Path]) -> Any:
-    llm = LLM(
-        model=str(tiny_dirs["gqa_tied"]),
-        dtype="float32",
-        enable_lora=True,
-        max_loras=2,
-        max_lora_rank=8,
-        num_kv_blocks=512,
-        max_num_seqs=16,
-    )
-    return llm.llm_engine
+_engine = partial(
+    tiny_engine, enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=512, max_num_seqs=16
+)
 
 
 def test_blocked_adapter_does_not_block_others(
@@ -80,12 +73,12 @@ def test_no_starvation_under_constant_load(
             c_started_at = step
             break
     assert c_started_at is not None, "adapter c starved"
-    grace = engine.lora_manager.drain_after_steps
+    grace = engine.lora_runtime.drain_after_steps
     assert c_started_at <= grace + 2 * params.max_tokens + 4, f"c waited {c_started_at} steps"
     for rid in list(engine.requests):
         engine.abort_request(rid)
     engine.check_integrity()
-    assert engine.lora_manager.num_pins == 0
+    assert engine.lora_runtime.num_pins == 0
 
 
 def test_adapters_of_waiting_requests_are_read_ahead(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
@@ -93,7 +86,7 @@ def test_adapters_of_waiting_requests_are_read_ahead(tiny_dirs: dict[str, Path],
     still queues behind a full batch, not only once admission reaches it."""
     import time
 
-    from helpers import make_peft_adapter
+    from support.adapters import make_peft_adapter
 
     loras = []
     for i in range(5):
@@ -103,7 +96,7 @@ def test_adapters_of_waiting_requests_are_read_ahead(tiny_dirs: dict[str, Path],
         loras.append(LoRARequest(f"ahead-{i}", 40 + i, str(tmp_path / f"r{i}")))
     probe = LLM(model=str(tiny_dirs["gqa_tied"]), dtype="float32", enable_lora=True, max_lora_rank=8)
     probe.llm_engine.add_lora(loras[0])
-    one = probe.llm_engine.lora_manager.manager.stats().host_bytes
+    one = probe.llm_engine.lora_runtime.adapter_manager.stats().host_bytes
     llm = LLM(
         model=str(tiny_dirs["gqa_tied"]),
         dtype="float32",
@@ -116,7 +109,7 @@ def test_adapters_of_waiting_requests_are_read_ahead(tiny_dirs: dict[str, Path],
     engine = llm.llm_engine
     for lora in loras:
         engine.add_lora(lora)
-    manager = engine.lora_manager.manager
+    manager = engine.lora_runtime.adapter_manager
     assert manager.stats().num_in_host == 2  # adapters 0..2 are in the store only
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     engine.add_request("first", [5, 6, 7], params, lora_request=loras[4])
@@ -140,7 +133,7 @@ def test_an_idle_step_waits_for_the_adapter_read(tiny_dirs: dict[str, Path], tmp
     """A lone request whose adapter is only in the store: the step blocks on the background
     read instead of returning empty (a caller spinning on empty steps would starve the loader
     thread of the GIL), and the same step runs the request."""
-    from helpers import make_peft_adapter
+    from support.adapters import make_peft_adapter
 
     loras = []
     for i in range(2):
@@ -160,7 +153,7 @@ def test_an_idle_step_waits_for_the_adapter_read(tiny_dirs: dict[str, Path], tmp
     for lora in loras:
         engine.add_lora(lora)
     assert engine.lora_tiers()[loras[0].int_id] == "disk"
-    engine.lora_manager.idle_wait_s = 30.0  # generous: the read takes milliseconds
+    engine.lora_runtime.idle_wait_s = 30.0  # generous: the read takes milliseconds
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     engine.add_request("cold", [5, 6, 7], params, lora_request=loras[0])
     outs = engine.step()

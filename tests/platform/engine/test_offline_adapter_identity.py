@@ -15,7 +15,7 @@ from loraplex.platform.engine.errors import AdapterUnavailableError
 def test_same_id_other_content_is_refused_same_content_is_served(
     tiny_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
-    from helpers import make_peft_adapter
+    from support.adapters import make_peft_adapter
 
     base = tiny_dirs["gqa_tied"]
     spec = dict(r=4, target_modules=["q_proj", "v_proj"])

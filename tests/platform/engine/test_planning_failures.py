@@ -11,13 +11,15 @@ the prefix it was promoting is still in its tier and served on the next request.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from support.engines import tiny_engine
 
-from loraplex import LLM, SamplingParams
+from loraplex import SamplingParams
 from loraplex.platform.engine.engine import LLMEngine
 from loraplex.platform.engine.outputs import RequestOutput
 
@@ -32,16 +34,8 @@ TIERS: dict[str, Callable[[Path], dict[str, Any]]] = {
 }
 
 
-def _engine(tiny_dirs: dict[str, Path], **kw: Any) -> LLMEngine:
-    llm = LLM(
-        model=str(tiny_dirs["gqa_tied"]),
-        dtype="float32",
-        block_size=BLOCK,
-        num_kv_blocks=20,  # two prompts' worth: later traffic evicts earlier blocks
-        max_num_seqs=4,
-        **kw,
-    )
-    return llm.llm_engine
+# Twenty blocks are two prompts' worth: later traffic evicts earlier blocks.
+_engine = partial(tiny_engine, block_size=BLOCK, num_kv_blocks=20, max_num_seqs=4)
 
 
 def _run_all(engine: LLMEngine, prompts: dict[str, Sequence[int]]) -> dict[str, RequestOutput]:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
-from helpers import make_peft_adapter
+from support.adapters import make_peft_adapter
+from support.engines import tiny_engine
 
-from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex import LoRARequest, SamplingParams
 from loraplex.platform.engine.engine import LLMEngine
 from loraplex.platform.engine.outputs import RequestOutput
 
@@ -27,19 +29,9 @@ def adapters(tiny_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
     return [LoRARequest("a", 1, str(root / "a")), LoRARequest("a-reuploaded", 2, str(root / "a2"))]
 
 
-def _engine(tiny_dirs: dict[str, Path], enable: bool = True, **tiers: object) -> LLMEngine:
-    llm = LLM(
-        model=str(tiny_dirs["gqa_tied"]),
-        dtype="float32",
-        block_size=BLOCK,
-        num_kv_blocks=128,
-        enable_lora=True,
-        max_loras=2,
-        max_lora_rank=8,
-        enable_prefix_caching=enable,
-        **tiers,  # type: ignore[arg-type]
-    )
-    return llm.llm_engine
+_engine = partial(
+    tiny_engine, block_size=BLOCK, num_kv_blocks=128, enable_lora=True, max_loras=2, max_lora_rank=8
+)
 
 
 def _run(
@@ -60,7 +52,7 @@ def _run(
 
 
 def test_hits_share_full_blocks_and_give_the_same_tokens(tiny_dirs: dict[str, Path]) -> None:
-    off = _run(_engine(tiny_dirs, enable=False), "off", PROMPT)
+    off = _run(_engine(tiny_dirs, enable_prefix_caching=False), "off", PROMPT)
     engine = _engine(tiny_dirs)
     first = _run(engine, "first", PROMPT)
     second = _run(engine, "second", PROMPT)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_peft_adapter
+from support.adapters import make_peft_adapter
 
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.platform.engine.engine import LLMEngine
@@ -121,15 +121,15 @@ def test_a_failed_step_fails_only_its_requests(engine: LLMEngine, monkeypatch: p
 
 def test_non_finite_logits_fail_only_that_request(engine: LLMEngine, adapter: LoRARequest) -> None:
     expected = _alone(engine, PROMPT)
-    assert engine.lora_manager is not None
+    assert engine.lora_runtime is not None
     engine.add_request("healthy", PROMPT, GREEDY)
     engine.add_request("poisoned", [9, 8, 7], GREEDY, lora_request=adapter)
     engine.step()  # both admitted; the adapter is in a slot now
-    runtime = engine.lora_manager
-    slot = runtime.manager.slot_of(adapter.int_id)
+    runtime = engine.lora_runtime
+    slot = runtime.adapter_manager.slot_of(adapter.int_id)
     assert slot is not None
     # An adapter that overflows: its slot's B turns into inf in the first layer.
-    _a, b, _scales, _sizes = runtime.manager.get_buffers(0, "qkv")
+    _a, b, _scales, _sizes = runtime.adapter_manager.get_buffers(0, "qkv")
     b[:, slot].fill_(float("inf"))
     final = _drain(engine)
     assert final["poisoned"].error is not None and "non-finite" in final["poisoned"].error.message

@@ -9,15 +9,16 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import make_peft_adapter
+from support.adapters import make_peft_adapter
+from support.engines import make_engine
 
 from loraplex import LoRARequest, SamplingParams
 from loraplex.adapters.page_pool import pages_needed
-from loraplex.platform.engine.config import EngineConfig
 from loraplex.platform.engine.engine import LLMEngine
 
 BLOCK = 8
@@ -32,19 +33,14 @@ def big_adapter(tiny_dirs: dict[Path, Any], tmp_path_factory: pytest.TempPathFac
     return LoRARequest("big", 1, str(root / "big"))
 
 
-def _engine(model: Path, num_kv_blocks: int) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model=str(model),
-            dtype="float32",
-            block_size=BLOCK,
-            num_kv_blocks=num_kv_blocks,
-            max_num_seqs=8,
-            max_num_batched_tokens=512,
-            enable_lora=True,
-            enable_prefix_caching=False,
-        )
-    )
+_engine = partial(
+    make_engine,
+    block_size=BLOCK,
+    max_num_seqs=8,
+    max_num_batched_tokens=512,
+    enable_lora=True,
+    enable_prefix_caching=False,
+)
 
 
 def _run(engine: LLMEngine, requests: list[tuple[str, list[int], LoRARequest | None]]) -> dict[str, Any]:
@@ -64,7 +60,7 @@ def _run(engine: LLMEngine, requests: list[tuple[str, list[int], LoRARequest | N
 
 def _blocks_alone(model: Path, lora: LoRARequest) -> int:
     """Pool blocks the adapter's pages take on their own (measured on a roomy engine)."""
-    probe = _engine(model, 512)
+    probe = _engine(model, num_kv_blocks=512)
     try:
         return _adapter_blocks(probe, lora)
     finally:
@@ -72,10 +68,10 @@ def _blocks_alone(model: Path, lora: LoRARequest) -> int:
 
 
 def _adapter_blocks(engine: LLMEngine, lora: LoRARequest) -> int:
-    runtime = engine.lora_manager
+    runtime = engine.lora_runtime
     assert runtime is not None
     runtime.add_lora(lora)
-    manager = runtime.manager
+    manager = runtime.adapter_manager
     entry = manager._registry.require(lora.int_id)
     weights = manager._host_weights(entry)
     return manager._pool.blocks_for(pages_needed(weights, manager.page_rank))
@@ -86,7 +82,7 @@ def test_an_idle_adapter_yields_its_blocks_before_a_sequence_is_preempted(
 ) -> None:
     need = _blocks_alone(tiny_dirs["gqa_tied"], big_adapter)
     pool = need + 40
-    engine = _engine(tiny_dirs["gqa_tied"], pool)
+    engine = _engine(tiny_dirs["gqa_tied"], num_kv_blocks=pool)
     first = _run(engine, [("with-adapter", list(range(5, 21)), big_adapter)])
     counts = engine.kv.block_counts()
     assert counts.num_adapter_device_blocks >= need and counts.num_used_device_blocks == 0
@@ -109,7 +105,7 @@ def test_an_adapter_that_never_fits_beside_its_kv_is_refused_clearly(
     tiny_dirs: dict[str, Path], big_adapter: LoRARequest
 ) -> None:
     need = _blocks_alone(tiny_dirs["gqa_tied"], big_adapter)
-    engine = _engine(tiny_dirs["gqa_tied"], need + 4)
+    engine = _engine(tiny_dirs["gqa_tied"], num_kv_blocks=need + 4)
     # 8 blocks of KV: fits the pool alone, never beside the adapter.
     outs = _run(
         engine,

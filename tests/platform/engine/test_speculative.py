@@ -94,7 +94,7 @@ def _run_checked(llm: LLM, prompts: list[list[int]], params: list[SamplingParams
 
 
 def test_greedy_equals_no_spec_and_hf(tiny_dirs: dict[str, Path]) -> None:
-    from helpers import assert_greedy_match, hf_greedy
+    from support.fidelity import assert_greedy_match, hf_greedy
     from transformers import AutoModelForCausalLM
 
     model = tiny_dirs["mha_untied"]
@@ -132,7 +132,7 @@ def test_greedy_with_preemption_and_mixed_sampling(tiny_dirs: dict[str, Path]) -
 
 
 def test_greedy_with_lora(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
-    from helpers import make_peft_adapter
+    from support.adapters import make_peft_adapter
 
     from loraplex import LoRARequest
 

@@ -114,7 +114,7 @@ def test_choice_regex_grammar_and_json_object(tiny: LLM) -> None:
 
 
 def test_with_lora_and_prefix_cache(tiny: LLM, tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
-    from helpers import make_peft_adapter
+    from support.adapters import make_peft_adapter
 
     spec = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
     make_peft_adapter(tiny_dirs["gqa_tied"], tmp_path / "a", seed=5, spec=spec)

@@ -1,6 +1,6 @@
 """SIGKILL in the middle of a workload, then a restart on the same disk tier.
 
-A child process runs drawn workloads (``test_tiers_random_workload``) round after round
+A child process runs drawn workloads (``support.engines``, as test_tiers_random_workload) round after round
 through a small pool with a disk tier, demoting and promoting blocks all the time; it is
 killed with SIGKILL (no shutdown, writes in flight, a record possibly half written) at a
 drawn moment. A new engine on the same directory must restore what was published, discard
@@ -17,17 +17,17 @@ import time
 from pathlib import Path
 
 import pytest
-from test_tiers_random_workload import draw_workload, run
+from support.engines import draw_workload, run_workload
+from support.processes import child_env
 
 CHILD = """
 import sys
-sys.path.insert(0, {here!r})
 from pathlib import Path
-from test_tiers_random_workload import draw_workload, run
+from support.engines import draw_workload, run_workload
 
 for seed in range(1000):
-    _, engine = run(Path(sys.argv[1]), draw_workload(seed), False, num_kv_blocks=24,
-                    disk_kv_path=sys.argv[2], disk_kv_cache_bytes=1 << 20)
+    _, engine = run_workload(Path(sys.argv[1]), draw_workload(seed), False, num_kv_blocks=24,
+                             disk_kv_path=sys.argv[2], disk_kv_cache_bytes=1 << 20)
     engine.shutdown()
     print("round", seed, flush=True)
 """
@@ -39,12 +39,12 @@ def test_a_killed_engine_leaves_nothing_wrong_on_disk(
     tiny_dirs: dict[str, Path], tmp_path: Path, trial: int
 ) -> None:
     model, disk = tiny_dirs["gqa_tied"], tmp_path / "kv"
-    here = str(Path(__file__).parent)
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD.format(here=here), str(model), str(disk)],
+        [sys.executable, "-c", CHILD, str(model), str(disk)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env=child_env(),
     )
     try:
         assert child.stdout is not None
@@ -61,9 +61,9 @@ def test_a_killed_engine_leaves_nothing_wrong_on_disk(
     # A workload the child ran (round 0 completed; round 1 was running or done): its
     # prefixes are what the restored records hold.
     arrivals = draw_workload(trial)
-    expected, reference = run(model, arrivals, False, enable_prefix_caching=False, num_kv_blocks=400)
+    expected, reference = run_workload(model, arrivals, False, enable_prefix_caching=False, num_kv_blocks=400)
     reference.shutdown()
-    got, engine = run(
+    got, engine = run_workload(
         model, arrivals, True, num_kv_blocks=24, disk_kv_path=str(disk), disk_kv_cache_bytes=1 << 20
     )
     assert engine.kv.tiers is not None and engine.kv.tiers.disk is not None

@@ -15,82 +15,15 @@ from __future__ import annotations
 import errno
 import random
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from support.engines import WORKLOAD_BLOCK_SIZE, draw_workload, run_workload
 
-from loraplex import SamplingParams
-from loraplex.platform.engine.config import EngineConfig
 from loraplex.platform.engine.engine import LLMEngine
 
-BLOCK = 8
-BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 4  # the tiny gqa model: 2 layers, K and V, 2 KV heads of 16, float32
-
-
-@dataclass(frozen=True)
-class Arrival:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    step: int  # added once the engine has run this many steps
-
-
-def draw_workload(seed: int) -> list[Arrival]:
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(5, 900) for _ in range(rng.randrange(8, 60))] for _ in range(4)]
-    arrivals = []
-    for i in range(40):
-        prompt = rng.choice(prefixes) + [rng.randrange(5, 900) for _ in range(rng.randrange(1, 20))]
-        n = rng.choice([1, 1, 2])
-        params = SamplingParams(
-            n=n,
-            temperature=0 if n == 1 else 0.8,
-            seed=rng.randrange(1 << 20),
-            max_tokens=rng.randrange(1, 40),
-            ignore_eos=True,
-        )
-        arrivals.append(Arrival(f"r{i}", prompt, params, 3 * rng.randrange(0, 3)))
-    return arrivals
-
-
-def run(
-    model: Path,
-    arrivals: list[Arrival],
-    check: bool,
-    prepare: Callable[[LLMEngine], None] | None = None,
-    **config: object,
-) -> tuple[dict[str, list[tuple[int, ...]]], LLMEngine]:
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(model),
-            dtype="float32",
-            block_size=BLOCK,
-            max_num_seqs=6,
-            max_num_batched_tokens=64,
-            **config,  # type: ignore[arg-type]
-        )
-    )
-    if prepare is not None:
-        prepare(engine)
-    pending = sorted(arrivals, key=lambda a: a.step)
-    outputs: dict[str, list[tuple[int, ...]]] = {}
-    step = 0
-    while pending or engine.has_unfinished_requests():
-        while pending and (pending[0].step <= step or not engine.has_unfinished_requests()):
-            a = pending.pop(0)
-            engine.add_request(a.request_id, a.prompt, a.params)
-        for out in engine.step():
-            if out.finished:
-                assert out.error is None, (out.request_id, out.error)
-                outputs[out.request_id] = sorted(tuple(c.token_ids) for c in out.outputs)
-        if check:
-            engine.check_integrity()
-        step += 1
-    engine.check_integrity()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    return outputs, engine
+# One block of the tiny gqa model: 2 layers, K and V, 2 KV heads of 16, float32.
+BLOCK_BYTES = 2 * 2 * WORKLOAD_BLOCK_SIZE * 2 * 16 * 4
 
 
 @pytest.mark.parametrize("seed", [5, 7])
@@ -99,7 +32,7 @@ def test_a_drawn_workload_gives_the_uncached_tokens(
     tiny_dirs: dict[str, Path], tmp_path: Path, seed: int, tiers: str
 ) -> None:
     model, arrivals = tiny_dirs["gqa_tied"], draw_workload(seed)
-    expected, reference = run(model, arrivals, False, enable_prefix_caching=False, num_kv_blocks=400)
+    expected, reference = run_workload(model, arrivals, False, enable_prefix_caching=False, num_kv_blocks=400)
     assert reference.scheduler.num_preemptions == 0
     reference.shutdown()
     config: dict[str, object] = {
@@ -112,7 +45,7 @@ def test_a_drawn_workload_gives_the_uncached_tokens(
         ),
         "recompute": dict(num_kv_blocks=20, preemption_mode="recompute"),
     }[tiers]
-    got, engine = run(model, arrivals, True, **config)
+    got, engine = run_workload(model, arrivals, True, **config)
     sched = engine.scheduler
     assert got == expected
     assert sched.num_preemptions > 0, "the pool must be too small for the workload"
@@ -160,9 +93,9 @@ class FlakyDisk:
 @pytest.mark.parametrize("mode", ["auto", "swap"])
 def test_a_flaky_disk_costs_hits_never_tokens(tiny_dirs: dict[str, Path], tmp_path: Path, mode: str) -> None:
     model, arrivals = tiny_dirs["gqa_tied"], draw_workload(3)
-    expected, reference = run(model, arrivals, False, enable_prefix_caching=False, num_kv_blocks=400)
+    expected, reference = run_workload(model, arrivals, False, enable_prefix_caching=False, num_kv_blocks=400)
     reference.shutdown()
-    got, engine = run(
+    got, engine = run_workload(
         model,
         arrivals,
         True,
@@ -196,7 +129,7 @@ def test_a_copy_kept_below_after_a_recompute_fails_the_integrity_check(
 
     try:
         with pytest.raises(AssertionError, match="device blocks also live below"):
-            run(
+            run_workload(
                 tiny_dirs["gqa_tied"],
                 draw_workload(3),
                 True,

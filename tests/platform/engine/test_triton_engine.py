@@ -49,7 +49,7 @@ def _run(model_dir: Path, adapter_dir: Path, backend: str) -> list[list[int]]:
 
 @pytest.mark.slow
 def test_engine_triton_interpreter_matches_torch(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
-    from helpers import make_peft_adapter
+    from support.adapters import make_peft_adapter
 
     base = tiny_dirs["gqa_tied"]
     make_peft_adapter(
@@ -84,7 +84,7 @@ def test_engine_triton_interpreter_mixed_ranks_matches_torch(
 ) -> None:
     """Adapters of ranks 4, 16 and 24 (pages of 8: one, two and three page passes) in one
     batch of decodes and prefill chunks: Triton's fused ``apply_paged`` equals the torch path."""
-    from helpers import make_peft_adapter
+    from support.adapters import make_peft_adapter
 
     base = tiny_dirs["gqa_tied"]
     specs = [

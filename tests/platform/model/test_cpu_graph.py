@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import make_peft_adapter
+from support.adapters import make_peft_adapter
 
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.kernels.cpu import build

@@ -1,6 +1,6 @@
 """Every model family against HF transformers (fp32, greedy) on tiny random models, base and LoRA.
 
-Each family's tiny model (``helpers.family_config``) has the family's parts switched on: a
+Each family's tiny model (``support.models.family_config``) has the family's parts switched on: a
 32-token sliding window (Qwen2 on its upper layer, Mistral and Phi-3 on every layer, Gemma on
 its local layers), Gemma 2's attention and final logit soft-capping, Gemma 3's two RoPE
 bases, Phi-3's fused projections and LongRoPE. Prompts are shorter than, as long as and
@@ -18,14 +18,9 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import (
-    FAMILY_WINDOW,
-    Reference,
-    assert_greedy_match,
-    hf_greedy,
-    make_peft_adapter,
-    make_tiny_family_dir,
-)
+from support.adapters import make_peft_adapter
+from support.fidelity import Reference, assert_greedy_match, hf_greedy
+from support.models import FAMILY_WINDOW, make_tiny_family_dir
 
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.adapters.errors import AdapterValidationError

@@ -1,4 +1,4 @@
-"""GGUF files of every family: a tiny model written with the ``gguf`` package (``gguf_testlib``,
+"""GGUF files of every family: a tiny model written with the ``gguf`` package (``support.models``,
 Q8_0 projections, the tokenizer and chat template of the bundled SmolLM2 file) is served as a
 file, its blocks kept packed (``quantization="auto"``), and gives HF transformers' greedy tokens
 on the same weights (the directory transformers' GGUF reader de-quantised them into). The chat
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from gguf_testlib import write_family_gguf
-from helpers import assert_greedy_match, hf_greedy, make_tiny_family_dir
+from support.fidelity import assert_greedy_match, hf_greedy
+from support.models import make_tiny_family_dir, write_family_gguf
 
 from loraplex import LLM, SamplingParams
 from loraplex.kernels.contracts import PackedWeight

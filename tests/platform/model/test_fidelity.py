@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import Reference, assert_greedy_match, hf_greedy
+from support.fidelity import Reference, assert_greedy_match, hf_greedy
 
 from loraplex import LLM, SamplingParams
 

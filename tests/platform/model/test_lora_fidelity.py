@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import Reference, assert_greedy_match, hf_greedy, make_peft_adapter
+from support.adapters import make_peft_adapter
+from support.fidelity import Reference, assert_greedy_match, hf_greedy
 
 from loraplex import LLM, LoRARequest, SamplingParams
 
@@ -94,7 +95,7 @@ def _check(llm: LLM, setup: dict[str, Any], what: str) -> None:
     counts = engine.kv.block_counts()
     assert counts.num_used_device_blocks == 0
     assert engine.block_manager.num_free_blocks + counts.num_adapter_device_blocks == counts.num_device_blocks
-    assert engine.lora_manager.num_pins == 0, "every adapter pin is released"
+    assert engine.lora_runtime.num_pins == 0, "every adapter pin is released"
 
 
 def test_mixed_batch_all_slots(lora_setup: dict[str, Any]) -> None:
@@ -106,7 +107,7 @@ def test_paged_by_default_every_adapter_resident_at_once(lora_setup: dict[str, A
     same steps, no rank padding (an adapter's pages follow its own rank)."""
     llm = _llm(lora_setup["base_dir"], max_lora_rank=64)
     _check(llm, lora_setup, "paged, uncapped")
-    stats = llm.llm_engine.lora_manager.manager.stats()
+    stats = llm.llm_engine.lora_runtime.adapter_manager.stats()
     assert stats.max_loras is None
     assert stats.num_on_device == len(ADAPTER_SPECS) and stats.num_evictions == 0
     # Pages per group: ceil(rank / 8) for each adapter targeting the group (rank_pattern and
@@ -120,11 +121,11 @@ def test_paged_evicts_and_reloads_under_a_small_lora_memory(lora_setup: dict[str
     used, unpinned) and reloaded into other pages during the run; tokens stay PEFT's."""
     probe = _llm(lora_setup["base_dir"])
     _check(probe, lora_setup, "probe")
-    total = probe.llm_engine.lora_manager.manager.stats().pool_used_bytes
+    total = probe.llm_engine.lora_runtime.adapter_manager.stats().pool_used_bytes
     del probe
     llm = _llm(lora_setup["base_dir"], lora_memory=total // 2)
     _check(llm, lora_setup, "paged, half the memory")
-    stats = llm.llm_engine.lora_manager.manager.stats()
+    stats = llm.llm_engine.lora_runtime.adapter_manager.stats()
     assert stats.num_evictions > 0 and stats.num_slot_loads > len(ADAPTER_SPECS)
     assert stats.pool_bytes <= total // 2
 
@@ -172,7 +173,7 @@ def test_remove_adapter_while_in_use(lora_setup: dict[str, Any]) -> None:
     assert final["queued"].outputs[0].finish_reason == "abort"
     assert final["queued"].error is not None and "removed" in final["queued"].error.message
     engine.check_integrity()
-    assert engine.lora_manager.manager.num_free_slots == 2
+    assert engine.lora_runtime.adapter_manager.num_free_slots == 2
 
 
 def test_lora_request_without_enable_lora(tiny_dirs: dict[str, Path], lora_setup: dict[str, Any]) -> None:

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import Reference, assert_greedy_match, hf_greedy
 from safetensors import safe_open
+from support.fidelity import Reference, assert_greedy_match, hf_greedy
 
 from loraplex import LLM, SamplingParams
 from loraplex.kernels.contracts import PackedWeight
@@ -152,7 +152,7 @@ def test_quantization_setting_is_checked(tiny_dirs: dict[str, Path]) -> None:
 def test_two_adapters_on_the_gguf_base_match_peft(smollm2_dir: Path, tmp_path: Path) -> None:
     """QLoRA-style serving: adapters in float32 add their delta (the batched LoRA kernels) to
     the packed projections' outputs; PEFT runs them on the de-quantised base."""
-    from helpers import make_peft_adapter
+    from support.adapters import make_peft_adapter
 
     from loraplex import LoRARequest
 

@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import TOKENIZER_FILES, Reference, assert_greedy_match, hf_greedy
+from support.fidelity import Reference, assert_greedy_match, hf_greedy
+from support.models import TOKENIZER_FILES
 
 from loraplex import LLM, SamplingParams
 
@@ -192,7 +193,7 @@ def test_prompt_longer_than_the_pool_with_its_prefix_in_the_host_tier(mistral_di
 def test_qwen2_sliding_window_matches_hf(max_window_layers: int, tmp_path: Path, smollm2_dir: Path) -> None:
     """Qwen2 with ``use_sliding_window``: all layers windowed (blocks freed), or the first
     ``max_window_layers`` global (a mixed model: nothing freed, each layer its own window)."""
-    from helpers import make_tiny_model_dir
+    from support.models import make_tiny_model_dir
 
     model_dir = make_tiny_model_dir(tmp_path / "qwen2", smollm2_dir, model_type="qwen2", kv_heads=2, seed=6)
     config_path = model_dir / "config.json"

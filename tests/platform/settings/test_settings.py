@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from loraplex.platform.cli import main
+from loraplex.cli import main
 from loraplex.platform.settings import ServerSettings, all_fields, is_loopback, load_settings
 
 TOKEN = "a-real-admin-token-of-32-characters"
@@ -122,7 +122,7 @@ def test_every_section_reads_env_and_file_and_sizes_take_units(tmp_path: Path) -
 
 def test_setting_names_are_unique_and_documented() -> None:
     fields = all_fields()
-    assert {f.section for f in fields.values()} == {"serving", "engine", "limits", "gateway"}
+    assert {f.section for f in fields.values()} == {"serving", "engine", "limits", "gateway", "process"}
     undocumented = sorted(name for name, f in fields.items() if not f.doc)
     assert not undocumented, f"settings without a docstring (their flag would have no help): {undocumented}"
     assert fields["max_num_seqs"].env == "LORAPLEX_MAX_NUM_SEQS"

@@ -8,8 +8,9 @@ a starter nobody ran.
 from __future__ import annotations
 
 import pytest
-from service_starters import port_open, start_postgres
 from sqlalchemy import make_url
+from support.databases import start_postgres
+from support.ports import port_open
 
 from loraplex.storage.db import Database, head_revision, schema_diff, upgrade_to_head
 

@@ -4,7 +4,6 @@
 |---|---|
 | ``catalog`` | ``AdapterCatalog``: store files, database rows and the engine kept in step |
 | ``upload_form`` | streaming a multipart upload to a staging folder, every part checked, with deadlines |
-| ``upload_admission`` | who may upload now: uploads in flight per tenant, rpm and concurrency |
 | ``engine_adapters`` | ``EngineAdapters``: versions registered in the engine (through ``AsyncEngine``) |
 | ``runtime_loras`` | ``RuntimeLoRAs``: vLLM's runtime load / unload, into the operator's tenant |
 """

@@ -3,6 +3,7 @@
 | module | owns |
 |---|---|
 | ``record`` | ``RequestRecord``: one request as the routes saw it (tenant, adapter, tokens, error) |
+| ``error_handlers`` | the app's exception handlers: OpenAI's error body, the error noted on the record |
 | ``observer`` | ``RequestObserver``: the middleware that opens and closes the records; 503 while draining |
 | ``metrics`` | ``ServerMetrics``: the registry of ``GET /metrics`` (per request; snapshots when scraped) |
 | ``vllm_metrics`` | ``VLLMCollector``: the engine's snapshot in vLLM's metric names, for routers |

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -38,9 +38,10 @@ from loraplex.platform.api.errors import rejection_reason
 from loraplex.platform.api.observability.record import RequestRecord
 from loraplex.platform.api.tenancy.tenant_gate import tokens_used
 from loraplex.platform.engine.async_engine import AsyncEngine
+from loraplex.platform.engine.errors import REJECTION_REASONS
 
 if TYPE_CHECKING:
-    from loraplex.platform.api.gateway import Gateway, GatewayStats
+    from loraplex.platform.api.gateway_stats import GatewayStats
 
 logger = logging.getLogger(__name__)
 
@@ -51,18 +52,6 @@ TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.25, 0.5, 1.0, 2.0, 4.0, 8
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
-REJECTION_REASONS = (
-    "rate_limit",
-    "token_limit",
-    "concurrency",
-    "overload",
-    "deadline",
-    "invalid",
-    "unauthorized",
-    "quota_unavailable",
-    "shutting_down",
-)
-"""Reasons present from the start (zero), so ``rate()`` works before the first refusal."""
 
 UNKNOWN_TENANT = "unknown"
 OTHER_TENANTS = "(other)"
@@ -86,15 +75,17 @@ _TIER_COUNTERS = (
 class SnapshotCollector(Collector):
     """The engine's and the gateway's state, read from their snapshots at each scrape."""
 
-    def __init__(self, engine: AsyncEngine, gateway: Gateway | None, block_size: int) -> None:
+    def __init__(
+        self, engine: AsyncEngine, gateway_stats: Callable[[], GatewayStats] | None, block_size: int
+    ) -> None:
         self.engine = engine
-        self.gateway = gateway
+        self.gateway_stats = gateway_stats
         self.block_size = block_size
 
     def collect(self) -> Iterator[Metric]:
         yield from self._engine_families()
-        if self.gateway is not None:
-            yield from self._gateway_families()
+        if self.gateway_stats is not None:
+            yield from self._gateway_families(self.gateway_stats())
 
     def _engine_families(self) -> Iterator[Metric]:
         stats = self.engine.stats
@@ -210,9 +201,7 @@ class SnapshotCollector(Collector):
             pages_family.add_metric([group], num_pages)
         yield pages_family
 
-    def _gateway_families(self) -> Iterator[Metric]:
-        assert self.gateway is not None
-        stats = self.gateway.stats()
+    def _gateway_families(self, stats: GatewayStats) -> Iterator[Metric]:
         yield _counter(
             "loraplex_usage_write_failures",
             "Usage records that could not be written.",
@@ -295,7 +284,7 @@ class ServerMetrics:
     def __init__(
         self,
         engine: AsyncEngine,
-        gateway: Gateway | None,
+        gateway_stats: Callable[[], GatewayStats] | None,
         block_size: int,
         tenant_label: bool = True,
         max_tenants: int = 200,
@@ -349,9 +338,9 @@ class ServerMetrics:
             ["reason"],
             registry=r,
         )
-        for reason in REJECTION_REASONS:
+        for reason in REJECTION_REASONS:  # present from the start (zero): rate() works at once
             self.rejected.labels(reason=reason)
-        r.register(SnapshotCollector(engine, gateway, block_size))
+        r.register(SnapshotCollector(engine, gateway_stats, block_size))
 
     def observe(self, record: RequestRecord) -> None:
         """Count one closed request (completions and chat completions only)."""

@@ -12,11 +12,29 @@ from __future__ import annotations
 import time
 from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from loraplex.platform.api.errors import APIError
-    from loraplex.platform.api.openai.submission import MeteredStream
+    from loraplex.platform.engine.outputs import RequestOutput
+
+
+class MeteredRun(Protocol):
+    """What the record reads of an engine request it ran (``openai.submission.MeteredStream``):
+    declared here so the record depends on no request pipeline."""
+
+    @property
+    def last(self) -> RequestOutput | None:
+        """The last output read (what the request used)."""
+
+    @property
+    def first_token_s(self) -> float | None:
+        """Monotonic time its first token was read (None before)."""
+
+    @property
+    def token_gaps_s(self) -> list[tuple[float, int]]:
+        """``(seconds per token, tokens)`` per output that brought tokens after the first."""
+
 
 RECORD_KEY = "loraplex.request_record"
 """Key of the record in the ASGI scope's ``state`` (Starlette's ``request.state``)."""
@@ -41,7 +59,7 @@ class RequestRecord:
     adapter: str | None = None
     """The adapter's model name, when the request ran on one."""
     stream: bool = False
-    streams: Sequence[MeteredStream] = ()
+    streams: Sequence[MeteredRun] = ()
     """The engine requests submitted for it (one per prompt)."""
     error: APIError | None = None
     """The error that ended it: an error response, or a stream's error event after a 200."""

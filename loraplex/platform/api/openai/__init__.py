@@ -6,6 +6,7 @@
 | ``json_body`` | reading a body: strict UTF-8 / JSON, no lone surrogates, then the pydantic model |
 | ``params`` | request body -> ``SamplingParams`` under the server's limits |
 | ``submission`` | the engine side of a request: submit its prompts, collect, abort |
+| ``completion`` | ``complete``: a completions body run to its response (the route's and the playground's) |
 | ``serving`` | the client side: admit through the gate, run while the client is connected, answer |
 | ``streaming`` | SSE chunks, error events, and a response that watches the client |
 | ``responses`` / ``logprobs`` | response bodies and OpenAI's two logprobs shapes |

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from loraplex.platform.api.token_text import TokenText
 from loraplex.platform.engine.outputs import Logprob
 
 _FLOOR = -9999.0
@@ -29,23 +30,6 @@ def _by_rank(step: dict[int, Logprob], sampled: int) -> list[tuple[int, Logprob]
     """The sampled token first, then the alternatives by rank."""
     others = sorted(((t, lp) for t, lp in step.items() if t != sampled), key=lambda e: e[1].rank or 0)
     return ([(sampled, step[sampled])] if sampled in step else []) + others
-
-
-class TokenText:
-    """Text of single tokens, cached (the engine's ``decoded_token`` when it has one)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int, lp: Logprob | None = None) -> str:
-        if lp is not None and lp.decoded_token is not None:
-            return lp.decoded_token
-        text = self._cache.get(token_id)
-        if text is None:
-            text = str(self._tokenizer.decode([token_id]))
-            self._cache[token_id] = text
-        return text
 
 
 def completion_logprobs(

@@ -12,9 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from loraplex.platform.api.errors import APIError, bad_request, unsupported
-
-Prompt = str | list[int]
-"""One prompt as the engine takes it: text, or token ids."""
+from loraplex.platform.engine.inputs import PromptType
 
 
 class StreamOptions(BaseModel):
@@ -81,7 +79,7 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
     response_format: dict[str, Any] | None = None
 
-    def prompts(self) -> list[Prompt]:
+    def prompts(self) -> list[PromptType]:
         """The prompts as a list (OpenAI accepts one prompt or a list of them)."""
         p = self.prompt
         if isinstance(p, str):

@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from loraplex.platform.api.openai.logprobs import TokenText, chat_logprobs, completion_logprobs
+from loraplex.platform.api.openai.logprobs import chat_logprobs, completion_logprobs
 from loraplex.platform.api.openai.tools import ToolPlan
+from loraplex.platform.api.token_text import TokenText
 from loraplex.platform.engine.outputs import CompletionOutput, RequestOutput
 
 

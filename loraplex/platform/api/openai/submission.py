@@ -16,9 +16,9 @@ from typing import Any
 
 from loraplex.adapters import LoRARequest
 from loraplex.platform.api.errors import APIError, request_error
-from loraplex.platform.api.openai.protocol import Prompt
 from loraplex.platform.api.state import AppState
 from loraplex.platform.engine.async_engine import RequestStream
+from loraplex.platform.engine.inputs import PromptType
 from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.engine.sampling_params import SamplingParams
 
@@ -95,7 +95,7 @@ class MeteredStream(RequestStream):
 async def submit(
     state: AppState,
     request_id: str,
-    prompts: list[Prompt],
+    prompts: list[PromptType],
     params: SamplingParams,
     lora: LoRARequest | None,
     tenant_id: str | None = None,

@@ -15,10 +15,25 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING, Any, Protocol
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from loraplex.platform.api.openai.tools import ToolCall
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call as OpenAI returns it: ``arguments`` is a JSON text."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 class ToolParser(Protocol):
@@ -29,8 +44,6 @@ class ToolParser(Protocol):
 
 
 def _call(name: Any, arguments: Any) -> ToolCall | None:
-    from loraplex.platform.api.openai.tools import ToolCall
-
     if not isinstance(name, str) or not isinstance(arguments, dict | str):
         return None
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from loraplex.platform.api.openai.tools import ToolCall, ToolPlan, tool_call_deltas
+from loraplex.platform.api.openai.tool_parsers import ToolCall
+from loraplex.platform.api.openai.tools import ToolPlan, tool_call_deltas
 from loraplex.platform.engine.outputs import CompletionOutput
 
 

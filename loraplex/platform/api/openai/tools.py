@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from loraplex.platform.api.errors import APIError, bad_request
-from loraplex.platform.api.openai.tool_parsers import ToolParser, parser_for_template
+from loraplex.platform.api.openai.tool_parsers import ToolCall, ToolParser, parser_for_template
 from loraplex.platform.engine.sampling_params import StructuredOutputsParams
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -29,22 +28,6 @@ MAX_TOOLS = 128
 """Most entries in ``tools``."""
 
 Mode = Literal["none", "auto", "required", "named"]
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One call as OpenAI returns it: ``arguments`` is a JSON text."""
-
-    name: str
-    arguments: str
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
 
 
 @dataclass(frozen=True)

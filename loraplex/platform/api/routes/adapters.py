@@ -14,15 +14,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
-from loraplex.adapters import AdapterValidationError
-from loraplex.platform.api.catalog.catalog import parse_visibility
-from loraplex.platform.api.catalog.upload_form import read_upload_form
 from loraplex.platform.api.deps import CurrentTenant, GatewayDep, PageDep, SessionDep
-from loraplex.platform.api.errors import bad_field, rejected_adapter
-from loraplex.platform.api.gateway import Gateway
 from loraplex.platform.api.schemas import AdapterDeleted, AdapterPublic, ListOf
 from loraplex.platform.api.services import adapters
-from loraplex.storage.db import Adapter, Tenant
 
 UPLOAD_PATH = "/v1/adapters"
 router = APIRouter(prefix=UPLOAD_PATH, tags=["adapters"])
@@ -31,29 +25,7 @@ router = APIRouter(prefix=UPLOAD_PATH, tags=["adapters"])
 @router.post("", status_code=201)
 async def upload_adapter(request: Request, tenant: CurrentTenant, gateway: GatewayDep) -> AdapterPublic:
     """Store a new version of one of the caller's adapters."""
-    return AdapterPublic.of(await receive_upload(request, tenant, gateway))
-
-
-async def receive_upload(request: Request, tenant: Tenant, gateway: Gateway) -> Adapter:
-    """Read a multipart upload (``name``, ``visibility``, the files) and store it for ``tenant``:
-    the one code path of uploads, for this API and the admin UI's upload form."""
-    async with gateway.uploads.admit(tenant):  # rpm, concurrency, uploads in flight: before the body
-        staging = gateway.store.new_staging()
-        try:
-            form = await read_upload_form(
-                request, staging, gateway.max_upload_bytes, gateway.upload_deadlines
-            )
-            name = form.fields.get("name")
-            if not name:
-                raise bad_field("name", "Missing required field 'name' (the adapter's name).")
-            given = form.fields.get("visibility")
-            visibility = parse_visibility(given) if given else None  # None: keep the name's
-            try:
-                return await gateway.catalog.upload(tenant, form.files, staging, name, visibility)
-            except AdapterValidationError as exc:
-                raise rejected_adapter(exc, hide=(str(staging),)) from None
-        finally:
-            gateway.store.discard(staging)
+    return AdapterPublic.of(await gateway.receive_upload(request, tenant))
 
 
 @router.get("")

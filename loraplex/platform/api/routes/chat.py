@@ -20,7 +20,7 @@ from loraplex.platform.api.openai.params import (
     guided_constraint,
     one_constraint,
 )
-from loraplex.platform.api.openai.protocol import ChatCompletionRequest, Prompt
+from loraplex.platform.api.openai.protocol import ChatCompletionRequest
 from loraplex.platform.api.openai.responses import ResponseShape
 from loraplex.platform.api.openai.serving import respond
 from loraplex.platform.api.openai.tool_parsers import template_renders_tools, tools_system_prompt
@@ -31,6 +31,7 @@ from loraplex.platform.api.openai.tools import (
     response_format_constraint,
 )
 from loraplex.platform.api.state import AppState
+from loraplex.platform.engine.inputs import PromptType
 
 router = APIRouter(tags=["chat"])
 
@@ -86,7 +87,7 @@ async def create_chat_completion(request: Request, state: StateDep, call: CallDe
     if constraint is not None:
         await state.engine.compile_grammar(constraint)  # off the loop; 400 naming the problem
 
-    async def render() -> list[Prompt]:  # run by the gate once the request is admitted
+    async def render() -> list[PromptType]:  # run by the gate once the request is admitted
         return [await asyncio.to_thread(_render, state, messages, tools)]
 
     shape = ResponseShape(

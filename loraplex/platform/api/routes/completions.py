@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import time
-import uuid
-
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from loraplex.platform.api.deps import CallDep, StateDep
-from loraplex.platform.api.openai.json_body import documented_body, read_json
-from loraplex.platform.api.openai.params import (
-    check_prompt_chars,
-    completion_params,
-    guided_constraint,
-    one_constraint,
-)
+from loraplex.platform.api.openai.completion import complete
+from loraplex.platform.api.openai.json_body import documented_body
 from loraplex.platform.api.openai.protocol import CompletionRequest
-from loraplex.platform.api.openai.responses import ResponseShape
-from loraplex.platform.api.openai.serving import respond
-from loraplex.platform.api.openai.tools import response_format_constraint
 
 router = APIRouter(tags=["completions"])
 
@@ -27,22 +16,4 @@ router = APIRouter(tags=["completions"])
 @router.post("/v1/completions", response_model=None, openapi_extra=documented_body(CompletionRequest))
 async def create_completion(request: Request, state: StateDep, call: CallDep) -> Response:
     """OpenAI completions; a list of ``k`` prompts gives ``k * n`` choices (``index = i * n + j``)."""
-    body = await read_json(request, CompletionRequest)
-    target = await call.resolve(body.model)
-    prompts = body.prompts()
-    check_prompt_chars(sum(len(p) for p in prompts if isinstance(p, str)), state.limits, "prompt")
-    constraint = one_constraint(response_format_constraint(body.response_format), guided_constraint(body))
-    params = completion_params(body, state.limits, len(prompts), constraint)
-    if constraint is not None:
-        await state.engine.compile_grammar(constraint)  # off the loop; 400 naming the problem
-    shape = ResponseShape(
-        chat=False,
-        request_id=f"cmpl-{uuid.uuid4().hex}",
-        created=int(time.time()),
-        model=target.model,
-        n=params.n,
-        num_top_logprobs=body.logprobs,
-        text_of=state.text_of,
-        include_usage=body.include_usage(),
-    )
-    return await respond(request, state, call, shape, prompts, params, target, body.stream)
+    return await complete(request, state, call)

@@ -32,18 +32,18 @@ from typing import Literal, Protocol
 from starlette.requests import Request
 
 from loraplex.adapters import LoRARequest
-from loraplex.platform.api.openai.protocol import Prompt
 from loraplex.platform.engine.async_engine import RequestStream
 from loraplex.platform.engine.errors import UnknownAdapterError
+from loraplex.platform.engine.inputs import PromptType
 from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.engine.sampling_params import SamplingParams
 
-PromptSource = list[Prompt] | Callable[[], Awaitable[list[Prompt]]]
+PromptSource = list[PromptType] | Callable[[], Awaitable[list[PromptType]]]
 """The prompts of a request, or the coroutine function that makes them (CPU work the gate runs
 only once the request is admitted)."""
 
 
-async def prompts_of(source: PromptSource) -> list[Prompt]:
+async def prompts_of(source: PromptSource) -> list[PromptType]:
     """The prompts a ``PromptSource`` stands for."""
     return source if isinstance(source, list) else await source()
 
@@ -88,7 +88,7 @@ class Admission(Protocol):
         ...
 
     @property
-    def prompts(self) -> list[Prompt]:
+    def prompts(self) -> list[PromptType]:
         """The prompts to submit (the gateway hands back text prompts tokenized, as it counted them)."""
         ...
 
@@ -143,7 +143,7 @@ class RequestGate(Protocol):
 class _OpenAdmission:
     """Admission without accounting: the single-tenant server."""
 
-    prompts: list[Prompt]
+    prompts: list[PromptType]
     tenant_id: str | None = None
     tenant_weight: float = 1.0
 

@@ -31,8 +31,7 @@ from starlette.requests import Request
 
 from loraplex.platform.api.background import BackgroundWork
 from loraplex.platform.api.catalog.engine_adapters import EngineAdapters
-from loraplex.platform.api.errors import APIError, quota_refusal
-from loraplex.platform.api.openai.protocol import Prompt
+from loraplex.platform.api.errors import APIError
 from loraplex.platform.api.services import adapters, usage
 from loraplex.platform.api.services.errors import NotFound
 from loraplex.platform.api.services.tenants import engine_tenant_id
@@ -47,9 +46,11 @@ from loraplex.platform.api.tenancy.gate import (
 )
 from loraplex.platform.api.tenancy.latencies import RecentLatencies, time_to_first_token
 from loraplex.platform.api.tenancy.quotas import Quota, QuotaDecision, QuotaLimiter, Reservation
+from loraplex.platform.api.tenancy.quotas.refusal import quota_refusal
 from loraplex.platform.api.usage_buffer import UsageBuffer
 from loraplex.platform.engine.async_engine import AsyncEngine, RequestStream
 from loraplex.platform.engine.errors import InvalidParameterError, UnknownAdapterError
+from loraplex.platform.engine.inputs import PromptType
 from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.engine.sampling_params import SamplingParams
 from loraplex.platform.settings import AuthMode
@@ -78,7 +79,7 @@ class TenantAdmission:
     tenant: Tenant
     target: ModelTarget
     request_id: str
-    prompts: list[Prompt]
+    prompts: list[PromptType]
     reservation: Reservation
     """The token reservation (tpm)."""
     slot: Reservation | None
@@ -204,7 +205,7 @@ class TenantCall:
             for taken in ([] if slot is None else [slot]) + extra:
                 gate.background.spawn(gate.limiter.settle(taken, 0), f"release {request_id}")
             raise
-        prompts_out: list[Prompt] = list(token_prompts)
+        prompts_out: list[PromptType] = list(token_prompts)
         admission = TenantAdmission(
             gate, tenant, target, request_id, prompts_out, reservation, slot, extra, num_seqs
         )
@@ -360,7 +361,7 @@ class TenantGate:
             raise quota_refusal(decision)
         return decision.reservation
 
-    async def tokenize(self, prompt: Prompt) -> list[int]:
+    async def tokenize(self, prompt: PromptType) -> list[int]:
         """Token ids of a prompt, counted the way the engine will (text: off the event loop)."""
         if not isinstance(prompt, str):
             return prompt

@@ -14,7 +14,7 @@ from itertools import count
 import pytest
 import pytest_asyncio
 import redis
-from redis_starter import RedisProcess
+from support.redis import RedisProcess
 
 from loraplex.platform.api.tenancy.quotas import (
     FailurePolicy,

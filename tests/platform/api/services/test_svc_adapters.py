@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from svc_testlib import make_tenant, new_adapter
+from support.rows import make_tenant, new_adapter
 
 from loraplex.platform.api.services import adapters, tenants
 from loraplex.platform.api.services.adapters import NewAdapter, model_name

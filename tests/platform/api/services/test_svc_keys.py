@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import select, text
-from svc_testlib import make_tenant
+from support.rows import make_tenant
 
 from loraplex.platform.api.services import keys, tenants
 from loraplex.platform.api.services.errors import InvalidInput, NotFound

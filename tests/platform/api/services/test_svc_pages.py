@@ -8,8 +8,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from bulk_rows import WHALE, fill
-from svc_testlib import make_tenant, new_adapter
+from support.rows import WHALE, fill, make_tenant, new_adapter
 
 from loraplex.platform.api.services import adapters, keys, tenants, usage
 from loraplex.platform.api.services.errors import InvalidInput, NotFound

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from sqlalchemy import func, select
-from svc_testlib import make_tenant, new_adapter
+from support.rows import make_tenant, new_adapter
 
 from loraplex.platform.api.services import adapters, keys, tenants, usage
 from loraplex.platform.api.services.errors import Conflict, InvalidInput, NotFound

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from svc_testlib import make_tenant, version_of
+from support.rows import make_tenant, version_of
 
 from loraplex.platform.api.services import tenants, usage
 from loraplex.platform.api.services.errors import InvalidInput, NotFound

@@ -11,6 +11,7 @@ The gateway calls ``admit`` before it submits a request and ``settle`` when the 
 | ``redis_scripts`` | the Lua scripts and the Redis key layout |
 | ``outage`` | Redis failure handling: which errors mean "down", one log line per outage, probe gate |
 | ``factory`` | ``make_quota_limiter(redis_url, settings)`` |
+| ``refusal`` | ``quota_refusal``: a refused admission as the client's 429 / 503 and its metrics reason |
 """
 
 from loraplex.platform.api.tenancy.quotas.base import (

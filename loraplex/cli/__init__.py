@@ -4,6 +4,7 @@
 | module | owns |
 |---|---|
 | ``app`` | the root typer app that lists every command |
+| ``server_app`` | ``build_server_app``: the composition root, the API with the admin UI mounted |
 | ``serve`` | ``loraplex serve``: settings -> engine -> app -> uvicorn; ``--print-settings`` |
 | ``admin`` | ``loraplex tenants|keys|adapters|db ...`` on the gateway's database and adapter store |
 | ``flags`` | one option per setting, made from the settings' fields and docstrings |
@@ -26,9 +27,9 @@ _GROUP_FLAGS = ("--database-url", "--data-dir", "--adapter-store", "--config-fil
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one ``loraplex`` command; returns its exit code (2 for a usage error)."""
-    from loraplex.platform.cli.app import app
-    from loraplex.platform.cli.flags import spread_list_options
-    from loraplex.platform.cli.serve import LIST_SETTINGS
+    from loraplex.cli.app import app
+    from loraplex.cli.flags import spread_list_options
+    from loraplex.cli.serve import LIST_SETTINGS
 
     args = spread_list_options(list(sys.argv[1:] if argv is None else argv), LIST_SETTINGS)
     # Not standalone: a usage error comes back as an exception and is printed as one line that

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from loraplex.platform.cli.admin import adapters_app, db_app, keys_app, tenants_app
-from loraplex.platform.cli.serve import serve_command
+from loraplex.cli.admin import adapters_app, db_app, keys_app, tenants_app
+from loraplex.cli.serve import serve_command
 
 app = typer.Typer(
     name="loraplex",

@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from support.ports import free_port
+
 MACHINE_REDIS = ("127.0.0.1", 6379)
 _START_TIMEOUT_S = 10.0
 
@@ -58,12 +60,6 @@ def redis_server_binary() -> str:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class RedisProcess:
     """A throwaway redis-server on 127.0.0.1 with no persistence, in its own directory.
 
@@ -86,7 +82,7 @@ class RedisProcess:
         binary = redis_server_binary()
         # A free port can be taken between the probe and the bind; pick another then.
         for _ in range(5):
-            port = self.port or _free_port()
+            port = self.port or free_port()
             if self._launch(binary, port):
                 self.port = port
                 return

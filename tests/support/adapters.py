@@ -1,4 +1,10 @@
-"""Real PEFT adapters on tiny random Llama models, and helpers to corrupt them."""
+"""LoRA adapters for the tests: real PEFT adapters, written by ``peft`` or by hand, and ways to corrupt them.
+
+make_adapter / make_peft_model   a random PEFT adapter over a tiny random Llama (``tiny_spec``)
+make_peft_adapter                a random PEFT adapter for a model directory (``tiny_dirs``' models)
+make_small_adapter               a PEFT-format adapter written without ``peft`` (fast), for a model directory
+edit_tensors / edit_config       change a saved adapter in place
+"""
 
 from __future__ import annotations
 
@@ -111,3 +117,49 @@ def random_inputs(spec: BaseModelSpec, num_tokens: int = 5, seed: int = 7) -> di
 def files_under(folder: Path) -> list[Path]:
     """Every file and folder under ``folder`` (empty list when it does not exist)."""
     return sorted(folder.rglob("*")) if folder.exists() else []
+
+
+def make_peft_adapter(base_dir: Path, out: Path, seed: int, spec: dict[str, Any]) -> Any:
+    """Save a PEFT LoRA with random (non-zero) A and B for the HF model in ``base_dir``; return it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(**spec))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
+    peft_model.save_pretrained(out)
+    return peft_model.eval()
+
+
+def make_small_adapter(base_dir: Path, out: Path, rank: int = 4, seed: int = 0) -> Path:
+    """A PEFT LoRA (q_proj and v_proj of every layer) with small random weights."""
+    cfg = json.loads((base_dir / "config.json").read_text())
+    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    outs = {"q_proj": cfg["num_attention_heads"] * head_dim, "v_proj": cfg["num_key_value_heads"] * head_dim}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(layers):
+        for module, out_features in outs.items():
+            key = f"base_model.model.model.layers.{i}.self_attn.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * 0.02
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out_features, rank, generator=gen) * 0.02
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": list(outs),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "base_model_name_or_path": str(base_dir),
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return out

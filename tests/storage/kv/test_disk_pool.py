@@ -302,9 +302,11 @@ def test_torn_record_after_a_crash_is_a_miss(tmp_path: Path) -> None:
     # A child process writes blocks and dies without close(); one record is then torn
     # (new header over an old payload, as a crash mid-write leaves it).
     child = f"""
-import os, sys, torch
-sys.path.insert(0, {str(Path(__file__).parent)!r})
-from test_disk_pool import DiskKVPool, LAYOUT, FP, RECORD, key, block
+import os, runpy
+here = runpy.run_path({__file__!r})  # this module: its pool, layout and blocks
+DiskKVPool, LAYOUT, FP, RECORD, key, block = (
+    here[name] for name in ("DiskKVPool", "LAYOUT", "FP", "RECORD", "key", "block")
+)
 p = DiskKVPool({str(tmp_path / "kv")!r}, LAYOUT, FP, 3 * RECORD)
 for i in range(3):
     p.demote_async(key(i), block(i))

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from pydantic import SecretStr, ValidationError
 
-from loraplex.platform.cli.flags import given, settings_options
+from loraplex.cli.flags import given, settings_options
 from loraplex.platform.settings import (
+    SECTIONS,
     LoadedSettings,
     ServerSettings,
     all_fields,
@@ -47,9 +48,7 @@ def settings_error(exc: ValidationError | ValueError) -> str:
         return str(exc)
     lines = []
     for err in exc.errors():
-        where = ".".join(
-            str(p) for p in err.get("loc", ()) if p not in ("serving", "engine", "limits", "gateway")
-        )
+        where = ".".join(str(p) for p in err.get("loc", ()) if p not in SECTIONS)
         message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
         lines.append(f"{where}: {message}" if where else message)
     return "invalid settings:\n  " + "\n  ".join(lines)
@@ -128,7 +127,10 @@ def _log_level(name: str) -> int:
 
 def run_server(settings: ServerSettings) -> int:
     """Start the engine and serve; the process exit code (1 if the engine died)."""
-    from loraplex.platform.api.app import build_app
+    # The process settings (cache, cpu_kernels, amx, malloc_tuning) reach the layers below the
+    # platform through their LORAPLEX_* variables: export them before anything reads them.
+    settings.process.apply()
+    from loraplex.cli.server_app import build_server_app
     from loraplex.platform.api.server import serve
     from loraplex.platform.engine.async_engine import AsyncEngine
     from loraplex.platform.engine.engine import LLMEngine
@@ -141,7 +143,7 @@ def run_server(settings: ServerSettings) -> int:
         raise fail(str(exc)) from None
     async_engine = AsyncEngine(engine)
     try:
-        app = build_app(async_engine, settings, loras)
+        app = build_server_app(async_engine, settings, loras)
     except ValueError as exc:
         async_engine.shutdown()
         raise fail(str(exc)) from None

@@ -1,7 +1,10 @@
-"""Helpers and fixtures of the gateway tests (import the fixtures into a test module to use them).
+"""The gateway in tests: the tiny LoRA-enabled engine, settings, an ASGI client, the admin API.
 
-gateway_engine      module: an AsyncEngine on the tiny GQA model with LoRA enabled (rank <= 8)
-peft_adapter_dir    module: a PEFT LoRA saved by ``peft`` for that model (q_proj, v_proj, r=4)
+Fixtures (a pytest plugin, listed in ``pytest_plugins`` of tests/conftest.py):
+
+    gateway_engine      module: an AsyncEngine on the tiny GQA model with LoRA enabled (rank <= 8)
+    peft_adapter_dir    module: a PEFT LoRA saved by ``peft`` for that model (q_proj, v_proj, r=4)
+
 serving(app)        runs the app's lifespan and gives an httpx client over ASGI
 Admin               the admin API: tenants with quotas, keys
 """
@@ -14,17 +17,17 @@ import zipfile
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from fastapi import FastAPI
 
-from loraplex.platform.api.app import build_app
-from loraplex.platform.engine.async_engine import AsyncEngine
-from loraplex.platform.engine.config import EngineConfig
-from loraplex.platform.engine.engine import LLMEngine
-from loraplex.platform.settings import ServerSettings
+if TYPE_CHECKING:  # the gateway is imported when used: every test session loads this plugin
+    from fastapi import FastAPI
+
+    from loraplex.platform.engine.async_engine import AsyncEngine
+    from loraplex.platform.engine.engine import LLMEngine
+    from loraplex.platform.settings import ServerSettings
 
 ADMIN_TOKEN = "admin-token-for-tests-0123456789"
 BASE = "tiny"
@@ -34,21 +37,20 @@ ADAPTER_SPEC: dict[str, Any] = dict(r=4, lora_alpha=8, target_modules=["q_proj",
 
 @pytest.fixture(scope="module")
 def gateway_engine(tiny_dirs: dict[str, Path]) -> Iterator[AsyncEngine]:
-    config = EngineConfig(
-        model=str(tiny_dirs["gqa_tied"]),
-        dtype="float32",
-        num_kv_blocks=128,
-        enable_lora=True,
-        max_lora_rank=MAX_LORA_RANK,
-        max_loras=2,
+    from loraplex.platform.engine.async_engine import AsyncEngine
+    from support.engines import tiny_engine
+
+    engine = AsyncEngine(
+        tiny_engine(tiny_dirs, num_kv_blocks=128, enable_lora=True, max_lora_rank=MAX_LORA_RANK, max_loras=2)
     )
-    engine = AsyncEngine(LLMEngine(config))
     yield engine
     engine.shutdown()
 
 
 def engine_of(engine: AsyncEngine) -> LLMEngine:
     """The engine behind the door, for tests that check its state (the server never does this)."""
+    from loraplex.platform.engine.engine import LLMEngine
+
     inner = engine._engine
     assert isinstance(inner, LLMEngine)
     return inner
@@ -56,7 +58,7 @@ def engine_of(engine: AsyncEngine) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def peft_adapter_dir(tiny_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from helpers import make_peft_adapter
+    from support.adapters import make_peft_adapter
 
     out = tmp_path_factory.mktemp("peft") / "adapter"
     make_peft_adapter(tiny_dirs["gqa_tied"], out, seed=7, spec=ADAPTER_SPEC)
@@ -67,6 +69,8 @@ def settings_for(
     tmp_path: Path, database_url: str, redis_url: str | None = None, **kw: Any
 ) -> ServerSettings:
     """Settings of a test gateway: its own store under ``tmp_path``, the admin token above."""
+    from loraplex.platform.settings import ServerSettings
+
     values: dict[str, Any] = dict(
         data_dir=tmp_path / "data",
         adapter_store=tmp_path / "store",
@@ -80,7 +84,9 @@ def settings_for(
 
 
 def make_gateway(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
-    return build_app(engine, settings)
+    from loraplex.cli.server_app import build_server_app
+
+    return build_server_app(engine, settings)
 
 
 @asynccontextmanager

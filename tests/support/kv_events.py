@@ -8,7 +8,6 @@ with no field beyond vLLM's. Not a copy of the server's encoder: nothing is impo
 
 from __future__ import annotations
 
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -17,12 +16,6 @@ import msgpack
 import zmq
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Naive math and random data for the kernel tests.
+"""Naive math and random data for the kernel tests, references no backend runs, packed weights.
 
 Everything here is written the slow, obvious way (per-position index arithmetic,
 per-head and per-token loops, float64) and shares no code with the kernels or the
@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from loraplex.kernels.contracts import PackedWeight
+from loraplex.kernels.formats import FORMATS
 from loraplex.kernels.metadata import PAD_BLOCK_ID, AttentionMetadata
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -245,3 +247,51 @@ def naive_lora_delta(x: torch.Tensor, w: LoRAWeights, token_slots: list[int]) ->
             out[t, col : col + size] = float(w.scales[slot]) * (xd[t] @ a[s, slot].T @ b[s, slot, :size].T)
             col += size
     return out
+
+
+# References only the kernel tests and benchmarks use. What the portable backend runs lives in
+# ``loraplex/kernels/portable`` and serves as the Triton kernels' reference from there; this
+# part holds only what no backend calls.
+
+
+def swap_blocks(
+    src_cache: torch.Tensor,  # [num_src_blocks, block_size, num_kv_heads, head_dim]
+    dst_cache: torch.Tensor,  # [num_dst_blocks, block_size, num_kv_heads, head_dim]
+    src_ids: torch.Tensor,  # [num_pairs] int64, on src_cache's device
+    dst_ids: torch.Tensor,  # [num_pairs] int64, on dst_cache's device
+) -> None:
+    """``dst_cache[dst_ids[i]] = src_cache[src_ids[i]]`` across pools, possibly across devices.
+
+    The reference of ``triton.cache_ops.copy_blocks_between`` (which stays on one device).
+    One gather on the source device, one transfer, one scatter on the destination
+    device. Only host-to-GPU transfers are non-blocking: a non-blocking GPU-to-host
+    copy could be read by the host-side scatter before it lands.
+    """
+    if src_ids.numel() == 0:
+        return
+    assert src_cache.shape[1:] == dst_cache.shape[1:], "pools hold differently shaped blocks"
+    assert src_ids.shape == dst_ids.shape, "src_ids and dst_ids differ in length"
+    blocks = src_cache.index_select(0, src_ids.to(src_cache.device, torch.int64))
+    blocks = blocks.to(dst_cache.device, dst_cache.dtype, non_blocking=dst_cache.device.type == "cuda")
+    dst_cache.index_copy_(0, dst_ids.to(dst_cache.device, torch.int64), blocks)
+
+
+# Packed weights for the quantized-kernel tests: random but well-formed blocks of every format.
+
+# Byte offsets of the float16 fields of each block format (set to sane values in random blocks).
+F16_FIELDS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q4_k": (0, 2), "q6_k": (208,)}
+
+
+def random_packed(name: str, rows: int, in_features: int, gen: torch.Generator) -> PackedWeight:
+    """A ``rows x in_features`` weight in format ``name``: quantized from Gaussian floats where
+    the format quantizes, else random bytes with small float16 scales."""
+    fmt = FORMATS[name]  # type: ignore[index]
+    w = torch.randn(rows, in_features, generator=gen) * 0.05
+    if name not in ("q4_k", "q6_k"):
+        return PackedWeight(fmt, fmt.quantize(w), in_features)
+    data = torch.randint(0, 256, (rows, fmt.row_bytes(in_features)), generator=gen, dtype=torch.uint8)
+    blocks = data.view(-1, fmt.block_bytes)
+    for offset in F16_FIELDS[name]:
+        scale = (torch.rand(blocks.shape[0], 1, generator=gen) * 0.01 + 1e-3).half()
+        blocks[:, offset : offset + 2] = scale.view(torch.uint8)
+    return PackedWeight(fmt, data, in_features)

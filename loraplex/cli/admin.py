@@ -35,6 +35,8 @@ from loraplex.adapters import AdapterValidationError, BaseModelSpec
 from loraplex.adapters.layout import CONFIG_NAME, WEIGHTS_NAME
 from loraplex.adapters.store import AdapterStore
 from loraplex.adapters.uploads import AdapterValidator, UploadedFile
+from loraplex.cli.flags import given, settings_options
+from loraplex.cli.serve import fail, settings_error
 from loraplex.platform.api.catalog.catalog import AdapterCatalog, parse_visibility
 from loraplex.platform.api.gateway import pool_settings
 from loraplex.platform.api.services import adapters, keys, tenants
@@ -42,8 +44,6 @@ from loraplex.platform.api.services.errors import ServiceError
 from loraplex.platform.api.services.pages import DEFAULT_LIMIT, MAX_LIMIT, Page, PageRequest
 from loraplex.platform.api.services.tenants import QUOTA_FIELDS, QuotaField, TenantQuotas
 from loraplex.platform.api.tenancy import replica_events
-from loraplex.platform.cli.flags import given, settings_options
-from loraplex.platform.cli.serve import fail, settings_error
 from loraplex.platform.engine.config import parse_dtype
 from loraplex.platform.settings import ServerSettings, load_settings
 from loraplex.platform.settings.units import parse_bytes
@@ -93,9 +93,12 @@ class _GroupState:
 
 def _load(flags: dict[str, Any]) -> ServerSettings:
     try:
-        return load_settings(flags).settings
+        settings = load_settings(flags).settings
     except (ValidationError, ValueError) as exc:
         raise fail(settings_error(exc)) from None
+    # As `serve` does: `adapters upload` reads the base model, a GGUF file through the cache.
+    settings.process.apply()
+    return settings
 
 
 def _settings_options(ctx: typer.Context, **values: Any) -> None:

@@ -1,4 +1,9 @@
-"""A real uvicorn server on loopback, in a background thread of the test process.
+"""Real uvicorn servers on loopback, in a background thread of the test process.
+
+start_server(engine, name)        a single-tenant server of one ``LLMEngine`` (``LiveServer``)
+start_ui_server(engine, settings) the gateway with its admin UI (``UIServer``)
+sse_lines, stream_text            reading a streamed answer
+wait_until(predicate, ...)        polling
 
 The tests then talk to it over a real socket (disconnects need one) and can still
 read the engine's state (free blocks, adapter pins) directly.
@@ -7,30 +12,21 @@ read the engine's state (free blocks, adapter pins) directly.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
-import torch
-from safetensors.torch import save_file
 
 from loraplex.adapters import LoRARequest
-from loraplex.platform.api.app import build_app
+from loraplex.cli.server_app import build_server_app
 from loraplex.platform.api.server import Server
 from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.engine.engine import LLMEngine
 from loraplex.platform.settings import ServerLimits, ServerSettings
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from support.ports import free_port
 
 
 @dataclass
@@ -66,7 +62,7 @@ def start_server(
 ) -> LiveServer:
     async_engine = AsyncEngine(engine)
     settings = ServerSettings(served_model_name=name, single_tenant=True, limits=limits or ServerLimits())
-    app = build_app(async_engine, settings, loras)
+    app = build_server_app(async_engine, settings, loras)
     port = free_port()
     server = Server(app, "127.0.0.1", port, log_level="warning")
     live = LiveServer(f"http://127.0.0.1:{port}", engine, async_engine, server, threading.Thread())
@@ -112,31 +108,27 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> fl
     return time.monotonic() - start
 
 
-def make_small_adapter(base_dir: Path, out: Path, rank: int = 4, seed: int = 0) -> Path:
-    """A PEFT LoRA (q_proj and v_proj of every layer) with small random weights."""
-    cfg = json.loads((base_dir / "config.json").read_text())
-    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
-    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
-    outs = {"q_proj": cfg["num_attention_heads"] * head_dim, "v_proj": cfg["num_key_value_heads"] * head_dim}
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for i in range(layers):
-        for module, out_features in outs.items():
-            key = f"base_model.model.model.layers.{i}.self_attn.{module}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * 0.02
-            tensors[f"{key}.lora_B.weight"] = torch.randn(out_features, rank, generator=gen) * 0.02
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": rank,
-        "lora_alpha": 2 * rank,
-        "target_modules": list(outs),
-        "lora_dropout": 0.0,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "base_model_name_or_path": str(base_dir),
-    }
-    (out / "adapter_config.json").write_text(json.dumps(config))
-    return out
+@dataclass
+class UIServer:
+    url: str
+    server: Server
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.thread.join(60)
+
+
+def start_ui_server(engine: AsyncEngine, settings: ServerSettings) -> UIServer:
+    """Serve the app on a free loopback port; the server shuts ``engine`` down when stopped."""
+    app = build_server_app(engine, settings)
+    port = free_port()
+    server = Server(app, "127.0.0.1", port, log_level="warning")
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        assert thread.is_alive(), "the server thread exited during start-up"
+        assert time.monotonic() < deadline, "the server did not start in 120 s"
+        time.sleep(0.05)
+    return UIServer(f"http://127.0.0.1:{port}", server, thread)
