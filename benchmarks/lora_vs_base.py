@@ -49,7 +49,8 @@ from benchmarks.common import (  # noqa: E402
     set_torch_threads,
     write_json,
 )
-from benchmarks.multi_lora_throughput import make_adapters, run_loraplex_once  # noqa: E402
+from benchmarks.lora_runs import run_loraplex_once  # noqa: E402
+from benchmarks.lora_workloads import make_adapters  # noqa: E402
 
 ALL_SEVEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 WORKLOADS = {

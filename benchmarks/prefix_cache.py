@@ -481,7 +481,7 @@ class TieredRestore:
 def part_restore(args: argparse.Namespace, maker: PromptMaker, progress: bool) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
-    from loraplex.storage.kv import block_codec
+    from loraplex.storage.kv.tiers import block_codec
 
     plen, bs = args.restore_prefix_len, args.block_size
     if plen % bs:

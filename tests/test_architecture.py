@@ -3,7 +3,7 @@
 The layers: entry points (CLI, the composition root) -> the admin UI -> HTTP layer / offline API
 -> settings -> engine -> model -> kernels, adapters, storage; nothing in the platform imports the
 admin UI; kernels and storage never import upward; no cycles among the siblings of the kernels,
-the KV storage, the HTTP layer or the engine (type-only imports counted); the HTTP layer reaches
+the KV storage, its tiers, the HTTP layer or the engine (type-only imports counted); the HTTP layer reaches
 the engine only through ``AsyncEngine`` and its public values. The second test adds a forbidden
 import to a copy of the package and checks that the same command then fails, so the first cannot
 pass vacuously.
@@ -74,9 +74,14 @@ def test_import_contracts_are_kept() -> None:
             "No import cycles between the engine's modules",
         ),
         (
-            "loraplex/storage/kv/tier_transfers.py",
-            "import loraplex.storage.kv.tier_manager",
+            "loraplex/storage/kv/kv_cache.py",
+            "import loraplex.storage.kv.tiers.block_codec",
             "No import cycles between the KV storage modules",
+        ),
+        (
+            "loraplex/storage/kv/tiers/transfers.py",
+            "import loraplex.storage.kv.tiers.manager",
+            "No import cycles between the KV tier modules",
         ),
     ],
 )

@@ -26,6 +26,7 @@ MUST_HAVE_A_MAP = (
     "cli",
     "platform/engine",
     "storage/kv",
+    "storage/kv/tiers",
 )
 _ROW = re.compile(r"^\|\s*(.+?)\s*\|", re.MULTILINE)
 _NAME = re.compile(r"``([A-Za-z_][A-Za-z0-9_]*)/?``")

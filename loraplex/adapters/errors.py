@@ -55,7 +55,19 @@ class AdapterValidationError(AdapterError, ValueError):
 
 
 class AdapterNotFoundError(AdapterError, KeyError):
-    """No adapter is registered under this id (or name)."""
+    """No adapter is registered under this id or name, or none the caller may use: the one
+    "adapter not found" of every layer (the engine, the gateway's database, the routes; over HTTP
+    a 404 ``model_not_found``). ``name``: the model name a client asked for (``for_model``);
+    None for an engine-internal id, which a client is never shown."""
+
+    def __init__(self, message: str, name: str | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+
+    @classmethod
+    def for_model(cls, name: str) -> AdapterNotFoundError:
+        """A client's ``model`` that names no adapter it may use (or no model at all)."""
+        return cls(f"The model '{name}' does not exist.", name)
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else "adapter not found"

@@ -20,14 +20,14 @@ Scheduler protocol, per step, for a request that wants adapter ``a``::
 
 A slot is pinned once per running request that uses it; only unpinned slots are
 evicted, least recently used first, when a new adapter needs a slot (past ``max_loras``)
-or pages (past ``lora_memory``). ``remove_adapter`` refuses new requests at once,
+or pages (past ``lora_memory``). ``remove_lora`` refuses new requests at once,
 while requests already pinned to the adapter's slot finish on its old weights; the
 slot frees with its last ``release``.
 
 Threading: every public method may be called from any thread (one re-entrant lock).
 Disk reads for ``prefetch`` run on loader threads without that lock; their results
 are collected by the next call from the engine, so a slow read never blocks requests
-for other adapters. ``add_adapter`` validates outside the lock for the same reason.
+for other adapters. ``add_lora`` validates outside the lock for the same reason.
 
 The manager is the lock and the registry over three helpers that are not thread-safe on
 their own: ``DeviceResidency`` (``residency.py``: slots, page tables, eviction),
@@ -158,7 +158,7 @@ class AdapterManager:
 
     # -- registry ----------------------------------------------------------------------
 
-    def add_adapter(
+    def add_lora(
         self, request: LoRARequest, owner: str | None = None, served_name: str | None = None
     ) -> AdapterInfo:
         """Validate the adapter at ``request.path`` and register it under ``request.int_id``.
@@ -167,29 +167,29 @@ class AdapterManager:
         ``AdapterExistsError`` if the id or ``(owner, name)`` is taken by other content.
         Adding the very same adapter again returns the existing entry.
         """
-        return self.register(request, self.stage(request), owner, served_name)
+        return self.register_lora(request, self.stage_lora(request), owner, served_name)
 
-    def stage(self, request: LoRARequest) -> StagedAdapter:
-        """The slow half of ``add_adapter``: validate and store the files (any thread, no lock held).
+    def stage_lora(self, request: LoRARequest) -> StagedAdapter:
+        """The slow half of ``add_lora``: validate and store the files (any thread, no lock held).
 
-        Changes nothing the scheduler sees; hand the result to ``register`` (or ``discard_staged``).
+        Changes nothing the scheduler sees; hand the result to ``register_lora`` (or ``discard_staged_lora``).
         """
         max_rank = self.config.max_lora_rank
         return self._store.stage(Path(request.path).expanduser(), self.spec, max_rank, self.dtype)
 
-    def discard_staged(self, staged: StagedAdapter) -> None:
+    def discard_staged_lora(self, staged: StagedAdapter) -> None:
         """Give up a ``stage`` result that will not be registered (its store folder is released)."""
         if staged.owned:
             self._store.release(staged.folder)
 
-    def register(
+    def register_lora(
         self,
         request: LoRARequest,
         staged: StagedAdapter,
         owner: str | None = None,
         served_name: str | None = None,
     ) -> AdapterInfo:
-        """The fast half of ``add_adapter``: register validated files under ``request.int_id``
+        """The fast half of ``add_lora``: register validated files under ``request.int_id``
         (``served_name``: what clients call it, when not ``request.name``).
 
         Raises ``AdapterExistsError`` if the id or ``(owner, name)`` is taken by other content
@@ -201,7 +201,7 @@ class AdapterManager:
             with self._lock:
                 existing = self._registry.existing(identity)
                 if existing is not None:
-                    self.discard_staged(staged)
+                    self.discard_staged_lora(staged)
                     return self._info(existing)
                 need = pages_needed(parsed.weights, self._pool.page_rank)  # not cached: it may be refused
                 if not self._pool.can_ever_fit(need):
@@ -225,7 +225,7 @@ class AdapterManager:
                 self._registry.add(entry)
                 self._host.put(parsed.version, weights)
         except BaseException:
-            self.discard_staged(staged)
+            self.discard_staged_lora(staged)
             raise
         logger.info(
             "added adapter %d %r (owner %s, rank %d, %s, version %s)",
@@ -238,7 +238,7 @@ class AdapterManager:
         )
         return self._info(entry)
 
-    def remove_adapter(self, adapter_id: int) -> AdapterInfo:
+    def remove_lora(self, adapter_id: int) -> AdapterInfo:
         """Unregister ``adapter_id``: new acquires fail now; running requests finish on its old weights."""
         with self._lock:
             entry = self._registry.remove(adapter_id)

@@ -1,273 +1,235 @@
-"""PEFT's ``rank_pattern`` / ``alpha_pattern`` keys, matched in time linear in the module name.
+"""PEFT's ``rank_pattern`` / ``alpha_pattern`` keys, matched by RE2 in time linear in the module name.
 
 PEFT matches each key with Python's ``re`` (``re.match(rf"(.*\\.)?({key})$", module_key)``).
-``re`` backtracks: a key such as ``(a|a)*b`` or ``(.*.*)*x`` takes time exponential in the
+``re`` backtracks: a key such as ``(a|a)*b`` or ``(a+)+$`` takes time exponential in the
 name's length, holding the GIL the whole time, so one tenant's config would stop the event
-loop and the engine thread. Here the same expression (parsed by ``re``'s own parser, so the
-syntax and the meaning are exactly PEFT's) is compiled to a Thompson NFA and simulated state
-set by state set (a Pike VM without captures): at most ``len(module_key) * num_states``
-steps, whatever the pattern. Constructs that need backtracking (backreferences, lookaround,
-conditionals) and flags are refused when the config is parsed, with a clear reason; so are
-patterns over ``MAX_PATTERN_CHARS`` characters or ``MAX_NFA_STATES`` states (``a{1000}``).
+loop and the engine thread. Here the same rule runs on RE2 (``google-re2``): an automaton,
+no backtracking, time linear in the name whatever the key, and it runs in C.
 
-The state sets reached are cached per pattern (a DFA built lazily), so the hundreds of module
-names of one model, which share most of their characters, cost little more than one.
+RE2 and ``re`` read some of the same text differently, and what we serve must be what PEFT
+loads; so a key is used only when both accept it and nothing in it is read differently:
+
+- ``re.compile`` must accept it (PEFT would fail on it otherwise: ``\\z``, ``\\pL``, ``\\Q..\\E``,
+  ``\\x{41}``, ``(?<name>..)`` are RE2's alone), and RE2 must compile it: backreferences,
+  lookaround, atomic groups, possessive repeats, conditionals, ``(?#..)``, ``[\\b]``,
+  ``\\u`` / ``\\U`` / ``\\N{..}`` escapes and counted repeats over 1000 are ``re``'s alone.
+- Refused although both accept them (``_refuse_differing_syntax``):
+  ``\\1`` .. ``\\9`` (``re``: a backreference, or an octal escape when three digits;
+  RE2: ``\\12`` is octal), with ``\\Z`` (RE2 has no ``\\Z``; ``$`` means the same here);
+  ``{,n}`` / ``{,}``, counts with leading zeros (``{01}``) and counts over 1000 (``re``: a
+  repeat; RE2: literal text); ``[`` inside a character class (``[[:alpha:]]`` is a POSIX
+  class to RE2, a set followed by ``]`` to ``re``) and doubled ``--`` / ``&&`` / ``~~`` /
+  ``||`` in a class (``re`` warns they will become set operations); inline flags such as
+  ``(?i)`` (the flags and the case-folding tables differ) and every group form but ``(?:``
+  and ``(?P<name>``; and any non-ASCII character: module names are ASCII, so such a
+  character could only ever match in a negated class, and without them RE2 runs on bytes
+  (Latin-1), where ``.`` is one instruction instead of UTF-8's several.
+
+The difference that remains is in the names, not the keys: RE2's ``\\d``, ``\\w``, ``\\s``
+and ``\\b`` are ASCII where ``re``'s are Unicode (``\\s`` also takes ``\\v`` and
+``\\x1c``-``\\x1f`` in ``re``), ``re``'s ``$`` also holds before a final newline and its
+``\\B`` never matches an empty name. None of that can show on a non-empty name of printable
+ASCII, which is every name PEFT saves a LoRA weight under (``peft_weights._LORA_KEY``), so
+``LinearPattern.matches`` takes only those and raises ``ValueError`` on any other.
+
+Keys over ``MAX_PATTERN_CHARS`` characters or compiling to over ``MAX_NFA_STATES`` RE2
+instructions (``a{1000}`` is about 1000) are refused too: the sum over a config's keys bounds
+what matching every module name of a model costs (``peft_config.MAX_PATTERN_STATES``).
 """
 
 from __future__ import annotations
 
 import re
-import re._constants as sre_c
-import re._parser as sre_parse
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
+
+import re2
 
 MAX_PATTERN_CHARS = 512
 """Longest rank_pattern / alpha_pattern key accepted."""
 MAX_NFA_STATES = 4096
-"""Largest compiled pattern (counted repeats are unrolled: ``x{1000}`` is 1000 states)."""
-_MAX_CACHED = 20_000
-"""Cached transitions per pattern; past it, state sets are computed again (still linear)."""
+"""Largest compiled pattern, in RE2 program instructions (counted repeats are unrolled)."""
+MAX_REPEAT = 1000
+"""Largest count in ``x{n}`` / ``x{n,m}``: RE2's own limit (it reads larger counts as text)."""
+_RE2_MAX_MEM = 256 << 10
+"""RE2's memory budget per pattern (program and DFA cache): ample for MAX_NFA_STATES
+instructions, small enough that compiling a huge pattern fails at once. A DFA that runs
+out falls back to RE2's NFA, which is still linear."""
+
+_REPEAT = re.compile(r"\{([0-9]*)(?:(,)([0-9]*))?\}")
+"""What ``re`` reads as a counted repeat at a ``{`` (``{}`` alone is literal)."""
+_FLAGS = frozenset("aiLmsux-")
 
 
 class UnsupportedPattern(ValueError):
-    """A pattern this matcher does not run (it would need backtracking, or is too large)."""
+    """A pattern this matcher does not run (RE2 cannot, RE2 would read it differently from
+    Python's ``re``, or it is too large)."""
 
 
-CharTest = Callable[[str], bool]
+def _re2_options() -> Any:
+    options = re2.Options()
+    options.never_capture = True  # only a yes / no answer: RE2 can use its DFA
+    options.log_errors = False  # a tenant's bad pattern is a 400, not a log line
+    options.max_mem = _RE2_MAX_MEM
+    options.encoding = re2.Options.Encoding.LATIN1  # keys and names are ASCII: one byte a character
+    return options
 
 
-@dataclass
-class _Node:
-    kind: str  # "char" | "split" | "assert" | "match"
-    test: CharTest | None = None
-    at: Any = None  # the AT code of an "assert" node
-    outs: list[int] = field(default_factory=list)
+_OPTIONS = _re2_options()
 
 
-def _is_word(ch: str) -> bool:
-    return ch.isalnum() or ch == "_"
-
-
-_CATEGORIES: dict[Any, CharTest] = {
-    sre_c.CATEGORY_DIGIT: str.isdecimal,
-    sre_c.CATEGORY_NOT_DIGIT: lambda ch: not ch.isdecimal(),
-    sre_c.CATEGORY_SPACE: str.isspace,
-    sre_c.CATEGORY_NOT_SPACE: lambda ch: not ch.isspace(),
-    sre_c.CATEGORY_WORD: _is_word,
-    sre_c.CATEGORY_NOT_WORD: lambda ch: not _is_word(ch),
-}
-
-
-def _equals(c: str) -> CharTest:
-    return lambda ch: ch == c
-
-
-def _differs(c: str) -> CharTest:
-    return lambda ch: ch != c
-
-
-def _in_range(lo: int, hi: int) -> CharTest:
-    return lambda ch: lo <= ord(ch) <= hi
-
-
-def _class_test(items: list[tuple[Any, Any]]) -> CharTest:
-    negate = False
-    tests: list[CharTest] = []
-    for op, av in items:
-        if op is sre_c.NEGATE:
-            negate = True
-        elif op is sre_c.LITERAL:
-            tests.append(_equals(chr(av)))
-        elif op is sre_c.RANGE:
-            tests.append(_in_range(av[0], av[1]))
-        elif op is sre_c.CATEGORY and av in _CATEGORIES:
-            tests.append(_CATEGORIES[av])
-        else:
-            raise UnsupportedPattern(f"the character class item {op} is not supported")
-    if negate:
-        return lambda ch: not any(t(ch) for t in tests)
-    return lambda ch: any(t(ch) for t in tests)
-
-
-_ASSERTS = (
-    sre_c.AT_BEGINNING,
-    sre_c.AT_BEGINNING_STRING,
-    sre_c.AT_END,
-    sre_c.AT_END_STRING,
-    sre_c.AT_BOUNDARY,
-    sre_c.AT_NON_BOUNDARY,
-)
-
-
-class _Builder:
-    """Thompson construction, continuation style: ``seq(items, next)`` is the state that
-    matches ``items`` and then continues at state ``next``."""
-
-    def __init__(self) -> None:
-        self.nodes: list[_Node] = []
-
-    def add(self, node: _Node) -> int:
-        if len(self.nodes) >= MAX_NFA_STATES:
-            raise UnsupportedPattern(f"the pattern compiles to over {MAX_NFA_STATES} states")
-        self.nodes.append(node)
-        return len(self.nodes) - 1
-
-    def seq(self, items: Any, nxt: int) -> int:
-        for op, av in reversed(list(items)):
-            nxt = self.item(op, av, nxt)
-        return nxt
-
-    def item(self, op: Any, av: Any, nxt: int) -> int:
-        if op is sre_c.LITERAL:
-            return self.add(_Node("char", _equals(chr(av)), outs=[nxt]))
-        if op is sre_c.NOT_LITERAL:
-            return self.add(_Node("char", _differs(chr(av)), outs=[nxt]))
-        if op is sre_c.ANY:
-            return self.add(_Node("char", lambda ch: ch != "\n", outs=[nxt]))
-        if op is sre_c.IN:
-            return self.add(_Node("char", _class_test(av), outs=[nxt]))
-        if op is sre_c.AT:
-            if av not in _ASSERTS:
-                raise UnsupportedPattern(f"the anchor {av} is not supported")
-            return self.add(_Node("assert", at=av, outs=[nxt]))
-        if op is sre_c.BRANCH:
-            return self.add(_Node("split", outs=[self.seq(alt, nxt) for alt in av[1]]))
-        if op is sre_c.SUBPATTERN:
-            _group, add_flags, del_flags, sub = av
-            if add_flags or del_flags:
-                raise UnsupportedPattern("inline flags such as (?i:...) are not supported")
-            return self.seq(sub, nxt)
-        if op in (sre_c.MAX_REPEAT, sre_c.MIN_REPEAT):  # greedy or lazy: the same for a yes/no match
-            return self.repeat(av, nxt)
+def _check_escape(char: str) -> None:
+    if "1" <= char <= "9":
         raise UnsupportedPattern(
-            f"{str(op).lower()} is not supported (backreferences, lookaround, atomic groups and "
-            "possessive repeats need a backtracking matcher)"
+            f"\\{char}: backreferences are not supported (RE2 has none; to RE2 \\12 is an octal "
+            "escape); write a character as \\xNN"
         )
+    if char == "Z":
+        raise UnsupportedPattern("\\Z is not supported (RE2 does not know it); write $")
 
-    def repeat(self, av: Any, nxt: int) -> int:
-        low, high, sub = av
-        if high is sre_c.MAXREPEAT or high == sre_c.MAXREPEAT:
-            loop = self.add(_Node("split"))
-            self.nodes[loop].outs = [self.seq(sub, loop), nxt]
-            tail = loop
+
+def _check_group(key: str, i: int) -> None:
+    """``key[i:i + 2]`` is ``(?``: only ``(?:`` and ``(?P<name>`` read the same in both."""
+    rest = key[i + 2 : i + 4]
+    if rest.startswith(":") or rest == "P<":
+        return
+    backtracking = "(it needs a backtracking matcher; RE2 has none)"
+    if rest == "P=":
+        reason = f"backreferences such as (?P=name) are not supported {backtracking}"
+    elif rest[:1] in ("=", "!") or rest in ("<=", "<!"):
+        reason = f"lookaround such as (?=...) or (?<!...) is not supported {backtracking}"
+    elif rest.startswith(">"):
+        reason = f"atomic groups (?>...) are not supported {backtracking}"
+    elif rest.startswith("("):
+        reason = f"conditionals (?(1)...) are not supported {backtracking}"
+    elif rest.startswith("#"):
+        reason = "comments (?#...) are not supported (RE2 does not know them)"
+    elif rest[:1] in _FLAGS:
+        reason = (
+            "inline flags such as (?i) or (?i:...) are not supported "
+            "(RE2's flags and case folding differ from Python's re)"
+        )
+    else:
+        reason = f"the group (?{rest[:1]} is not supported (only (?:...) and (?P<name>...))"
+    raise UnsupportedPattern(reason)
+
+
+def _skip_class(key: str, i: int) -> int:
+    """Check the character class opened just before ``key[i]``; return the index past it."""
+    n = len(key)
+    if key.startswith("^", i):
+        i += 1
+    if key.startswith("]", i):  # a "]" first is a literal, to both
+        i += 1
+    while i < n:
+        c = key[i]
+        if c == "\\":
+            _check_escape(key[i + 1 : i + 2])
+            i += 2
+        elif c == "]":
+            return i + 1
+        elif c == "[":
+            raise UnsupportedPattern(
+                "'[' inside a character class is not supported ([[:alpha:]] is a POSIX class to "
+                "RE2 but not to Python's re); write \\["
+            )
+        elif c in "-&~|" and key.startswith(c, i + 1):
+            raise UnsupportedPattern(
+                f"{c}{c} inside a character class is not supported (Python's re reserves it for "
+                f"set operations); write \\{c}\\{c}"
+            )
         else:
-            tail = nxt
-            for _ in range(int(high) - int(low)):  # each optional copy may stop the rest
-                tail = self.add(_Node("split", outs=[self.seq(sub, tail), nxt]))
-        for _ in range(int(low)):
-            tail = self.seq(sub, tail)
-        return tail
+            i += 1
+    return n  # unterminated: re.compile says so
+
+
+def _check_repeat(key: str, i: int) -> None:
+    """``key[i]`` is ``{`` outside a class."""
+    found = _REPEAT.match(key, i)
+    if found is None or not (found[1] or found[2]):
+        return  # literal text to both
+    text, low, high = found[0], found[1], found[3]
+    if not low:
+        raise UnsupportedPattern(f"{text} is not supported (RE2 reads it as text); write {{0{text[1:]}")
+    for count in (low, high):
+        if count and len(count) > 1 and count.startswith("0"):
+            raise UnsupportedPattern(
+                f"{text}: counts with leading zeros are not supported (RE2 reads it as text)"
+            )
+        if count and int(count) > MAX_REPEAT:
+            raise UnsupportedPattern(
+                f"{text}: counts over {MAX_REPEAT} are not supported (RE2's limit; the pattern would "
+                "compile to too many states)"
+            )
+
+
+def _refuse_differing_syntax(key: str) -> None:
+    """Refuse what both ``re`` and RE2 may accept but read differently (the module docstring)."""
+    i, n = 0, len(key)
+    while i < n:
+        c = key[i]
+        if c == "\\":
+            _check_escape(key[i + 1 : i + 2])
+            i += 2
+            continue
+        if c == "[":
+            i = _skip_class(key, i + 1)
+            continue
+        if c == "(" and key.startswith("?", i + 1):
+            _check_group(key, i)
+        elif c == "{":
+            _check_repeat(key, i)
+        i += 1
+
+
+def _is_module_name(module_key: str) -> bool:
+    return bool(module_key) and module_key.isascii() and module_key.isprintable()
 
 
 class LinearPattern:
-    """One PEFT pattern key, matched against module names without backtracking."""
+    """One PEFT pattern key, matched against module names by RE2 (no backtracking)."""
 
     def __init__(self, key: str) -> None:
         if len(key) > MAX_PATTERN_CHARS:
             raise UnsupportedPattern(f"it is longer than {MAX_PATTERN_CHARS} characters")
+        if not key.isascii():
+            bad = next(c for c in key if not c.isascii())
+            raise UnsupportedPattern(
+                f"it holds the non-ASCII character {bad!r}; module names are ASCII, write the key in ASCII"
+            )
+        _refuse_differing_syntax(key)
         try:
             re.compile(key)
-            parsed = sre_parse.parse(rf"(.*\.)?({key})$")
+            re.compile(rf"(.*\.)?({key})$")
         except (re.error, RecursionError, OverflowError) as exc:
             raise UnsupportedPattern(f"not a valid regex ({exc})") from None
-        if parsed.state.flags & ~sre_c.SRE_FLAG_UNICODE:
-            raise UnsupportedPattern("inline flags such as (?i) are not supported")
-        self.key = key
-        own = sre_parse.parse(key)
-        self.literal: str | None = None
-        """The text the key stands for when it has no operator (the usual case: a module name)."""
-        if all(op is sre_c.LITERAL for op, _ in own):
-            self.literal = "".join(chr(av) for _, av in own)
-        builder = _Builder()
-        final = builder.add(_Node("match"))
         try:
-            self.start = builder.seq(parsed, final)
-        except RecursionError:
-            raise UnsupportedPattern("it is nested too deeply") from None
-        self.nodes = builder.nodes
-        self.final = final
-        self.num_states = 0 if self.literal is not None else len(self.nodes)
-        """States a match walks (0 for a literal key, which is compared as text)."""
-        self._closures: dict[tuple[frozenset[int], tuple[bool, ...]], frozenset[int]] = {}
-        self._steps: dict[tuple[frozenset[int], str], frozenset[int]] = {}
-
-    def _holds(self, at: Any, ctx: tuple[bool, ...]) -> bool:
-        at_start, at_end, before_newline_end, prev_word, next_word = ctx
-        if at in (sre_c.AT_BEGINNING, sre_c.AT_BEGINNING_STRING):
-            return at_start
-        if at is sre_c.AT_END:
-            return at_end or before_newline_end
-        if at is sre_c.AT_END_STRING:
-            return at_end
-        if at is sre_c.AT_BOUNDARY:
-            return prev_word != next_word
-        return prev_word == next_word  # AT_NON_BOUNDARY
-
-    def _closure(self, states: frozenset[int], ctx: tuple[bool, ...]) -> frozenset[int]:
-        cached = self._closures.get((states, ctx))
-        if cached is not None:
-            return cached
-        seen: set[int] = set()
-        stack = list(states)
-        while stack:
-            s = stack.pop()
-            if s in seen:
-                continue
-            seen.add(s)
-            node = self.nodes[s]
-            if node.kind == "split" or (node.kind == "assert" and self._holds(node.at, ctx)):
-                stack.extend(node.outs)
-        out = frozenset(s for s in seen if self.nodes[s].kind in ("char", "match"))
-        if len(self._closures) < _MAX_CACHED:
-            self._closures[(states, ctx)] = out
-        return out
-
-    def _step(self, states: frozenset[int], ch: str) -> frozenset[int]:
-        cached = self._steps.get((states, ch))
-        if cached is not None:
-            return cached
-        out = set()
-        for s in states:
-            node = self.nodes[s]
-            if node.kind == "char" and node.test is not None and node.test(ch):
-                out.update(node.outs)
-        result = frozenset(out)
-        if len(self._steps) < _MAX_CACHED:
-            self._steps[(states, ch)] = result
-        return result
+            self._regexp = re2.compile(rf"(?:.*\.)?(?:{key})".encode("ascii"), _OPTIONS)
+        except re2.error as exc:
+            reason = (
+                exc.args[0].decode(errors="replace") if exc.args and isinstance(exc.args[0], bytes) else exc
+            )
+            if "pattern too large" in str(reason):
+                raise UnsupportedPattern(f"the pattern compiles to over {MAX_NFA_STATES} states") from None
+            raise UnsupportedPattern(
+                f"RE2 cannot run it ({reason}): backreferences, lookaround, atomic groups, "
+                "possessive repeats and \\u escapes are not supported"
+            ) from None
+        size = int(self._regexp.programsize)
+        if size > MAX_NFA_STATES:
+            raise UnsupportedPattern(f"the pattern compiles to over {MAX_NFA_STATES} states ({size})")
+        self.key = key
+        self.literal: str | None = key if re.escape(key) == key else None
+        """The text the key stands for when it has no operator (the usual case: a module name)."""
+        self.num_states = 0 if self.literal is not None else size
+        """RE2 instructions a match walks (0 for a literal key, which is compared as text)."""
 
     def matches(self, module_key: str) -> bool:
-        """``re.match(rf"(.*\\.)?({key})$", module_key) is not None``, in linear time."""
-        if self.literal is not None:
-            return self._matches_literal(module_key)
-        n = len(module_key)
-        states = frozenset([self.start])
-        for i in range(n + 1):
-            ctx = (
-                i == 0,
-                i == n,
-                i == n - 1 and module_key[-1] == "\n",
-                i > 0 and _is_word(module_key[i - 1]),
-                i < n and _is_word(module_key[i]),
-            )
-            states = self._closure(states, ctx)
-            if self.final in states:
-                return True
-            if i == n or not states:
-                return False
-            states = self._step(states, module_key[i])
-        return False
+        """``re.match(rf"(.*\\.)?({key})$", module_key) is not None``, in linear time.
 
-    def _matches_literal(self, module_key: str) -> bool:
-        # (.*\.)?(literal)$ : an optional prefix ending in "." (no newline before it, as "."
-        # never matches one), the literal, then the end or a final newline.
-        assert self.literal is not None
-        for body in (module_key, module_key[:-1] if module_key.endswith("\n") else None):
-            if body is None or not body.endswith(self.literal):
-                continue
-            prefix = body[: len(body) - len(self.literal)]
-            if prefix == "" or (prefix.endswith(".") and "\n" not in prefix):
-                return True
-        return False
+        ``module_key`` must be a non-empty name of printable ASCII (every name PEFT saves a
+        LoRA weight under); ``ValueError`` otherwise, as there RE2's answer may differ."""
+        if not _is_module_name(module_key):
+            raise ValueError(f"module name {module_key[:80]!r} is not a non-empty name of printable ASCII")
+        if self.literal is not None:
+            return module_key == self.literal or module_key.endswith("." + self.literal)
+        return self._regexp.fullmatch(module_key.encode("ascii")) is not None

@@ -6,7 +6,7 @@
 | ``app`` | the root typer app that lists every command |
 | ``server_app`` | ``build_server_app``: the composition root, the API with the admin UI mounted |
 | ``serve`` | ``loraplex serve``: settings -> engine -> app -> uvicorn; ``--print-settings`` |
-| ``admin`` | ``loraplex tenants|keys|adapters|db ...`` on the gateway's database and adapter store |
+| ``admin/`` | ``loraplex tenants|keys|adapters|db ...``: one module per group, their shared plumbing |
 | ``flags`` | one option per setting, made from the settings' fields and docstrings |
 """
 

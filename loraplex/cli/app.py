@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import typer
 
-from loraplex.cli.admin import adapters_app, db_app, keys_app, tenants_app
+from loraplex.cli.admin.adapters import adapters_app
+from loraplex.cli.admin.db import db_app
+from loraplex.cli.admin.keys import keys_app
+from loraplex.cli.admin.tenants import tenants_app
 from loraplex.cli.serve import serve_command
 
 app = typer.Typer(

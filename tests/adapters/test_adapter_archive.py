@@ -44,7 +44,7 @@ def _files(folder: Path, prefix: str = "") -> list[tuple[str, bytes]]:
 
 def _reject(manager: Any, path: Path, store_dir: Path, reason: str, *words: str) -> None:
     with pytest.raises(AdapterValidationError) as info:
-        manager.add_adapter(LoRARequest("up", 1, str(path)))
+        manager.add_lora(LoRARequest("up", 1, str(path)))
     assert info.value.reason == reason, str(info.value)
     for word in words:
         assert word in str(info.value)
@@ -65,13 +65,13 @@ def test_valid_archives_load_with_the_directory_version(
     else:
         path = _tar(tmp_path / "a.tar.gz", members)
     manager = make_manager()
-    info = manager.add_adapter(LoRARequest("up", 1, str(path)))
+    info = manager.add_lora(LoRARequest("up", 1, str(path)))
     assert info.version == read_adapter(adapter_dir, spec, 8, torch.float32).version
     assert info.folder == store_dir / info.version
     assert sorted(p.name for p in info.folder.iterdir()) == [CONFIG, WEIGHTS]  # README not extracted
     manager.acquire(1, "r")
     manager.release("r")
-    manager.remove_adapter(1)
+    manager.remove_lora(1)
     assert files_under(store_dir) == []
     manager.check_integrity()
 

@@ -26,7 +26,7 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
 
 def _add(manager: AdapterManager, adapters: dict[int, Path], *ids: int) -> None:
     for i in ids:
-        manager.add_adapter(LoRARequest(f"a{i}", i, str(adapters[i])))
+        manager.add_lora(LoRARequest(f"a{i}", i, str(adapters[i])))
 
 
 def _weights(adapters: dict[int, Path], spec: Any, i: int) -> Any:

@@ -37,7 +37,7 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
 
 def _add(manager: AdapterManager, adapters: dict[int, Path], *ids: int, owner: str | None = None) -> None:
     for i in ids:
-        manager.add_adapter(LoRARequest(f"a{i}", i, str(adapters[i])), owner=owner)
+        manager.add_lora(LoRARequest(f"a{i}", i, str(adapters[i])), owner=owner)
 
 
 def _slot_a(manager: AdapterManager, slot_idx: int) -> torch.Tensor:
@@ -235,7 +235,7 @@ def test_paged_random_workload_keeps_pages_and_weights(
         if running and (len(running) >= 3 or rng.random() < 0.5):
             manager.release(running.pop(rng.choice(sorted(running))))
         elif step == 120 and not removed:
-            manager.remove_adapter(4)  # drains if pinned
+            manager.remove_lora(4)  # drains if pinned
             removed = True
         else:
             adapter_id = rng.choice([1, 2, 3] if removed else [1, 2, 3, 4])
@@ -279,7 +279,7 @@ def test_remove_while_in_use_drains_on_old_weights(adapters: dict[int, Path], ma
     manager.acquire(1, "old2")
     old_weights = _slot_a(manager, slot_idx)
 
-    info = manager.remove_adapter(1)
+    info = manager.remove_lora(1)
     assert info.num_pins == 2 and info.slot_idx == slot_idx
     with pytest.raises(AdapterRemovedError, match="was removed"):
         manager.acquire(1, "new")
@@ -308,8 +308,8 @@ def test_readd_same_id_while_old_version_drains(adapters: dict[int, Path], make_
     manager = make_manager(max_loras=2)
     _add(manager, adapters, 1)
     old_slot = manager.acquire(1, "old")
-    manager.remove_adapter(1)
-    info = manager.add_adapter(LoRARequest("a1", 1, str(adapters[2])))  # new weights, same id and name
+    manager.remove_lora(1)
+    info = manager.add_lora(LoRARequest("a1", 1, str(adapters[2])))  # new weights, same id and name
     new_slot = manager.acquire(1, "new")
     assert new_slot != old_slot
     assert manager.acquire(1, "old") == old_slot
@@ -374,7 +374,7 @@ def test_files_changed_on_disk_are_detected(
     src = tmp_path / "inplace"
     shutil.copytree(adapters[1], src)
     manager = make_manager(max_cpu_loras=1, copy_directories=False)
-    manager.add_adapter(LoRARequest("a", 1, str(src)))
+    manager.add_lora(LoRARequest("a", 1, str(src)))
     assert manager.get_adapter(1).folder == src
     _add(manager, adapters, 2)  # pushes adapter 1 out of host memory
 
@@ -392,7 +392,7 @@ def test_identity_and_content_addressed_store(
     adapters: dict[int, Path], tmp_path: Path, store_dir: Path, make_manager: Any
 ) -> None:
     manager = make_manager()
-    a = manager.add_adapter(LoRARequest("french", 1, str(adapters[1])), owner="acme")
+    a = manager.add_lora(LoRARequest("french", 1, str(adapters[1])), owner="acme")
     assert (a.name, a.owner, a.adapter_id, len(a.version)) == ("french", "acme", 1, 64)
     assert a.identity.cache_key == (1, a.version)
 
@@ -401,33 +401,33 @@ def test_identity_and_content_addressed_store(
     shutil.copytree(adapters[1], pretty)
     config = json.loads((pretty / CONFIG).read_text())
     (pretty / CONFIG).write_text(json.dumps(config, indent=7, sort_keys=False))
-    b = manager.add_adapter(LoRARequest("french-copy", 2, str(pretty)), owner="acme")
+    b = manager.add_lora(LoRARequest("french-copy", 2, str(pretty)), owner="acme")
     assert b.version == a.version and b.folder == a.folder
     assert (
-        manager.get_adapter(2).version != manager.add_adapter(LoRARequest("x", 3, str(adapters[2]))).version
+        manager.get_adapter(2).version != manager.add_lora(LoRARequest("x", 3, str(adapters[2]))).version
     )
     assert sorted(p.name for p in store_dir.iterdir()) == sorted({a.version, manager.get_adapter(3).version})
 
     # Idempotent re-add; conflicting id or (owner, name) is refused.
-    assert manager.add_adapter(
+    assert manager.add_lora(
         LoRARequest("french", 1, str(adapters[1])), owner="acme"
     ) == manager.get_adapter(1)
     with pytest.raises(AdapterExistsError, match="id 1"):
-        manager.add_adapter(LoRARequest("french", 1, str(adapters[2])), owner="acme")
+        manager.add_lora(LoRARequest("french", 1, str(adapters[2])), owner="acme")
     with pytest.raises(AdapterExistsError, match="named 'french'"):
-        manager.add_adapter(LoRARequest("french", 9, str(adapters[2])), owner="acme")
-    manager.add_adapter(LoRARequest("french", 9, str(adapters[2])), owner="other")  # other tenant: fine
+        manager.add_lora(LoRARequest("french", 9, str(adapters[2])), owner="acme")
+    manager.add_lora(LoRARequest("french", 9, str(adapters[2])), owner="other")  # other tenant: fine
     assert manager.find_adapter("french", "other").adapter_id == 9  # type: ignore[union-attr]
     assert manager.find_adapter("french") is None
     manager.check_integrity()
 
     # The shared folder survives until its last user is removed.
-    manager.remove_adapter(1)
+    manager.remove_lora(1)
     assert a.folder.exists()
-    manager.remove_adapter(2)
+    manager.remove_lora(2)
     assert not a.folder.exists()
     with pytest.raises(AdapterNotFoundError):
-        manager.remove_adapter(2)
+        manager.remove_lora(2)
     manager.check_integrity()
 
 
@@ -435,7 +435,7 @@ def test_close_removes_a_temporary_store(adapters: dict[int, Path], spec: Any) -
     from loraplex.adapters import AdapterManagerConfig
 
     with AdapterManager(spec, AdapterManagerConfig(max_lora_rank=8)) as manager:
-        info = manager.add_adapter(LoRARequest("a", 1, str(adapters[1])))
+        info = manager.add_lora(LoRARequest("a", 1, str(adapters[1])))
         root = info.folder.parent
         assert files_under(root)
     assert not root.exists()
@@ -478,7 +478,7 @@ def test_weights_untouched_by_add_failure_after_staging(
     manager = make_manager()
     _add(manager, adapters, 1)
     with pytest.raises(AdapterExistsError):
-        manager.add_adapter(LoRARequest("other", 1, str(adapters[2])))
+        manager.add_lora(LoRARequest("other", 1, str(adapters[2])))
     assert [p.name for p in store_dir.iterdir()] == [manager.get_adapter(1).version]
     assert sorted(p.name for p in (store_dir / manager.get_adapter(1).version).iterdir()) == [CONFIG, WEIGHTS]
     manager.check_integrity()

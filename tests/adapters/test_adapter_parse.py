@@ -58,7 +58,7 @@ def test_slot_buffers_match_peft_per_module(
     peft_model = make_peft_model(seed=3, **kwargs)
     peft_model.save_pretrained(tmp_path / case)
     manager = make_manager(max_loras=2, max_lora_rank=8)
-    manager.add_adapter(LoRARequest(case, 1, str(tmp_path / case)))
+    manager.add_lora(LoRARequest(case, 1, str(tmp_path / case)))
     manager.acquire(1, "req")
 
     xs = random_inputs(spec)
@@ -125,7 +125,7 @@ def test_weights_are_converted_to_the_serving_dtype(
     peft_model = make_peft_model(seed=5, r=4, lora_alpha=8)
     peft_model.save_pretrained(tmp_path / "a")
     manager = make_manager(dtype=dtype)
-    manager.add_adapter(LoRARequest("a", 1, str(tmp_path / "a")))
+    manager.add_lora(LoRARequest("a", 1, str(tmp_path / "a")))
     manager.acquire(1, "req")
     assert manager.get_buffers(0, "qkv").lora_a.dtype == dtype
     xs = random_inputs(spec)
@@ -148,7 +148,7 @@ def test_fused_groups_apply_with_the_torch_backend(
     pages: dict[int, list[int]] = {}
     for adapter_id, model in models.items():
         model.save_pretrained(tmp_path / str(adapter_id))
-        manager.add_adapter(LoRARequest(f"a{adapter_id}", adapter_id, str(tmp_path / str(adapter_id))))
+        manager.add_lora(LoRARequest(f"a{adapter_id}", adapter_id, str(tmp_path / str(adapter_id))))
         manager.acquire(adapter_id, f"r{adapter_id}")
         table = manager.pages_of(adapter_id)
         assert table is not None
@@ -185,7 +185,7 @@ def test_slots_on_cuda_match_peft(tmp_path: Path, spec: BaseModelSpec, make_mana
     manager = make_manager(max_loras=2, max_lora_rank=8)
     cuda_manager = AdapterManager(spec, manager.config, device="cuda", dtype=torch.float16)
     try:
-        cuda_manager.add_adapter(LoRARequest("a", 1, str(tmp_path / "a")))
+        cuda_manager.add_lora(LoRARequest("a", 1, str(tmp_path / "a")))
         assert cuda_manager.acquire(1, "r") == 0
         xs = random_inputs(spec)
         expected = peft_deltas(peft_model, xs)

@@ -200,7 +200,7 @@ def test_rejection_names_the_problem_and_leaves_nothing(
     path = build(tmp_path / "upload" / case)
     manager = make_manager(max_lora_rank=8)
     with pytest.raises(AdapterValidationError) as info:
-        manager.add_adapter(LoRARequest(case, 1, str(path)))
+        manager.add_lora(LoRARequest(case, 1, str(path)))
     assert info.value.reason == reason, str(info.value)
     for word in words:
         assert word in str(info.value), f"{word!r} not in {info.value}"
@@ -214,12 +214,12 @@ def test_rejected_adapter_does_not_disturb_a_served_one(
 ) -> None:
     manager = make_manager()
     good = make_adapter(tmp_path / "good")
-    manager.add_adapter(LoRARequest("good", 1, str(good)))
+    manager.add_lora(LoRARequest("good", 1, str(good)))
     slot_idx = manager.acquire(1, "req")
     before = manager.get_buffers(0, "qkv").lora_a.clone()
     bad = _with_tensors(_set(key(0, "q_proj", "A"), float("nan")))(tmp_path / "bad")
     with pytest.raises(AdapterValidationError):
-        manager.add_adapter(LoRARequest("bad", 2, str(bad)))
+        manager.add_lora(LoRARequest("bad", 2, str(bad)))
     assert [a.adapter_id for a in manager.list_adapters()] == [1]
     assert manager.slot_of(1) == slot_idx
     assert torch.equal(manager.get_buffers(0, "qkv").lora_a, before)
@@ -232,7 +232,7 @@ def test_fp16_overflow_after_scaling_is_rejected(tmp_path: Path, make_manager: A
     edit_tensors(path, _set(key(0, "q_proj", "B"), 60000.0))  # * scaling 2 > 65504
     manager = make_manager(dtype=torch.float16)
     with pytest.raises(AdapterValidationError, match="overflows") as info:
-        manager.add_adapter(LoRARequest("a", 1, str(path)))
+        manager.add_lora(LoRARequest("a", 1, str(path)))
     assert info.value.reason == "non_finite"
 
 
@@ -242,10 +242,10 @@ def test_magnitude_bound_depends_on_the_serving_dtype(tmp_path: Path, make_manag
     path = make_adapter(tmp_path / "a", r=4, lora_alpha=8)
     edit_tensors(path, _set(key(1, "up_proj", "A"), 300.0))
     with pytest.raises(AdapterValidationError, match="layer 1 up_proj") as info:
-        make_manager(dtype=torch.float16).add_adapter(LoRARequest("a", 1, str(path)))
+        make_manager(dtype=torch.float16).add_lora(LoRARequest("a", 1, str(path)))
     assert info.value.reason == "weight_magnitude"
     assert "256" in str(info.value)  # sqrt(65504), the bound the message names
-    make_manager(dtype=torch.float32, store_dir=tmp_path / "store32").add_adapter(
+    make_manager(dtype=torch.float32, store_dir=tmp_path / "store32").add_lora(
         LoRARequest("a", 1, str(path))
     )
 
@@ -261,7 +261,7 @@ def test_normal_adapters_pass_the_magnitude_bound(
 ) -> None:
     path = make_adapter(tmp_path / "a", **lora)
     manager = make_manager(dtype=dtype)
-    manager.add_adapter(LoRARequest("a", 1, str(path)))
+    manager.add_lora(LoRARequest("a", 1, str(path)))
     manager.check_integrity()
 
 
@@ -283,11 +283,11 @@ def test_activation_gain_is_the_scale_deltas_reach(tmp_path: Path) -> None:
 def test_missing_path_and_plain_file(tmp_path: Path, make_manager: Any) -> None:
     manager = make_manager()
     with pytest.raises(AdapterValidationError) as info:
-        manager.add_adapter(LoRARequest("x", 1, str(tmp_path / "nope")))
+        manager.add_lora(LoRARequest("x", 1, str(tmp_path / "nope")))
     assert info.value.reason == "not_found"
     (tmp_path / "weights.pt").write_bytes(b"x")
     with pytest.raises(AdapterValidationError) as info:
-        manager.add_adapter(LoRARequest("x", 1, str(tmp_path / "weights.pt")))
+        manager.add_lora(LoRARequest("x", 1, str(tmp_path / "weights.pt")))
     assert info.value.reason == "pickle_format"
 
 
@@ -298,7 +298,7 @@ def test_safetensors_beside_pickles_is_used_and_pickles_ignored(
     _Evil.marker = str(tmp_path / "PWNED")
     (path / "adapter_model.bin").write_bytes(pickle.dumps(_Evil()))
     manager = make_manager()
-    info = manager.add_adapter(LoRARequest("a", 1, str(path)))
+    info = manager.add_lora(LoRARequest("a", 1, str(path)))
     assert not (tmp_path / "PWNED").exists()
     assert sorted(p.name for p in (store_dir / info.version).iterdir()) == [CONFIG, WEIGHTS]
 
@@ -310,6 +310,6 @@ def test_oversized_weights_file_is_refused_before_reading(tmp_path: Path, make_m
     with (path / WEIGHTS).open("ab") as fh:
         fh.truncate(limit + 1)
     with pytest.raises(AdapterValidationError) as info:
-        manager.add_adapter(LoRARequest("a", 1, str(path)))
+        manager.add_lora(LoRARequest("a", 1, str(path)))
     assert info.value.reason == "too_large"
     assert json.loads((path / CONFIG).read_text())["r"] == 4  # untouched source

@@ -55,7 +55,7 @@ ALIASES = {
 
 def _refused(manager: AdapterManager, path: Path) -> AdapterValidationError:
     with pytest.raises(AdapterValidationError) as info:
-        manager.add_adapter(LoRARequest(path.name, 1, str(path)))
+        manager.add_lora(LoRARequest(path.name, 1, str(path)))
     assert manager.list_adapters() == []
     return info.value
 
@@ -107,5 +107,5 @@ def test_hostile_configs_are_a_validation_error(
 
 def test_the_canonical_names_still_load(tmp_path: Path, make_manager: Any) -> None:
     manager = make_manager(max_lora_rank=8)
-    manager.add_adapter(LoRARequest("good", 1, str(make_adapter(tmp_path / "good"))))
+    manager.add_lora(LoRARequest("good", 1, str(make_adapter(tmp_path / "good"))))
     assert [a.adapter_id for a in manager.list_adapters()] == [1]

@@ -47,7 +47,7 @@ def _shared(
 
 def _add(manager: AdapterManager, adapters: dict[int, Path]) -> None:
     for i, path in adapters.items():
-        manager.add_adapter(LoRARequest(f"a{i}", i, str(path)))
+        manager.add_lora(LoRARequest(f"a{i}", i, str(path)))
 
 
 def _logical(manager: AdapterManager, adapter_id: int) -> dict[tuple[int, str], torch.Tensor]:

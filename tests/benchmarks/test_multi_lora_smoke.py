@@ -22,6 +22,13 @@ def test_popularity_matches_slora_formula() -> None:
     assert set(bench.assign_adapters(100, 1, 0.3, "slora", 42)) == {0}
 
 
+def test_many_adapters_flag_points_to_its_own_script(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_benchmark("multi_lora_throughput")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--many-adapters", "256,1024"])
+    assert "benchmarks/many_adapters.py" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_multi_lora_throughput_tiny(tmp_path: Path) -> None:
     bench = load_benchmark("multi_lora_throughput")

@@ -26,7 +26,6 @@ if TYPE_CHECKING:  # the gateway is imported when used: every test session loads
     from fastapi import FastAPI
 
     from loraplex.platform.engine.async_engine import AsyncEngine
-    from loraplex.platform.engine.engine import LLMEngine
     from loraplex.platform.settings import ServerSettings
 
 ADMIN_TOKEN = "admin-token-for-tests-0123456789"
@@ -45,15 +44,6 @@ def gateway_engine(tiny_dirs: dict[str, Path]) -> Iterator[AsyncEngine]:
     )
     yield engine
     engine.shutdown()
-
-
-def engine_of(engine: AsyncEngine) -> LLMEngine:
-    """The engine behind the door, for tests that check its state (the server never does this)."""
-    from loraplex.platform.engine.engine import LLMEngine
-
-    inner = engine._engine
-    assert isinstance(inner, LLMEngine)
-    return inner
 
 
 @pytest.fixture(scope="module")

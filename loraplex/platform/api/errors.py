@@ -10,7 +10,7 @@ Invalid input is always 400 (FastAPI's own 422 included), never 422.
 |---|---|---|
 | ``APIError`` | its own, with its headers | its own |
 | ``InvalidParameterError`` (engine) | 400 | invalid_value |
-| ``UnknownAdapterError`` (engine) | 404 | model_not_found |
+| ``AdapterNotFoundError`` (adapters) | 404 | model_not_found |
 | ``EngineDeadError`` | 503 | engine_dead |
 | ``EngineOverloadedError`` (past ``max_queued_requests``) | 503, ``Retry-After`` | overloaded |
 | ``request_error``: a ``RequestError`` the engine ended a request with | by its kind (below) | by its kind |
@@ -19,7 +19,7 @@ Invalid input is always 400 (FastAPI's own 422 included), never 422.
 | ``quota_refusal`` (tenancy): rpm, tpm, concurrency | 429, ``Retry-After`` | rate_limit_exceeded |
 | ``quota_refusal`` (tenancy): request_over_tpm (never fits) | 429 | rate_limit_exceeded |
 | ``quota_refusal`` (tenancy): unavailable (Redis down) | 503, ``Retry-After`` | quota_unavailable |
-| ``NotFound`` (services) | 404 | not_found (model_not_found for a model) |
+| ``NotFound`` (services): a tenant, key or adapter by name | 404 | not_found |
 | ``Conflict`` (services) | 409 | conflict |
 | ``EngineBusy`` (services) | 409, ``Retry-After`` | engine_busy |
 | ``QuotaExceeded`` (services) | max_adapters 403, max_adapter_bytes 413 | quota_exceeded |
@@ -48,7 +48,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from loraplex.adapters import AdapterValidationError
+from loraplex.adapters import AdapterNotFoundError, AdapterValidationError
 from loraplex.platform.api.services.errors import (
     Conflict,
     EngineBusy,
@@ -64,7 +64,6 @@ from loraplex.platform.engine.errors import (
     InvalidParameterError,
     RejectionReason,
     RequestError,
-    UnknownAdapterError,
 )
 from loraplex.storage.db import DatabaseUnavailable
 
@@ -224,8 +223,6 @@ def rejected_adapter(exc: AdapterValidationError, hide: tuple[str, ...] = ()) ->
 # -- everything else, mapped ----------------------------------------------------------
 def _service_error(exc: ServiceError) -> APIError:
     if isinstance(exc, NotFound):
-        if exc.kind == "model":
-            return APIError(404, f"The model '{exc.name}' does not exist.", code="model_not_found")
         return APIError(404, f"The {exc.kind} '{exc.name}' does not exist.", code="not_found")
     if isinstance(exc, EngineBusy):
         return APIError(409, str(exc), code="engine_busy", headers={"Retry-After": str(exc.retry_after_s)})
@@ -245,8 +242,10 @@ def to_api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, InvalidParameterError):
         return APIError(400, exc.message, param=exc.param, code="invalid_value")
-    if isinstance(exc, UnknownAdapterError):
-        return APIError(404, str(exc), param="model", code="model_not_found")
+    if isinstance(exc, AdapterNotFoundError):
+        # An engine-internal id (no name) is never shown: it is not the client's word.
+        message = str(exc) if exc.name is not None else "The model does not exist."
+        return APIError(404, message, param="model", code="model_not_found")
     if isinstance(exc, EngineOverloadedError):
         return overloaded(exc)
     if isinstance(exc, EngineDeadError):
@@ -281,8 +280,8 @@ def validation_error(errors: list[Any]) -> APIError:
 
 MAPPED_ERRORS: tuple[type[Exception], ...] = (
     APIError,
+    AdapterNotFoundError,
     InvalidParameterError,
-    UnknownAdapterError,
     EngineDeadError,
     EngineOverloadedError,
     ServiceError,

@@ -34,7 +34,7 @@ from loraplex.platform.model.packed_weights import resolve_quantization
 from loraplex.platform.model.source import gguf_source, resolve_model_dir
 from loraplex.storage.kv.kv_arena import KVPageArena
 from loraplex.storage.kv.kv_cache import KVCache, kv_bytes_per_block, num_blocks_for_budget
-from loraplex.storage.kv.tiered_kv import TieredKV
+from loraplex.storage.kv.tiers.tiered_kv import TieredKV
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

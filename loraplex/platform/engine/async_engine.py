@@ -4,9 +4,10 @@
 what it needs through typed accessors (``tokenizer``, ``limits``, ``adapter_spec``) and
 changes the engine only through commands (add, abort, adapters added and removed, the
 prefix cache reset, a tenant's KV purged). Only the engine thread ever touches the engine's
-state: commands go to an inbox that the thread drains before every step; each request's
-outputs travel back through its own ``RequestStream`` (a backlog of one output: a newer one
-replaces an unread one), fed with ``call_soon_threadsafe``.
+state: commands (``commands``: objects that apply themselves) go to an inbox that the thread
+drains before every step; each request's outputs travel back through its own ``RequestStream``
+(``request_stream``: a backlog of one output, a newer one replaces an unread one), fed with
+``call_soon_threadsafe``.
 The one exception is reading (staging) an adapter's files, which changes nothing the engine
 serves and runs in a worker thread so the engine never waits for a disk read.
 
@@ -27,20 +28,20 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import contextlib
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from loraplex.adapters import BaseModelSpec, LoRARequest
+from loraplex.platform.engine.commands import AbortRequest, AddRequest, CallEngine, EngineCommand, StartJob
 from loraplex.platform.engine.engine import LLMEngine
 from loraplex.platform.engine.errors import EngineDeadError, EngineOverloadedError, StructuredOutputError
-from loraplex.platform.engine.host_memory import IDLE_TRIM_S, trim_host_malloc
+from loraplex.platform.engine.host_memory import IdleTrim
 from loraplex.platform.engine.limits import EngineLimits
 from loraplex.platform.engine.outputs import RequestOutput
+from loraplex.platform.engine.request_stream import RequestStream, deliver
 from loraplex.platform.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from loraplex.platform.engine.stats import EngineStats
 from loraplex.platform.engine.structured.bounds import COMPILE_TIMEOUT_S, COMPILE_WORKERS
@@ -68,142 +69,6 @@ into aborts over a few milliseconds; applying only the first few would let the n
 step admit queued requests of the same burst and spend a whole prefill on them."""
 
 
-@dataclass
-class _Add:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    lora_request: LoRARequest | None
-    priority: int
-    tenant_id: str | None
-    tenant_weight: float
-    timeout_s: float | None
-    max_queued: int | None
-    loop: asyncio.AbstractEventLoop
-    accepted: asyncio.Future[None]
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-@dataclass
-class _Call:
-    """Run ``fn(engine)`` on the engine thread between steps; its result (or error) goes to ``done``."""
-
-    fn: Callable[[LLMEngine], Any]
-    done: concurrent.futures.Future[Any]
-
-
-@dataclass
-class _Job:
-    """Start a sliced job on the engine thread (``start(engine)``; None: nothing to do); it then
-    runs between steps, and its result (or error) goes to ``done`` when it finishes."""
-
-    start: Callable[[LLMEngine], SlicedJob[Any] | None]
-    done: concurrent.futures.Future[Any]
-
-
-_Command = _Add | _Abort | _Call | _Job
-
-
-class RequestStream:
-    """One request's outputs, in order, until it finishes; ``abort()`` drops it.
-
-    Iterating yields a ``RequestOutput`` after every step that advanced the request
-    and stops after the finished one; it raises ``EngineDeadError`` if the engine
-    dies meanwhile. ``abort()`` is synchronous, idempotent and safe in a cancelled task.
-
-    The backlog is one output: outputs are cumulative (or only the final one), so an output
-    not read yet is replaced by the next one (``num_coalesced`` counts them). A reader that
-    falls behind (a client that stopped reading its stream) costs one output's memory,
-    however many steps the engine runs meanwhile; the finished output and an error are
-    never replaced.
-    """
-
-    def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        self._engine = engine
-        self.request_id = request_id
-        self.loop = loop
-        self._pending: RequestOutput | BaseException | None = None
-        self._ready = asyncio.Event()
-        self.num_coalesced = 0
-        """Outputs replaced by a newer one before they were read."""
-        self.finished = False
-        self.failure: BaseException | None = None
-        """Set by ``fail``: raised by the next read, before any output still pending."""
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        while self.failure is None and self._pending is None:
-            self._ready.clear()
-            await self._ready.wait()
-        item = self.failure if self.failure is not None else self._pending
-        self._pending = None
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        assert item is not None
-        if item.finished:
-            self.finished = True
-        return item
-
-    @property
-    def pending(self) -> RequestOutput | BaseException | None:
-        """The output (or error) posted and not read yet: what an unread request used so far."""
-        return self._pending
-
-    def post(self, item: RequestOutput | BaseException) -> None:
-        """Hand the reader ``item`` (on the stream's loop): it replaces an unread running output."""
-        pending = self._pending
-        if isinstance(pending, BaseException) or (pending is not None and pending.finished):
-            return  # the end is known already: nothing after it matters
-        if pending is not None:
-            self.num_coalesced += 1
-        self._pending = item
-        self._ready.set()
-
-    def abort(self) -> None:
-        """Stop the request and free what it holds (a no-op once it finished)."""
-        if not self.finished:
-            self.finished = True
-            self._engine.abort(self.request_id)
-
-    def fail(self, error: BaseException) -> None:
-        """End the request with ``error``: the reader gets it next (call on the stream's loop), the
-        engine stops the request. A no-op once it finished."""
-        if not self.finished and self.failure is None:
-            self.failure = error
-            self._ready.set()  # wakes a reader waiting for the next output
-            self._engine.abort(self.request_id)
-
-
-class _IdleTrim:
-    """Once per idle period of ``IDLE_TRIM_S``, the freed host memory goes back to the OS
-    (``host_memory``: malloc keeps it while the engine runs)."""
-
-    def __init__(self) -> None:
-        self._idle_since: float | None = None
-        self._trimmed = True  # nothing ran yet
-
-    def busy(self) -> None:
-        self._idle_since = None
-        self._trimmed = False
-
-    def tick(self) -> None:
-        now = time.monotonic()
-        if self._idle_since is None:
-            self._idle_since = now
-        elif not self._trimmed and now - self._idle_since >= IDLE_TRIM_S:
-            self._trimmed = True
-            trim_host_malloc()
-
-
 class AsyncEngine:
     """Thread-backed async facade over ``LLMEngine``: the server's only way to the engine."""
 
@@ -212,7 +77,7 @@ class AsyncEngine:
         # Read once, before the engine thread starts: none of these change while it runs.
         self._limits = engine.limits
         self._adapter_spec = BaseModelSpec.from_hf_config(engine.hf_config)
-        self._inbox: collections.deque[_Command] = collections.deque()
+        self._inbox: collections.deque[EngineCommand] = collections.deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
         # Registered on the event loop, read and removed on the engine thread.
@@ -320,7 +185,7 @@ class AsyncEngine:
         if isinstance(prompt, str):
             prompt = await self.tokenize(prompt)
         loop = asyncio.get_running_loop()
-        stream = RequestStream(self, request_id, loop)
+        stream = RequestStream(self.abort, request_id, loop)
         with self._streams_lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
@@ -328,7 +193,7 @@ class AsyncEngine:
         accepted: asyncio.Future[None] = loop.create_future()
         self._num_adds_posted += 1
         self._post(
-            _Add(
+            AddRequest(
                 request_id,
                 prompt,
                 params,
@@ -379,7 +244,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Abort a request: never blocks, safe from any thread and in cancelled tasks."""
         self._unregister(request_id)
-        self._post(_Abort(request_id))
+        self._post(AbortRequest(request_id))
 
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached KV block on every tier (``LLMEngine.reset_prefix_cache``), in
@@ -423,11 +288,17 @@ class AsyncEngine:
         """Where each registered adapter is now, by id: ``device`` (a slot), ``host`` or ``disk``."""
         return await self._call(lambda engine: engine.lora_tiers())
 
+    async def inspect(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between two steps and return its result: the
+        one safe way for a test or a diagnostic to read the engine's internals while it runs
+        (reading them from another thread races the step). ``fn`` must only read."""
+        return await self._call(fn)
+
     async def _call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps; its result or its error."""
         self._check_alive()
         done: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._post(_Call(fn, done))
+        self._post(CallEngine(fn, done))
         if self.error is not None or self._stop.is_set():
             done.cancel()  # stopped meanwhile: the inbox may never be drained
             raise self._dead_error()
@@ -438,7 +309,7 @@ class AsyncEngine:
         """Start a sliced job on the engine thread and wait for its result (None if not started)."""
         self._check_alive()
         done: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._post(_Job(start, done))
+        self._post(StartJob(start, done))
         if self.error is not None or self._stop.is_set():
             done.cancel()
             raise self._dead_error()
@@ -471,7 +342,7 @@ class AsyncEngine:
         # The cause is logged; clients only learn that the server is restarting.
         return EngineDeadError("the engine stopped after an internal error; the server is restarting")
 
-    def _post(self, command: _Command) -> None:
+    def _post(self, command: EngineCommand) -> None:
         self._inbox.append(command)
         self._wake.set()
 
@@ -481,7 +352,7 @@ class AsyncEngine:
 
     # -- engine thread -----------------------------------------------------------------
     def _run(self) -> None:
-        idle = _IdleTrim()
+        idle = IdleTrim()
         try:
             while not self._stop.is_set():
                 if self._drain_inbox():
@@ -535,69 +406,39 @@ class AsyncEngine:
         while self._inbox:
             command = self._inbox.popleft()
             self._changed = True
-            if isinstance(command, _Abort):
-                self._engine.abort_request(command.request_id)
-                num_aborts += 1
-                continue
-            if isinstance(command, _Job):
-                if command.done.set_running_or_notify_cancel():
-                    try:
-                        job = command.start(self._engine)
-                    except Exception as exc:
-                        command.done.set_exception(exc)
-                        continue
-                    if job is None:
-                        command.done.set_result(None)
-                    else:
-                        self._jobs[job] = command.done
-                continue
-            if isinstance(command, _Call):
-                if command.done.set_running_or_notify_cancel():
-                    try:
-                        command.done.set_result(command.fn(self._engine))
-                    except Exception as exc:  # a failed call is the caller's error, not the loop's
-                        logger.debug("an engine command from the server failed: %r", exc)
-                        command.done.set_exception(exc)
-                continue
-            self._num_adds_applied += 1
-            with self._streams_lock:
-                wanted = command.request_id in self._streams
-            if not wanted:  # aborted before it was added: its _Abort follows, nothing to run
-                _call_in(command.loop, command.accepted.cancel)
-                continue
-            try:
-                num_waiting = len(self._engine.scheduler.waiting)
-                if command.max_queued is not None and num_waiting >= command.max_queued:
-                    self._engine.rejections.count("overload")
-                    raise EngineOverloadedError(num_waiting, command.max_queued)
-                self._engine.add_request(
-                    command.request_id,
-                    command.prompt,
-                    command.params,
-                    lora_request=command.lora_request,
-                    priority=command.priority,
-                    tenant_id=command.tenant_id,
-                    tenant_weight=command.tenant_weight,
-                    timeout_s=command.timeout_s,
-                )
-            except Exception as exc:  # refused: the caller gets the error (typed ones become 4xx)
-                self._unregister(command.request_id)
-                _resolve(command.loop, command.accepted, exc)
-            else:
-                _resolve(command.loop, command.accepted, None)
+            command.apply(self)
+            num_aborts += command.is_abort
         return num_aborts
+
+    # -- what the commands use (``commands.EngineLoop``), on the engine thread ----------
+    @property
+    def engine(self) -> LLMEngine:
+        return self._engine
+
+    def is_open(self, request_id: str) -> bool:
+        with self._streams_lock:
+            return request_id in self._streams
+
+    def close_stream(self, request_id: str) -> None:
+        self._unregister(request_id)
+
+    def add_applied(self) -> None:
+        self._num_adds_applied += 1
+
+    def track_job(self, job: SlicedJob[Any], done: concurrent.futures.Future[Any]) -> None:
+        self._jobs[job] = done
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             if out.finished:
                 stream = self._unregister(out.request_id)
                 if stream is not None:
-                    _deliver(stream, out)
+                    deliver(stream, out)
                 continue
             with self._streams_lock:
                 stream = self._streams.get(out.request_id)
             if stream is not None:
-                _deliver(stream, out)
+                deliver(stream, out)
 
     def _fail_everything(self, error: EngineDeadError) -> None:
         """Fail every open request and every pending submission with ``error``."""
@@ -605,37 +446,9 @@ class AsyncEngine:
             streams = list(self._streams.values())
             self._streams.clear()
         for stream in streams:
-            _deliver(stream, error)
+            deliver(stream, error)
         while self._inbox:
-            command = self._inbox.popleft()
-            if isinstance(command, _Add):
-                _resolve(command.loop, command.accepted, error)
-            elif isinstance(command, _Call | _Job) and command.done.set_running_or_notify_cancel():
-                command.done.set_exception(error)
+            self._inbox.popleft().fail(error)
         jobs, self._jobs = self._jobs, {}
         for done in jobs.values():
             done.set_exception(error)
-
-
-def _call_in(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:
-    # A closed event loop (RuntimeError) means nobody is listening any more.
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(callback)
-
-
-def _deliver(stream: RequestStream, item: RequestOutput | BaseException) -> None:
-    _call_in(stream.loop, lambda: stream.post(item))
-
-
-def _resolve(
-    loop: asyncio.AbstractEventLoop, future: asyncio.Future[None], error: BaseException | None
-) -> None:
-    def settle() -> None:
-        if future.done():  # the caller was cancelled meanwhile
-            return
-        if error is None:
-            future.set_result(None)
-        else:
-            future.set_exception(error)
-
-    _call_in(loop, settle)

@@ -345,7 +345,7 @@ class LLMEngine:
 
     def discard_staged_lora(self, staged: StagedAdapter) -> None:
         """Release a staged adapter that will not be registered (any thread)."""
-        self._lora().discard_staged(staged)
+        self._lora().discard_staged_lora(staged)
 
     def remove_lora(self, int_id: int) -> None:
         """Refuse new requests for the adapter; running ones finish with its old weights."""

@@ -9,7 +9,7 @@ escapes is a bug and becomes a 500 with a logged trace. They subclass ``ValueErr
 | ``InvalidParameterError`` | 400 | a request parameter is out of range, of the wrong type, or over a limit |
 | ``StructuredOutputError`` | 400 | a JSON schema / regex / grammar is invalid or over the compile bounds |
 | ``RequestTooLargeError`` | 400 | a request can never be admitted (prompt, ``n`` or tokens too large) |
-| ``UnknownAdapterError`` | 404 | a request names an adapter the engine does not serve |
+| ``AdapterNotFoundError`` (adapters) | 404 | a request names an adapter the engine does not serve |
 | ``AdapterUnavailableError`` | 400 | the adapter exists but cannot be served (LoRA off, invalid files) |
 | ``EngineDeadError`` | 503 | the engine loop stopped and cannot serve anything |
 | ``EngineOverloadedError`` | 503, ``Retry-After`` | ``max_queued_requests`` wait already (nothing queued) |
@@ -57,17 +57,6 @@ class StructuredOutputError(InvalidParameterError):
 
 class RequestTooLargeError(InvalidParameterError):
     """The request could never be admitted under the engine's limits (never queued)."""
-
-
-class UnknownAdapterError(EngineError, LookupError):
-    """The request names an adapter that is not registered (or not visible to the caller)."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.name = name
-
-    def __str__(self) -> str:
-        return f"The model '{self.name}' does not exist."
 
 
 class AdapterUnavailableError(InvalidParameterError):

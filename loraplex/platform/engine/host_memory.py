@@ -27,6 +27,7 @@ import ctypes.util
 import functools
 import logging
 import os
+import time
 
 logger = logging.getLogger(__name__)
 
@@ -86,3 +87,24 @@ def tune_host_malloc() -> bool:
     else:
         logger.warning("malloc: glibc refused the mmap/trim thresholds; steps may page-fault")
     return ok
+
+
+class IdleTrim:
+    """Once per idle period of ``IDLE_TRIM_S``, the freed host memory goes back to the OS
+    (``host_memory``: malloc keeps it while the engine runs)."""
+
+    def __init__(self) -> None:
+        self._idle_since: float | None = None
+        self._trimmed = True  # nothing ran yet
+
+    def busy(self) -> None:
+        self._idle_since = None
+        self._trimmed = False
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+        elif not self._trimmed and now - self._idle_since >= IDLE_TRIM_S:
+            self._trimmed = True
+            trim_host_malloc()

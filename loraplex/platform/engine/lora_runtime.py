@@ -154,7 +154,7 @@ class LoRARuntime:
     def stage_lora(self, lora: LoRARequest) -> StagedAdapter:
         """Validate ``lora``'s files into the adapter store: slow, safe on any thread, changes
         nothing the engine serves; ``register_lora`` (on the engine thread) follows."""
-        return self.adapter_manager.stage(lora)
+        return self.adapter_manager.stage_lora(lora)
 
     def register_lora(
         self,
@@ -164,16 +164,16 @@ class LoRARuntime:
         served_name: str | None = None,
     ) -> None:
         """Register a staged adapter (fast; the engine thread, between steps)."""
-        self.adapter_manager.register(lora, staged, owner=owner, served_name=served_name)
+        self.adapter_manager.register_lora(lora, staged, owner=owner, served_name=served_name)
         self._removed.discard(lora.int_id)
 
-    def discard_staged(self, staged: StagedAdapter) -> None:
+    def discard_staged_lora(self, staged: StagedAdapter) -> None:
         """Release a staged adapter that will not be registered."""
-        self.adapter_manager.discard_staged(staged)
+        self.adapter_manager.discard_staged_lora(staged)
 
     def remove_lora(self, int_id: int) -> None:
         """Refuse new requests for the adapter; running ones finish on its old weights."""
-        self.adapter_manager.remove_adapter(int_id)
+        self.adapter_manager.remove_lora(int_id)
         self._blocked.pop(int_id, None)
         self._removed.add(int_id)
         self._same_content = {k: v for k, v in self._same_content.items() if k[0] != int_id}
@@ -200,7 +200,7 @@ class LoRARuntime:
         info = known.get(lora.int_id)
         if info is None:
             try:
-                info = self.adapter_manager.add_adapter(lora, owner=owner)
+                info = self.adapter_manager.add_lora(lora, owner=owner)
             except AdapterError as exc:
                 raise AdapterUnavailableError(f"adapter {lora.name!r}: {exc}", param="model") from exc
             self._removed.discard(lora.int_id)
@@ -219,11 +219,11 @@ class LoRARuntime:
         found = self._same_content.get(key)
         if found is None:
             try:
-                staged = self.adapter_manager.stage(lora)
+                staged = self.adapter_manager.stage_lora(lora)
             except AdapterError as exc:
                 raise AdapterUnavailableError(f"adapter {lora.name!r}: {exc}", param="model") from exc
             found = staged.parsed.version
-            self.adapter_manager.discard_staged(staged)
+            self.adapter_manager.discard_staged_lora(staged)
             self._same_content[key] = found
         if found != version:
             raise AdapterUnavailableError(

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from loraplex.storage.kv.tier_transfers import Promotion, SwapHandle
+from loraplex.storage.kv.tiers.transfers import Promotion, SwapHandle
 
 PreemptionMode = Literal["auto", "recompute", "swap"]
 PREEMPTION_MODES: tuple[PreemptionMode, ...] = ("auto", "recompute", "swap")

@@ -44,7 +44,7 @@ from loraplex.platform.engine.speculative import Speculator
 from loraplex.platform.engine.tier_admission import TierAdmission, Wait
 from loraplex.storage.kv.block_manager import AllocStatus, BlockCopy
 from loraplex.storage.kv.prefix_cache import NO_HIT, PrefixHit
-from loraplex.storage.kv.tiered_kv import TieredKV
+from loraplex.storage.kv.tiers.tiered_kv import TieredKV
 
 logger = logging.getLogger(__name__)
 

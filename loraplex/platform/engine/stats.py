@@ -23,8 +23,8 @@ from loraplex.adapters import AdapterStats
 from loraplex.platform.engine.kv_events.publisher import PublisherCounters
 from loraplex.platform.engine.speculative import SpecCounters
 from loraplex.storage.kv.prefix_cache import PrefixCacheStats
-from loraplex.storage.kv.tier_metrics import TierMetrics
-from loraplex.storage.kv.tiered_kv import KVBlockCounts
+from loraplex.storage.kv.tiers.metrics import TierMetrics
+from loraplex.storage.kv.tiers.tiered_kv import KVBlockCounts
 
 if TYPE_CHECKING:
     pass

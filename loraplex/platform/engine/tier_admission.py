@@ -29,14 +29,14 @@ from loraplex.platform.engine.preemption import PreemptionPolicy, SwappedTail
 from loraplex.platform.engine.sequence import Sequence
 from loraplex.storage.kv.block_manager import AllocStatus
 from loraplex.storage.kv.prefix_cache import PrefixHit
-from loraplex.storage.kv.tier_manager import TierManager
-from loraplex.storage.kv.tiered_kv import TieredKV
-from loraplex.storage.kv.tiered_prefix import (
+from loraplex.storage.kv.tiers.manager import TierManager
+from loraplex.storage.kv.tiers.prefix_promotion import (
     PendingPromotion,
     finish_promotion,
     start_promotion,
     tiered_continuation,
 )
+from loraplex.storage.kv.tiers.tiered_kv import TieredKV
 
 logger = logging.getLogger(__name__)
 

@@ -2,24 +2,17 @@
 
 | module | owns |
 |---|---|
-| ``tiered_kv`` | ``TieredKV``: block manager + tiers as one cache, wired; reset, purge, persist, checks |
 | ``kv_cache`` | the accelerator pool's per-layer K/V tensors; block reads and writes for the tiers |
 | ``kv_arena`` | ``KVPageArena``: the pool's top blocks lent to the adapter page pool (one pool, KV first) |
 | ``block_pool`` | block ids, ref counts, the LRU free queue, the key index; ``on_evict`` / ``on_cache`` |
 | ``block_hash`` | prefix-cache keys: a sha256 chain over token ids and extra keys; the chain's owner |
 | ``prefix_cache`` | lookups of a prompt's longest cached prefix (``PrefixHit``), hit/miss counters |
 | ``block_manager`` | ``KVBlockManager``: block tables, admission, copy-on-write, prefix-cache hits |
-| ``kv_tier`` | tier contracts: ``Tier``, ``Location``, the device block I/O protocol; the one-location rule |
-| ``host_pool`` | ``HostKVPool``: block slots in host RAM (pinned on CUDA), LRU |
-| ``disk_pool`` | ``DiskKVPool``: capped, checksummed block files, async I/O, warm restart |
-| ``disk_slots`` / ``disk_files`` / ``block_codec`` | the disk slot states, slot files, record format |
-| ``tier_manager`` | ``TierManager``: demotion, promotion, swap, discard: one location per cached block |
-| ``tier_transfers`` / ``tier_metrics`` | promotion and swap handles (``PromotionMover``); per-tier counters |
-| ``tiered_prefix`` | ``start_promotion`` / ``finish_promotion``: a prefix hit continued from host/disk |
+| ``tiers/`` | host and disk tiers below the pool, the tier manager, ``TieredKV``: all of it as one cache |
 | ``kv_events`` | ``KVEventLog``: blocks stored and removed per tier (``Medium``), for outside routers |
 | ``sliced`` | ``SlicedJob``: a purge or reset as bounded pieces, run a time budget at a time between steps |
 
 This package imports nothing from ``loraplex.platform`` or ``loraplex.adapters``, and its modules
 import each other without cycles (both checked by import-linter): extra keys (adapter version,
-tenant salt) arrive as opaque bytes.
+tenant salt) arrive as opaque bytes. ``tiers/`` builds on the modules here; none of them imports it.
 """

@@ -91,7 +91,7 @@ KVEvent = BlocksStored | BlocksRemoved | AllCleared
 
 def prefix_keys(keys: Iterable[bytes]) -> tuple[bytes, ...]:
     """The prefix-cache keys among ``keys``: a swap block's private key is shorter (16 bytes,
-    ``tier_transfers``) and no router may hear of it."""
+    ``tiers.transfers``) and no router may hear of it."""
     return tuple(key for key in keys if len(key) == KEY_BYTES)
 
 

@@ -16,7 +16,6 @@ from support.gateway import (
     Admin,
     bearer,
     completion_body,
-    engine_of,
     make_gateway,
     serving,
     settings_for,
@@ -25,6 +24,7 @@ from support.gateway import (
 )
 
 from loraplex.platform.engine.async_engine import AsyncEngine
+from loraplex.platform.engine.engine import LLMEngine
 
 
 def sqlite(tmp_path: Path) -> str:
@@ -167,7 +167,6 @@ async def test_reupload_makes_a_new_version_that_new_requests_run_on(
 ) -> None:
     settings = settings_for(tmp_path, sqlite(tmp_path))
     other = make_small_adapter(tiny_dirs["gqa_tied"], tmp_path / "v2", rank=4, seed=3)
-    engine = engine_of(gateway_engine)
     async with serving(make_gateway(gateway_engine, settings)) as client:
         key = await Admin(client).tenant_with_key("acme")
         v1 = (await upload(client, key, "fr", zip_bytes(peft_adapter_dir))).json()
@@ -182,7 +181,9 @@ async def test_reupload_makes_a_new_version_that_new_requests_run_on(
         report = await wait_for_usage(client, "tenant=acme", 2)
         assert [r["adapter_version"] for r in report["data"]] == [v2["version"], v1["version"]]
         # The engine now holds the new version only; the old one was unloaded when it was replaced.
-        names = {info.name for info in engine.lora_runtime.adapter_manager.list_adapters()}  # type: ignore[union-attr]
+        names = await gateway_engine.inspect(
+            lambda engine: {info.name for info in engine.lora_runtime.adapter_manager.list_adapters()}  # type: ignore[union-attr]
+        )
         assert any(n.startswith(f"acme/fr@{v2['version'][:12]}") for n in names)
         assert not any(n.startswith(f"acme/fr@{v1['version'][:12]}") for n in names)
         # The older content again is a conflict; deleting the newest serves the older one again.
@@ -256,12 +257,15 @@ async def test_deleting_a_tenant_purges_its_cached_kv(gateway_engine: AsyncEngin
                 salt = tenant_cache_salt(engine_tenant_id(await tenants.get_tenant(session, "acme")))
         finally:
             await db.dispose()
-        pool = engine_of(gateway_engine).block_manager.pool
-        assert sum(b.owner == salt for b in pool.blocks if b.key is not None) == 3
+
+        def cached_of_acme(engine: LLMEngine) -> int:
+            return sum(b.owner == salt for b in engine.block_manager.pool.blocks if b.key is not None)
+
+        assert await gateway_engine.inspect(cached_of_acme) == 3
 
         deleted = await client.delete("/admin/api/tenants/acme", headers=ADMIN)
         assert deleted.status_code == 200 and deleted.json()["kv_blocks_purged"] == 3
-        assert not any(b.owner == salt for b in pool.blocks if b.key is not None)
+        assert await gateway_engine.inspect(cached_of_acme) == 0
         # The other tenant's copy of the same prompt still hits.
         again = await client.post("/v1/completions", json=body, headers=bearer(globex))
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * block
@@ -298,7 +302,5 @@ async def test_a_tenants_weight_is_set_changed_and_carried_to_the_engine(
         key = await Admin(client).key("heavy")
         done = await client.post("/v1/completions", json=completion_body(BASE), headers=bearer(key))
         assert done.is_success, done.text
-        weights = {
-            tid.split(":")[1]: w for tid, w in engine_of(gateway_engine).stats.tenant_weights.items() if tid
-        }
+        weights = {tid.split(":")[1]: w for tid, w in gateway_engine.stats.tenant_weights.items() if tid}
         assert weights["heavy"] == 0.5

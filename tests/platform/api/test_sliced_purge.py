@@ -35,8 +35,8 @@ from loraplex.platform.engine.config import EngineConfig
 from loraplex.platform.engine.engine import LLMEngine
 from loraplex.platform.engine.sequence import tenant_cache_salt
 from loraplex.storage.db import Database
-from loraplex.storage.kv import block_codec
 from loraplex.storage.kv.kv_cache import KVBlockLayout
+from loraplex.storage.kv.tiers import block_codec
 
 NUM_VICTIM_RECORDS = 2500
 NUM_OTHER_RECORDS = 200

@@ -12,7 +12,7 @@ from loraplex.platform.engine.sampling_params import SamplingParams
 from loraplex.platform.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from loraplex.platform.engine.sequence import Request, SeqStatus, Sequence
 from loraplex.storage.kv.block_manager import KVBlockManager
-from loraplex.storage.kv.tiered_kv import TieredKV
+from loraplex.storage.kv.tiers.tiered_kv import TieredKV
 
 
 def _seq(name: str, prompt_len: int, arrival: float, max_tokens: int) -> Sequence:

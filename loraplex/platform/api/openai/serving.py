@@ -23,8 +23,8 @@ from loraplex.platform.api.openai.streaming import SSEResponse, sse_events
 from loraplex.platform.api.openai.submission import MeteredStream, abort_all, collect, submit
 from loraplex.platform.api.state import AppState
 from loraplex.platform.api.tenancy.gate import GatedCall, ModelTarget, PromptSource, RequestEnd
-from loraplex.platform.engine.async_engine import RequestStream
 from loraplex.platform.engine.outputs import RequestOutput
+from loraplex.platform.engine.request_stream import RequestStream
 from loraplex.platform.engine.sampling_params import RequestOutputKind, SamplingParams
 
 T = TypeVar("T")

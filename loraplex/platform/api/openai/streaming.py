@@ -20,9 +20,9 @@ from loraplex.platform.api.errors import APIError, to_api_error
 from loraplex.platform.api.openai.responses import ResponseShape
 from loraplex.platform.api.openai.submission import abort_all, merged, step_failure
 from loraplex.platform.api.openai.tool_stream import ToolStream
-from loraplex.platform.engine.async_engine import RequestStream
 from loraplex.platform.engine.errors import EngineError
 from loraplex.platform.engine.outputs import RequestOutput
+from loraplex.platform.engine.request_stream import RequestStream
 
 logger = logging.getLogger(__name__)
 

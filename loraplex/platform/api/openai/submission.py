@@ -17,9 +17,9 @@ from typing import Any
 from loraplex.adapters import LoRARequest
 from loraplex.platform.api.errors import APIError, request_error
 from loraplex.platform.api.state import AppState
-from loraplex.platform.engine.async_engine import RequestStream
 from loraplex.platform.engine.inputs import PromptType
 from loraplex.platform.engine.outputs import RequestOutput
+from loraplex.platform.engine.request_stream import RequestStream
 from loraplex.platform.engine.sampling_params import SamplingParams
 
 

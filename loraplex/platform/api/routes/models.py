@@ -6,10 +6,10 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from loraplex.adapters import AdapterNotFoundError
 from loraplex.platform.api.deps import CallDep, StateDep
 from loraplex.platform.api.state import AppState
 from loraplex.platform.api.tenancy.gate import ModelCard
-from loraplex.platform.engine.errors import UnknownAdapterError
 
 router = APIRouter(tags=["models"])
 
@@ -37,4 +37,4 @@ async def retrieve_model(model_id: str, state: StateDep, call: CallDep) -> dict[
     for card in await call.models():
         if card.id == model_id:
             return _entry(state, card)
-    raise UnknownAdapterError(model_id)
+    raise AdapterNotFoundError.for_model(model_id)

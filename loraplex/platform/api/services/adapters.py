@@ -3,7 +3,7 @@
 The files live in the content-addressed adapter store; a row here points at them (``path``).
 
     register_adapter(owner, NewAdapter)  a new version of a name (quotas checked), or the newest again
-    resolve_adapter(caller, model)       the version a request runs on, or NotFound
+    resolve_adapter(caller, model)       the version a request runs on, or AdapterNotFoundError
     list_visible(caller)                 what ``/v1/models`` shows: own names, others' public ones
     delete_adapter(owner, name[, ver])   drop versions; returns what to unload and maybe remove
 
@@ -16,7 +16,7 @@ Rules:
   registered without one keeps the name's (private for a new name).
 - A request names its own adapter ``name`` (or ``own-tenant/name``) and another tenant's
   public one ``owner/name``. Another tenant's private adapter, a disabled tenant's adapter and
-  a name that does not exist all give the same ``NotFound("model", model)``, so a caller
+  a name that does not exist all give the same ``AdapterNotFoundError.for_model(model)``, so a caller
   cannot learn which names exist.
 - The shared tenant (the operator's, ``operator_tenant``: what ``/v1/load_lora_adapter`` loads
   into) is the one exception to ``owner/name``: its public adapters answer to their bare name
@@ -34,6 +34,7 @@ from sqlalchemy import and_, delete, exists, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from loraplex.adapters import AdapterNotFoundError
 from loraplex.platform.api.services.errors import Conflict, InvalidInput, NotFound, QuotaExceeded
 from loraplex.platform.api.services.names import check_adapter_name
 from loraplex.platform.api.services.pages import Page, PageRequest, decode_cursor, encode_cursor, make_page
@@ -163,7 +164,7 @@ async def resolve_adapter(
     if adapter is None and not slash and shared is not None and shared != caller.name:
         adapter = await _newest_named(session, shared, name)
     if adapter is None or not _may_use(caller, adapter):
-        raise NotFound("model", model)
+        raise AdapterNotFoundError.for_model(model)
     return adapter
 
 

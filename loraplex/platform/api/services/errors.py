@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-ResourceKind = Literal["tenant", "key", "adapter", "model"]
+ResourceKind = Literal["tenant", "key", "adapter"]
 QuotaName = Literal["max_adapters", "max_adapter_bytes"]
 
 

@@ -31,11 +31,10 @@ from typing import Literal, Protocol
 
 from starlette.requests import Request
 
-from loraplex.adapters import LoRARequest
-from loraplex.platform.engine.async_engine import RequestStream
-from loraplex.platform.engine.errors import UnknownAdapterError
+from loraplex.adapters import AdapterNotFoundError, LoRARequest
 from loraplex.platform.engine.inputs import PromptType
 from loraplex.platform.engine.outputs import RequestOutput
+from loraplex.platform.engine.request_stream import RequestStream
 from loraplex.platform.engine.sampling_params import SamplingParams
 
 PromptSource = list[PromptType] | Callable[[], Awaitable[list[PromptType]]]
@@ -116,7 +115,7 @@ class GatedCall(Protocol):
         ...
 
     async def resolve(self, model: str | None) -> ModelTarget:
-        """The model ``model`` names for this caller; ``UnknownAdapterError`` (404) otherwise."""
+        """The model ``model`` names for this caller; ``AdapterNotFoundError`` (404) otherwise."""
         ...
 
     async def models(self) -> list[ModelCard]:
@@ -173,7 +172,7 @@ class StaticGate:
             return ModelTarget(self.served_model_name, None)
         lora = self.loras.get(model)
         if lora is None:
-            raise UnknownAdapterError(model)
+            raise AdapterNotFoundError.for_model(model)
         return ModelTarget(model, lora)
 
     async def models(self) -> list[ModelCard]:

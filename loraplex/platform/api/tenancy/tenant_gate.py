@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
+from loraplex.adapters import AdapterNotFoundError
 from loraplex.platform.api.background import BackgroundWork
 from loraplex.platform.api.catalog.engine_adapters import EngineAdapters
 from loraplex.platform.api.errors import APIError
 from loraplex.platform.api.services import adapters, usage
-from loraplex.platform.api.services.errors import NotFound
 from loraplex.platform.api.services.tenants import engine_tenant_id
 from loraplex.platform.api.tenancy.auth_cache import Authenticator, TTLCache
 from loraplex.platform.api.tenancy.gate import (
@@ -48,10 +48,11 @@ from loraplex.platform.api.tenancy.latencies import RecentLatencies, time_to_fir
 from loraplex.platform.api.tenancy.quotas import Quota, QuotaDecision, QuotaLimiter, Reservation
 from loraplex.platform.api.tenancy.quotas.refusal import quota_refusal
 from loraplex.platform.api.usage_buffer import UsageBuffer
-from loraplex.platform.engine.async_engine import AsyncEngine, RequestStream
-from loraplex.platform.engine.errors import InvalidParameterError, UnknownAdapterError
+from loraplex.platform.engine.async_engine import AsyncEngine
+from loraplex.platform.engine.errors import InvalidParameterError
 from loraplex.platform.engine.inputs import PromptType
 from loraplex.platform.engine.outputs import RequestOutput
+from loraplex.platform.engine.request_stream import RequestStream
 from loraplex.platform.engine.sampling_params import SamplingParams
 from loraplex.platform.settings import AuthMode
 from loraplex.storage.db import Adapter, Database, DatabaseUnavailable, Tenant, UsageStatus
@@ -267,7 +268,7 @@ class TenantGate:
         return TenantCall(self, await self.authenticator.tenant(request))
 
     async def resolve_adapter(self, tenant: Tenant, model: str) -> Adapter:
-        """The adapter version ``model`` names for ``tenant``; ``UnknownAdapterError`` (404) if none.
+        """The adapter version ``model`` names for ``tenant``; ``AdapterNotFoundError`` (404) if none.
 
         Always from the database while it answers (an upload or a deletion takes effect at
         once); while it is unreachable, the last answer up to the auth cache's TTL + stale
@@ -278,9 +279,9 @@ class TenantGate:
         try:
             async with self.db.transaction() as session:
                 adapter = await adapters.resolve_adapter(session, tenant, model, self.shared_tenant)
-        except NotFound:
+        except AdapterNotFoundError:
             self.resolutions.discard(key)
-            raise UnknownAdapterError(model) from None
+            raise
         except DatabaseUnavailable:
             cached = self.resolutions.get(key, self.authenticator.ttl_s + self.authenticator.stale_s)
             if cached is None or cached[1] != self._epoch_of(cached[0]):

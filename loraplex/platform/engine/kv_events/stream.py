@@ -20,7 +20,7 @@ from loraplex.platform.engine.kv_events.config import KVEventsConfig
 from loraplex.platform.engine.kv_events.publisher import PublisherCounters, ZmqEventPublisher
 from loraplex.platform.engine.kv_events.wire import EventBatch
 from loraplex.storage.kv.kv_events import KVEventLog
-from loraplex.storage.kv.tiered_kv import TieredKV
+from loraplex.storage.kv.tiers.tiered_kv import TieredKV
 
 
 class KVEventStream:

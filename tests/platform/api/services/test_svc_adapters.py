@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 from support.rows import make_tenant, new_adapter
 
+from loraplex.adapters import AdapterNotFoundError
 from loraplex.platform.api.services import adapters, tenants
 from loraplex.platform.api.services.adapters import NewAdapter, model_name
 from loraplex.platform.api.services.errors import Conflict, InvalidInput, NotFound, QuotaExceeded
@@ -27,9 +28,9 @@ async def _resolve(db: Database, caller: Tenant, model: str) -> Adapter:
 
 
 async def _not_found(db: Database, caller: Tenant, model: str) -> str:
-    with pytest.raises(NotFound) as error:
+    with pytest.raises(AdapterNotFoundError) as error:
         await _resolve(db, caller, model)
-    assert (error.value.kind, error.value.name) == ("model", model)
+    assert error.value.name == model
     return str(error.value)
 
 
@@ -69,8 +70,9 @@ async def test_another_tenants_private_adapter_looks_missing(database: Database)
     await _register(database, acme, new_adapter("sql"))
     private = await _not_found(database, beta, "acme/sql")
     missing = await _not_found(database, beta, "acme/nothing-here")
-    assert private == "model 'acme/sql' not found"
-    assert missing == "model 'acme/nothing-here' not found"  # the same answer, but for the name asked
+    # The same answer for another tenant's private adapter and a missing one, but for the name asked.
+    assert private == "The model 'acme/sql' does not exist."
+    assert missing == "The model 'acme/nothing-here' does not exist."
     await _not_found(database, beta, "sql")  # a bare name is the caller's own namespace
     await _not_found(database, beta, "nobody/sql")
     await _not_found(database, beta, "a/b/c")

@@ -28,10 +28,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from loraplex.platform.settings import FailurePolicy
+from loraplex.platform.settings import FailurePolicy, GatewaySettings
 
 QuotaReason = Literal["rpm", "tpm", "concurrency", "request_over_tpm", "unavailable"]
 FAILURE_POLICIES: tuple[FailurePolicy, ...] = ("fail_closed", "fail_open")
+_GATEWAY_DEFAULTS = {name: info.default for name, info in GatewaySettings.model_fields.items()}
 
 
 @dataclass(frozen=True)
@@ -58,12 +59,14 @@ class Quota:
 
 @dataclass(frozen=True)
 class QuotaSettings:
-    """How the limiters count; a server setting each, the same for every tenant."""
+    """How the limiters count, the same for every tenant. The three that are server settings
+    take their defaults from ``GatewaySettings`` (their one declaration, with their docs:
+    ``quota_window_s``, ``quota_failure_policy``, ``quota_key_prefix``); the rest are the
+    limiters' own tuning."""
 
-    window_s: float = 60.0
+    window_s: float = _GATEWAY_DEFAULTS["quota_window_s"]
     """Length of the sliding window of ``rpm`` and ``tpm`` (tests shorten it)."""
-    failure_policy: FailurePolicy = "fail_closed"
-    """When Redis is unreachable: refuse every limited request (503), or admit without counting."""
+    failure_policy: FailurePolicy = _GATEWAY_DEFAULTS["quota_failure_policy"]
     lease_s: float = 30.0
     """A concurrency slot in Redis expires this long after its last refresh, so the slots of a
     replica that died free themselves; live replicas refresh theirs every ``lease_s / 3``."""
@@ -75,8 +78,7 @@ class QuotaSettings:
     """While Redis is down, at most one call per interval tries it; the others answer by policy at once."""
     redis_timeout_s: float = 0.5
     """Connect and read timeout of the Redis client that ``connect_redis`` builds."""
-    key_prefix: str = "lpx"
-    """Prefix of every Redis key (``<prefix>:{<tenant>}:rpm``...); several deployments can share a Redis."""
+    key_prefix: str = _GATEWAY_DEFAULTS["quota_key_prefix"]
 
     def __post_init__(self) -> None:
         for name in (

@@ -6,7 +6,7 @@ or disk bytes are configured, the ``TierManager``, and wires the two together it
     pool.on_evict -> tiers.on_device_evict   a cached block the pool reuses goes down a tier
     pool.on_cache -> tiers.on_device_cache   a key the device caches (recomputed) leaves host/disk
 
-so that every cached block has one location (``kv_tier``). Whole-cache operations run
+so that every cached block has one location (``contracts``). Whole-cache operations run
 here, with the device pool's keys wherever the tiers need them::
 
     reset()              forget every cached block on every tier (the caller checks it is idle)
@@ -15,7 +15,7 @@ here, with the device pool's keys wherever the tiers need them::
     check_integrity()    the block manager, then the tiers against the device's cached keys
     prefix_cache_stats() / tier_metrics() / block_counts()   read-only, for a stats snapshot
 
-Per-sequence work (admission, promotion, swap: ``tiered_prefix`` and the engine's tier
+Per-sequence work (admission, promotion, swap: ``prefix_promotion`` and the engine's tier
 admission) uses the two parts, ``block_manager`` and ``tiers``, directly.
 
 ``attach_events(log)`` has every tier report the blocks it stores and drops to one
@@ -35,8 +35,8 @@ from loraplex.storage.kv.kv_cache import KVCache
 from loraplex.storage.kv.kv_events import AllCleared, KVEventLog
 from loraplex.storage.kv.prefix_cache import PrefixCacheStats
 from loraplex.storage.kv.sliced import Steps, run_to_end
-from loraplex.storage.kv.tier_manager import TierManager
-from loraplex.storage.kv.tier_metrics import TierMetrics
+from loraplex.storage.kv.tiers.manager import TierManager
+from loraplex.storage.kv.tiers.metrics import TierMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ class TieredKV:
     def check_integrity(self) -> None:
         """Blocks and ref counts (``KVBlockManager.check_integrity``), then the tiers with the
         device's cached keys: no key cached on the device is also held below (one location
-        per block, but for a promotion's superseded keys: ``tier_manager``)."""
+        per block, but for a promotion's superseded keys: ``manager``)."""
         self.block_manager.check_integrity()
         if self.tiers is not None:
             self.tiers.check_integrity(self.block_manager.pool.cached_keys())

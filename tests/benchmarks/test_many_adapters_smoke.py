@@ -1,4 +1,4 @@
-"""Smoke test: the multi-LoRA benchmark's many-adapters mode (issue 29) at a tiny scale."""
+"""Smoke test: the many-adapters benchmark (issue 29) at a tiny scale."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from support.benchmarks import load_benchmark
 
 
 def test_uniform_mix_gives_each_adapter_one_or_two_requests() -> None:
-    bench = load_benchmark("multi_lora_throughput")
+    bench = load_benchmark("many_adapters")
     for n, r in ((256, 384), (1024, 1536), (64, 128), (16, 16)):
         assign = bench.uniform_assignment(r, n, 42)
         hist = bench.adapter_histogram(assign, n)
@@ -21,7 +21,7 @@ def test_uniform_mix_gives_each_adapter_one_or_two_requests() -> None:
 
 
 def test_engine_args_pass_max_loras_only_for_a_cap() -> None:
-    bench = load_benchmark("multi_lora_throughput")
+    bench = load_benchmark("many_adapters")
     args = bench.parse_args(["--many-adapters", "256,1024", "--configs", "default,4,32"])
     assert args.configs == [None, 4, 32]
     assert (args.rank, args.lora_alpha, args.target_modules) == (8, 16, ["q_proj", "v_proj"])
@@ -37,22 +37,28 @@ def test_engine_args_pass_max_loras_only_for_a_cap() -> None:
 def test_time_limited_run_stops_and_frees_what_it_cut(tiny_dirs: dict[str, Path]) -> None:
     from loraplex import LLM
 
-    bench = load_benchmark("multi_lora_throughput")
+    runs = load_benchmark("many_adapters_runs")  # puts the repository root on sys.path
+    from benchmarks.common import random_token_workload
+    from benchmarks.lora_runs import aligned
+
     llm = LLM(str(tiny_dirs["gqa_tied"]), dtype="float32", num_kv_blocks=64, enable_prefix_caching=False)
-    wl = bench.random_token_workload(6, (8, 16), (32, 32), 49152, seed=3)
-    full = bench.run_loraplex_once(llm, "full", wl, [None] * 6, False)
-    cut = bench.run_loraplex_timed(llm, "cut", wl, [None] * 6, 0.0)  # one step, then the limit
+    wl = random_token_workload(6, (8, 16), (32, 32), 49152, seed=3)
+    full = runs.run_loraplex_once(llm, "full", wl, [None] * 6, False)
+    cut = runs.run_loraplex_timed(llm, "cut", wl, [None] * 6, 0.0)  # one step, then the limit
     assert cut.extra["finished_requests"] == 0 and not llm.llm_engine.has_unfinished_requests()
     assert 0 < cut.output_tokens < full.output_tokens
+    assert cut.extra["engine_steps"] == 1 and full.extra["engine_steps"] > 1
     # What the cut run generated is the start of what the full run generated.
-    x, y = bench._aligned(full.outputs, cut.outputs)
+    x, y = aligned(full.outputs, cut.outputs)
     assert x == y and len(x) == sum(1 for o in cut.outputs if o)
-    assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_blocks
+    # Every device block is free again (EngineStats.kv, published after the aborts).
+    kv = runs.engine_stats(llm.llm_engine).kv
+    assert kv.num_used_device_blocks == kv.num_adapter_device_blocks == 0
 
 
 @pytest.mark.slow
-def test_many_adapters_mode_tiny(tmp_path: Path, tiny_dirs: dict[str, Path]) -> None:
-    bench = load_benchmark("multi_lora_throughput")
+def test_many_adapters_tiny(tmp_path: Path, tiny_dirs: dict[str, Path]) -> None:
+    bench = load_benchmark("many_adapters")
     out = tmp_path / "many.json"
     plot = tmp_path / "many.png"
     report = bench.main(
@@ -92,6 +98,10 @@ def test_many_adapters_mode_tiny(tmp_path: Path, tiny_dirs: dict[str, Path]) -> 
     assert data["configs"]["max_loras=8"]["time_limit_s"] is None
     assert data["configs"]["max_loras=2"]["time_limit_s"] == 120
     assert data["configs"]["max_loras=2"]["engine_args"]["max_loras"] == 2
+    # The engine's EngineStats.adapters at each configuration's end, and what its limits resolved to.
+    stats = data["configs"]["max_loras=2"]["adapter_stats"]
+    assert stats["max_loras"] == 2 and stats["num_registered"] >= 9 and stats["num_slot_loads"] > 0
+    assert data["configs"]["max_loras=2"]["resolved"]["max_loras"] == 2
     # What the adapter tiers did in each run (counters named loads / reads / evictions).
     assert all(isinstance(run["adapter_moves"], dict) for run in data["runs"].values())
     for base in data["base"].values():

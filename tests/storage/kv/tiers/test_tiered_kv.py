@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplex.storage.kv import block_codec
 from loraplex.storage.kv.block_hash import BlockKey, block_keys, root_key
 from loraplex.storage.kv.kv_cache import KVCache
 from loraplex.storage.kv.prefix_cache import PrefixHit
-from loraplex.storage.kv.tiered_kv import KVBlockCounts, PersistReport, TieredKV
-from loraplex.storage.kv.tiered_prefix import finish_promotion, start_promotion, tiered_continuation
+from loraplex.storage.kv.tiers import block_codec
+from loraplex.storage.kv.tiers.prefix_promotion import finish_promotion, start_promotion, tiered_continuation
+from loraplex.storage.kv.tiers.tiered_kv import KVBlockCounts, PersistReport, TieredKV
 
 BS = 4
 FP = b"model-A/layout-1"

@@ -23,9 +23,9 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loraplex.storage.kv import block_codec
-from loraplex.storage.kv.block_codec import RecordError, RecordFault
 from loraplex.storage.kv.kv_cache import KVBlockLayout
+from loraplex.storage.kv.tiers import block_codec
+from loraplex.storage.kv.tiers.block_codec import RecordError, RecordFault
 
 SLOT_FILE = re.compile(r"slot_(\d{6})\.kvb")
 LOCK_FILE = "LOCK"

@@ -1,6 +1,6 @@
 """The tier manager: moves cached KV blocks between the accelerator pool, host RAM and disk.
 
-Every cached block has exactly one authoritative location (``kv_tier``): the
+Every cached block has exactly one authoritative location (``contracts``): the
 accelerator pool (its prefix-cache index), a host slot, or a disk slot. The manager
 owns the host and disk pools and moves blocks between them and the device::
 
@@ -56,13 +56,13 @@ from typing import TypeVar
 
 import torch
 
-from loraplex.storage.kv.disk_pool import DiskKVPool
-from loraplex.storage.kv.host_pool import HostKVPool
 from loraplex.storage.kv.kv_cache import KVBlockLayout
-from loraplex.storage.kv.kv_tier import DeviceBlockIO, KVTierPool, Location, Tier
 from loraplex.storage.kv.sliced import Steps, chunks, run_to_end
-from loraplex.storage.kv.tier_metrics import TierMetrics
-from loraplex.storage.kv.tier_transfers import (
+from loraplex.storage.kv.tiers.contracts import DeviceBlockIO, KVTierPool, Location, Tier
+from loraplex.storage.kv.tiers.disk_pool import DiskKVPool
+from loraplex.storage.kv.tiers.host_pool import HostKVPool
+from loraplex.storage.kv.tiers.metrics import TierMetrics
+from loraplex.storage.kv.tiers.transfers import (
     Promotion,
     PromotionResult,
     PromotionSource,
@@ -227,7 +227,7 @@ class TierManager:
         return None
 
     def prefetch(self, keys: Sequence[bytes]) -> Promotion:
-        """Start bringing a chain of ``keys`` up: pin host blocks, start disk reads (see ``tier_transfers``).
+        """Start bringing a chain of ``keys`` up: pin host blocks, start disk reads (see ``transfers``).
 
         The chain stops at the first key held by neither tier (or already being
         promoted); ``num_started`` says how many device blocks to ``assign``.

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplex.storage.kv import block_codec
 from loraplex.storage.kv.block_pool import BlockPool
-from loraplex.storage.kv.disk_pool import DiskKVPool
-from loraplex.storage.kv.host_pool import HostKVPool
 from loraplex.storage.kv.kv_cache import KVBlockLayout, KVCache
-from loraplex.storage.kv.kv_tier import Location, Tier
-from loraplex.storage.kv.tier_manager import TierManager
+from loraplex.storage.kv.tiers import block_codec
+from loraplex.storage.kv.tiers.contracts import Location, Tier
+from loraplex.storage.kv.tiers.disk_pool import DiskKVPool
+from loraplex.storage.kv.tiers.host_pool import HostKVPool
+from loraplex.storage.kv.tiers.manager import TierManager
 
 LAYOUT = KVBlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 BLOCK = LAYOUT.bytes_per_block

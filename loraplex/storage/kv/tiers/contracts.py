@@ -12,7 +12,7 @@ still holds (it computed the block again: after a failed read, a partial promoti
 beside a copy demoted meanwhile), the copy below is dropped (``BlockPool.on_cache`` ->
 ``TierManager.on_device_cache``, wired by ``TieredKV``). The one transient exception: a
 key a promotion is moving, which the device cached meanwhile, is *superseded* and leaves
-its tier when the promotion ends, unless the device evicted its copy first (``tier_manager``).
+its tier when the promotion ends, unless the device evicted its copy first (``manager``).
 ``TieredKV.check_integrity`` checks the rule with the device's keys; ``TieredKV.persist``
 copies the device's blocks down at shutdown and closes the tiers, ending it.
 
@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from loraplex.storage.kv.tier_metrics import TierMetrics
+from loraplex.storage.kv.tiers.metrics import TierMetrics
 
 
 class Tier(enum.Enum):

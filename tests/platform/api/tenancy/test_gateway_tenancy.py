@@ -23,7 +23,6 @@ from support.gateway import (
     Admin,
     bearer,
     completion_body,
-    engine_of,
     make_gateway,
     serving,
     settings_for,
@@ -262,7 +261,7 @@ async def test_concurrency_limit(client: httpx.AsyncClient, gateway_engine: Asyn
     key = await Admin(client).tenant_with_key("acme", max_concurrency=1)
     long = asyncio.create_task(complete(client, key, max_tokens=400))
     deadline = time.monotonic() + 30
-    while not engine_of(gateway_engine).has_unfinished_requests():
+    while not gateway_engine.stats.num_unfinished:
         assert time.monotonic() < deadline and not long.done(), "the long request never started"
         await asyncio.sleep(0.005)
     second = await complete(client, key, max_tokens=1)

@@ -28,7 +28,7 @@ from loraplex.storage.kv.kv_events import (
     KVEvent,
     KVEventLog,
 )
-from loraplex.storage.kv.tiered_kv import TieredKV
+from loraplex.storage.kv.tiers.tiered_kv import TieredKV
 
 OWNER = b"o" * 32
 ORIGIN = BlockOrigin("style", 7)

@@ -90,8 +90,8 @@ class PromotionSource(NamedTuple):
 class PromotionMover(Protocol):
     """What a ``Promotion`` calls back to move its blocks (``TierManager`` implements it).
 
-    A protocol rather than an import of the manager, so that ``tier_manager`` imports this
-    module and not the other way round (no import cycle inside ``storage.kv``).
+    A protocol rather than an import of the manager, so that ``manager`` imports this
+    module and not the other way round (no import cycle inside ``storage.kv.tiers``).
     """
 
     def copy_host_sources(self, promotion: Promotion) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.storage.kv.host_pool import HostKVPool
 from loraplex.storage.kv.kv_cache import KVBlockLayout
+from loraplex.storage.kv.tiers.host_pool import HostKVPool
 
 LAYOUT = KVBlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 

@@ -26,8 +26,8 @@ from loraplex.kernels.metadata import PAD_BLOCK_ID
 from loraplex.storage.kv.block_hash import BlockKey
 from loraplex.storage.kv.block_manager import KVBlockManager
 from loraplex.storage.kv.prefix_cache import PrefixHit
-from loraplex.storage.kv.tier_manager import TierManager
-from loraplex.storage.kv.tier_transfers import Promotion
+from loraplex.storage.kv.tiers.manager import TierManager
+from loraplex.storage.kv.tiers.transfers import Promotion
 
 
 @dataclass

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplex.storage.kv import block_codec
-from loraplex.storage.kv.disk_files import DiskPathError, DiskPathInUseError
-from loraplex.storage.kv.disk_pool import DiskKVPool
 from loraplex.storage.kv.kv_cache import KVBlockLayout
 from loraplex.storage.kv.sliced import run_to_end
+from loraplex.storage.kv.tiers import block_codec
+from loraplex.storage.kv.tiers.disk_files import DiskPathError, DiskPathInUseError
+from loraplex.storage.kv.tiers.disk_pool import DiskKVPool
 
 LAYOUT = KVBlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 RECORD = block_codec.record_bytes(LAYOUT)

@@ -35,7 +35,7 @@ import torch
 
 from loraplex.storage.kv.kv_cache import KVBlockLayout
 from loraplex.storage.kv.kv_events import CPU, KVEventLog
-from loraplex.storage.kv.tier_metrics import TierCounters, TierMetrics
+from loraplex.storage.kv.tiers.metrics import TierCounters, TierMetrics
 
 logger = logging.getLogger(__name__)
 

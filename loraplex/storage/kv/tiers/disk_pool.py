@@ -44,14 +44,14 @@ from types import TracebackType
 
 import torch
 
-from loraplex.storage.kv import block_codec
-from loraplex.storage.kv.block_codec import RecordError, RecordFault
-from loraplex.storage.kv.disk_files import RestartReport, SlotFiles, preallocate_slots, scan_slots
-from loraplex.storage.kv.disk_slots import PendingWrite, SlotTable
 from loraplex.storage.kv.kv_cache import KVBlockLayout
 from loraplex.storage.kv.kv_events import STORAGE, KVEventLog
 from loraplex.storage.kv.sliced import WAIT, Steps, chunks, run_to_end
-from loraplex.storage.kv.tier_metrics import TierCounters, TierMetrics
+from loraplex.storage.kv.tiers import block_codec
+from loraplex.storage.kv.tiers.block_codec import RecordError, RecordFault
+from loraplex.storage.kv.tiers.disk_files import RestartReport, SlotFiles, preallocate_slots, scan_slots
+from loraplex.storage.kv.tiers.disk_slots import PendingWrite, SlotTable
+from loraplex.storage.kv.tiers.metrics import TierCounters, TierMetrics
 
 logger = logging.getLogger(__name__)
 
