@@ -403,15 +403,13 @@ def test_identity_and_content_addressed_store(
     (pretty / CONFIG).write_text(json.dumps(config, indent=7, sort_keys=False))
     b = manager.add_lora(LoRARequest("french-copy", 2, str(pretty)), owner="acme")
     assert b.version == a.version and b.folder == a.folder
-    assert (
-        manager.get_adapter(2).version != manager.add_lora(LoRARequest("x", 3, str(adapters[2]))).version
-    )
+    assert manager.get_adapter(2).version != manager.add_lora(LoRARequest("x", 3, str(adapters[2]))).version
     assert sorted(p.name for p in store_dir.iterdir()) == sorted({a.version, manager.get_adapter(3).version})
 
     # Idempotent re-add; conflicting id or (owner, name) is refused.
-    assert manager.add_lora(
-        LoRARequest("french", 1, str(adapters[1])), owner="acme"
-    ) == manager.get_adapter(1)
+    assert manager.add_lora(LoRARequest("french", 1, str(adapters[1])), owner="acme") == manager.get_adapter(
+        1
+    )
     with pytest.raises(AdapterExistsError, match="id 1"):
         manager.add_lora(LoRARequest("french", 1, str(adapters[2])), owner="acme")
     with pytest.raises(AdapterExistsError, match="named 'french'"):

@@ -245,9 +245,7 @@ def test_magnitude_bound_depends_on_the_serving_dtype(tmp_path: Path, make_manag
         make_manager(dtype=torch.float16).add_lora(LoRARequest("a", 1, str(path)))
     assert info.value.reason == "weight_magnitude"
     assert "256" in str(info.value)  # sqrt(65504), the bound the message names
-    make_manager(dtype=torch.float32, store_dir=tmp_path / "store32").add_lora(
-        LoRARequest("a", 1, str(path))
-    )
+    make_manager(dtype=torch.float32, store_dir=tmp_path / "store32").add_lora(LoRARequest("a", 1, str(path)))
 
 
 @pytest.mark.parametrize(
