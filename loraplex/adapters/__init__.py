@@ -5,6 +5,9 @@
 | ``manager`` | ``AdapterManager``: what the engine talks to; the registry, the tiers and the lock |
 | ``residency`` | ``DeviceResidency``: the device tier: slots, page tables, loads, LRU eviction |
 | ``page_pool`` | ``LoRAPagePool``: adapter weights in rank-granular pages, per projection group |
+| ``page_table`` | ``PageTable``, ``Remaps``, ``pages_needed``: an adapter's pages per group; their moves |
+| ``group_pool`` | ``GroupPool``: one group's page tensors per layer, scales, free list; writing pages |
+| ``page_placement`` | ``Placement``: where the group tensors lie in the arena; packing, views, check |
 | ``page_arena`` | ``PageArena``: the memory the pages are laid out in (KV blocks, or ``OwnedArena``) |
 | ``slot_table`` / ``slot_buffers`` | slot states, pins and LRU; what one projection hands the kernels |
 | ``load_times`` / ``resident`` | device load durations (a histogram); which adapters are resident where |

@@ -53,7 +53,7 @@ from loraplex.adapters.host_cache import HostAdapterCache
 from loraplex.adapters.identity import AdapterIdentity
 from loraplex.adapters.load_times import EMPTY_LOAD_TIMES, LoadTimes, LoadTimesSnapshot
 from loraplex.adapters.page_arena import OwnedArena, PageArena
-from loraplex.adapters.page_pool import PageTable, pages_needed
+from loraplex.adapters.page_table import PageTable, pages_needed
 from loraplex.adapters.peft_weights import AdapterWeights
 from loraplex.adapters.registry import AdapterEntry, AdapterInfo, AdapterRegistry, Tier
 from loraplex.adapters.request import LoRARequest

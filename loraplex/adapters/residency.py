@@ -1,7 +1,7 @@
 """The device tier: which adapters are resident, their slots, and their pages in the pool.
 
 A resident adapter has a slot (``slot_table.py``: the handle tokens carry, its pins and
-its place in the LRU order) and a page table (``page_pool.py``: its pages per projection
+its place in the LRU order) and a page table (``page_table.py``: its pages per projection
 group). Making an adapter resident evicts least recently used unpinned adapters until a
 slot and its pages fit; ``give_back_memory`` evicts them to hand arena blocks back to the
 KV cache. Pages that a compaction moves are followed in every page table here, so the
@@ -18,7 +18,8 @@ import torch
 
 from loraplex.adapters.errors import NoFreeSlotError
 from loraplex.adapters.page_arena import PageArena
-from loraplex.adapters.page_pool import LoRAPagePool, PageTable, Remaps, pages_needed
+from loraplex.adapters.page_pool import LoRAPagePool
+from loraplex.adapters.page_table import PageTable, Remaps, pages_needed
 from loraplex.adapters.peft_weights import AdapterWeights
 from loraplex.adapters.slot_table import SlotTable
 from loraplex.adapters.spec import BaseModelSpec, GroupName

@@ -54,7 +54,7 @@ from loraplex.adapters import (
     StagedAdapter,
 )
 from loraplex.adapters.page_arena import PageArena
-from loraplex.adapters.page_pool import PageTable
+from loraplex.adapters.page_table import PageTable
 from loraplex.kernels.cpu.lora import BoundSite, PackedWeights
 from loraplex.kernels.metadata import LoRAMetadata
 from loraplex.kernels.registry import select_lora_backend

@@ -18,7 +18,7 @@ from support.adapters import make_peft_adapter
 from support.engines import make_engine
 
 from loraplex import LoRARequest, SamplingParams
-from loraplex.adapters.page_pool import pages_needed
+from loraplex.adapters.page_table import pages_needed
 from loraplex.platform.engine.engine import LLMEngine
 
 BLOCK = 8
