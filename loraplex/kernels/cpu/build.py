@@ -45,9 +45,11 @@ SOURCES = (
     "pointwise.c",
     "kv_write.c",
     "quant_linear.c",
-    "quant_x16.c",
+    "quant_x16.c",  # the interleaved formats' projection (its AVX2 tiles: quant_x16_avx2.h)
+    "quant_x16_quantize.c",  # their activation quantizers
+    "quant_x16_layout.c",  # their layout: GGUF rows interleaved in place, rows read back
     "quant_amx.c",
-)  # compiled; every *.c and *.h here goes into the cache key
+)  # compiled, each to its own object with the same CFLAGS; every *.c and *.h here goes into the cache key
 CFLAGS = (
     "-O3",
     "-march=native",

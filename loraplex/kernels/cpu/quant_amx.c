@@ -5,7 +5,7 @@
  * int8 x (ids 13-15, gguf_a8: llama.cpp's arithmetic, the same integers as quant_x16.c):
  *     C = A . B per 32-block with TDPBSSD; A = 16 rows of x quantized per block (int8), B = a
  *     block of 16 weight rows as signed bytes (8 tile rows x 64 bytes: row j = weights 4j ..
- *     4j+3 of each column, quant_x16.c's chunk layout); each block has its own scales, so the
+ *     4j+3 of each column, quant_x16_layout.h's chunk layout); each block has its own scales, so the
  *     int32 tile is stored after every block and scaled into 16 float accumulators:
  *     acc[t] += d * dx[t] * C[t] (+ m * dx[t] * sum(q[t]) for Q4_1).
  *
@@ -170,7 +170,7 @@ AMX_TARGET int64_t loraplex_qx16_amx(const float *x, int64_t x_stride, const uin
                 uint8_t *row = xa + t / QA_ROWS * nb * tb + t % QA_ROWS * (bf16 ? 64 : 32);
                 if (bf16)
                     split_row_bf16(x + t * x_stride, k, row, tb);
-                else /* quant_x16.c's int8 quantization, into the tile layout */
+                else /* quant_x16_quantize.c's int8 quantization, into the tile layout */
                     loraplex_qx16_quantize_row_i8(x + t * x_stride, k, (int8_t *)row, tb, dx + t * nb, sx + t * nb,
                                                   ms + t * nb);
             }

@@ -1,7 +1,7 @@
 /*
  * quant_amx.c's int8-activation kernel (gguf_a8: llama.cpp's arithmetic on AMX's int8 tiles):
  * a group's blocks as signed-byte B tiles, TDPBSSD per block and the per-block scaling into
- * float accumulators (x is quantized by quant_x16.c's loraplex_qx16_quantize_row_i8). Included once by quant_amx.c, after
+ * float accumulators (x is quantized by quant_x16_quantize.c's loraplex_qx16_quantize_row_i8). Included once by quant_amx.c, after
  * its tile macros and lane_ints; no include guard on purpose.
  */
 

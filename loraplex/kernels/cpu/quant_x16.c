@@ -3,13 +3,8 @@
  * Q4_1 blocks of 16 weight rows stored side by side) with integer activations, laid out so
  * that one vector lane is one weight row.
  *
- * Layout of a group of 16 rows (rows g*16 .. g*16+15), block b (32 weights) of each:
- *     Q8_0x16: d[16] f16 | 8 chunks of [16 rows x 4 bytes] (q + 128, unsigned)     544 bytes
- *     Q4_0x16: d[16] f16 | 4 chunks of [16 rows x 4 bytes of qs]                    288 bytes
- *     Q4_1x16: d[16] f16 | m[16] f16 | 4 chunks of [16 rows x 4 bytes of qs]        320 bytes
- * A chunk is one 64-byte vector: lane r holds 4 consecutive bytes of row r. In a Q4 chunk c,
- * the low nibbles are weights 4c .. 4c+3 of the block, the high nibbles 16+4c .. 16+4c+3
- * (ggml's nibble order).
+ * The layout (a group of 16 rows, per block its scales then 64-byte chunks, one row per 32-bit
+ * lane) is described in quant_x16_layout.h; this file is the projection itself:
  *
  *     every row of x is quantized per 32-block: q = round(x / dx), dx = amax / 32767 (int16,
  *     format ids 10-12) or amax / 127 (int8, llama.cpp's Q8 activations, ids 13-15), and the
@@ -24,16 +19,20 @@
  * The "panels" plan (tests, comparison) decodes each group to floats into a panel, exactly,
  * and runs the float panel kernel on it, as quant_linear.c's panel plan.
  *
- * Without AVX-512 VNNI the same loops run on GCC vectors (shifted lanes, multiply, add): the
- * AVX2 and generic builds compute the same integers.
+ * Without AVX-512 VNNI the same loops run on GCC vectors (shifted lanes, multiply, add), or on
+ * AVX2 (no AVX-512) the 8-lane tiles of quant_x16_avx2.h: the AVX2 and generic builds compute the
+ * same integers.
+ *
+ * The quantizers are in quant_x16_quantize.c, the layout's conversions (GGUF rows interleaved in
+ * place, rows read back for the tied embedding) in quant_x16_layout.c, what they share in
+ * quant_x16_common.h; AMX (steps of many rows) in quant_amx.c.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "quant_x16_layout.h"
-#include "vec_tiles.h"
+#include "quant_x16_common.h"
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -41,140 +40,16 @@
 static inline int omp_get_thread_num(void) { return 0; }
 #endif
 
-#if defined(__AVX512F__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
-
 #define QX_TILE 8 /* rows of x per register tile of the dot products */
-#define GROUP 16
 #define QX_ROW_CHUNK 128 /* rows of x per pass over the weights */
 #define QX_PRIVATE_X_M 4 /* rows of x each thread quantizes for itself (no barrier) */
 #define QX16_DIRECT_MAX_M_NO_VNNI 32 /* "auto": rows of x past it run the float panels (int16 x, no VNNI) */
-
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
 
 int64_t loraplex_linear_panel_width(void);
 int64_t loraplex_qx16_has_vnni(void);
 int64_t loraplex_qx16_direct_max_m(int format);
 int64_t loraplex_linear_f32(const float *x, int64_t x_stride, const float *wp, const float *bias, float *y,
                             int64_t y_stride, int64_t m, int64_t n, int64_t k, int num_threads);
-
-/* 16 float16 values (one per row) as floats. */
-static inline v16 f16x16(const uint8_t *p) {
-#if defined(__AVX512F__)
-    const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-    v16 v;
-    memcpy(&v, &f, sizeof v);
-    return v;
-#elif defined(__F16C__)
-    float tmp[16];
-    _mm256_storeu_ps(tmp, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)));
-    _mm256_storeu_ps(tmp + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16))));
-    return vload(tmp);
-#else
-    float tmp[16];
-    for (int i = 0; i < 16; ++i) {
-        uint16_t h;
-        memcpy(&h, p + 2 * i, 2);
-        const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
-        uint32_t bits;
-        if (exp == 0) {
-            const float f = (float)mant * (1.0f / 16777216.0f);
-            memcpy(&bits, &f, 4);
-            bits |= sign;
-        } else if (exp == 31) {
-            bits = sign | 0x7F800000u | (mant << 13);
-        } else {
-            bits = sign | ((exp + 112) << 23) | (mant << 13);
-        }
-        memcpy(&tmp[i], &bits, 4);
-    }
-    return vload(tmp);
-#endif
-}
-
-/* One row of x per 32-block: q (int8; block b's 32 values at q + b * block_stride: 32 for the
- * row's order, quant_amx.c passes its tile layout's), dx and the sum of q. */
-void loraplex_qx16_quantize_row_i8(const float *x, int64_t k, int8_t *q, int64_t block_stride, float *dx,
-                                   int32_t *sx, float *ms) {
-#if defined(__AVX512F__)
-    /* the same values with whole-block vectors (GCC's loop below is ~1.2x slower: a 2,048-row
-     * prefill's int8 AMX projections spent a tenth of their time here) */
-    const __m512 flt_max = _mm512_set1_ps(3.4028235e38f);
-    for (int64_t b = 0; b < k / 32; ++b) {
-        const __m512 a0 = _mm512_loadu_ps(x + 32 * b), a1 = _mm512_loadu_ps(x + 32 * b + 16);
-        const __m512 b0 = _mm512_abs_ps(a0), b1 = _mm512_abs_ps(a1);
-        const int finite = _mm512_cmp_ps_mask(b0, flt_max, _CMP_LE_OQ) == 0xFFFF &&
-                           _mm512_cmp_ps_mask(b1, flt_max, _CMP_LE_OQ) == 0xFFFF; /* false for NaN, inf */
-        const float amax = finite ? _mm512_reduce_max_ps(_mm512_max_ps(b0, b1)) : 0.0f;
-        const float d = finite ? amax / 127.0f : NAN, id = finite && d != 0.0f ? 1.0f / d : 0.0f;
-        /* the current rounding mode: half to even, as nearbyintf and torch.round */
-        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(a0, _mm512_set1_ps(id)));
-        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(a1, _mm512_set1_ps(id)));
-        _mm_storeu_si128((__m128i *)(q + block_stride * b), _mm512_cvtepi32_epi8(q0));
-        _mm_storeu_si128((__m128i *)(q + block_stride * b + 16), _mm512_cvtepi32_epi8(q1));
-        const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-        dx[b] = d;
-        sx[b] = s;
-        ms[b] = d * (float)s; /* Q4_1's min term: m * dx * sum(q) */
-    }
-#else
-    for (int64_t b = 0; b < k / 32; ++b) {
-        const float *xb = x + 32 * b;
-        float amax = 0.0f;
-        int finite = 1;
-        for (int i = 0; i < 32; ++i) {
-            const float a = fabsf(xb[i]);
-            amax = a > amax ? a : amax; /* not fmaxf: a libm call per value; NaN is caught below */
-            finite &= fabsf(xb[i]) <= 3.4028235e38f; /* false for NaN and inf */
-        }
-        /* a NaN or inf makes the block's scale NaN, so the outputs are NaN as in float32 */
-        const float d = finite ? amax / 127.0f : NAN, id = finite && d != 0.0f ? 1.0f / d : 0.0f;
-        int32_t s = 0;
-        for (int i = 0; i < 32; ++i) {
-            const int v = (int)nearbyintf(xb[i] * id); /* round half to even, as torch.round */
-            q[block_stride * b + i] = (int8_t)v;
-            s += v;
-        }
-        dx[b] = d;
-        sx[b] = s;
-        ms[b] = d * (float)s; /* Q4_1's min term: m * dx * sum(q) */
-    }
-#endif
-}
-
-/* One row of x per 32-block as int16 pairs for vpdpwssd: q = round(x / dx), dx = amax / qmax (32767;
- * 127 for int8 activations computed by the int16 kernels: the same q as loraplex_qx16_quantize_row_i8);
- * xp[16 * b + 2 * c] packs (q[4c], q[4c + 2]), xp[16 * b + 2 * c + 1] (q[4c + 1], q[4c + 3]), c = 0..7:
- * the weights a chunk's 16-bit lanes hold after masking (see dot_group). */
-static void quantize_row16(const float *x, int64_t k, int32_t *xp, float *dx, int32_t *sx, float *ms,
-                           const float qmax) {
-    for (int64_t b = 0; b < k / 32; ++b) {
-        const float *xb = x + 32 * b;
-        float amax = 0.0f;
-        int finite = 1;
-        for (int i = 0; i < 32; ++i) {
-            const float a = fabsf(xb[i]);
-            amax = a > amax ? a : amax; /* not fmaxf: a libm call per value; NaN is caught below */
-            finite &= fabsf(xb[i]) <= 3.4028235e38f;
-        }
-        const float d = finite ? amax / qmax : NAN, id = finite && d != 0.0f ? 1.0f / d : 0.0f;
-        int32_t q[32], s = 0;
-        for (int i = 0; i < 32; ++i) {
-            q[i] = (int32_t)nearbyintf(xb[i] * id);
-            s += q[i];
-        }
-        for (int c = 0; c < 8; ++c) {
-            xp[16 * b + 2 * c] = (int32_t)(((uint32_t)q[4 * c] & 0xFFFF) | ((uint32_t)q[4 * c + 2] << 16));
-            xp[16 * b + 2 * c + 1] = (int32_t)(((uint32_t)q[4 * c + 1] & 0xFFFF) | ((uint32_t)q[4 * c + 3] << 16));
-        }
-        dx[b] = d;
-        sx[b] = s;
-        ms[b] = d * (float)s; /* Q4_1's min term: m * dx * sum(q) */
-    }
-}
 
 /* isum += (lane's low int16 pair member) * x_lo + (high) * x_hi, pairs of x packed in x32;
  * the weights' 16-bit lanes are non-negative here (masked nibbles or bytes + 128). */
@@ -242,131 +117,7 @@ static inline i32x16 load_i32x16(const uint8_t *p) {
 
 static inline v16 to_float(const i32x16 v) { return __builtin_convertvector(v, v16); }
 
-#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__) && !defined(__AVX512F__)
-#define QX_AVX2 1
-/* The AVX2 kernels' per-block epilogue for rows t < tm of x, one 8-row half of a group:
- * acc[t] += d[r] * dx * (isum[t] - offset * sum(q)) (+ m[r] * dx * sum(q) for Q4_1), where
- * offset is 128 for Q8_0 (its weights are stored + 128), 8 for Q4_0. */
-static inline __attribute__((always_inline)) void block_scale_avx2(const int fmt, const uint8_t *blk, const int half,
-                                                                   const __m256i *isum, const float *dx,
-                                                                   const int32_t *sx, const float *ms, int64_t nb,
-                                                                   int64_t b, __m256 *acc, const int tm) {
-    const int offset = fmt == X_Q8_0 ? 128 : fmt == X_Q4_0 ? 8 : 0;
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * half)));
-    _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) {
-        __m256i v = isum[t];
-        if (offset) v = _mm256_sub_epi32(v, _mm256_set1_epi32(offset * sx[t * nb + b]));
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(d, _mm256_set1_ps(dx[t * nb + b])), acc[t]);
-        if (fmt == X_Q4_1) {
-            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * half)));
-            acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(ms[t * nb + b]), acc[t]);
-        }
-    }
-}
-
-/* y[t, 8 half .. +8] = acc[t] (+ bias) for rows t < tm. */
-static inline __attribute__((always_inline)) void store_half_avx2(const __m256 *acc, const float *bias, float *y,
-                                                                  int64_t y_stride, const int tm, const int half) {
-    _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) {
-        const __m256 v = bias != NULL ? _mm256_add_ps(acc[t], _mm256_loadu_ps(bias + 8 * half)) : acc[t];
-        _mm256_storeu_ps(y + t * y_stride + 8 * half, v);
-    }
-}
-
-/* AVX2 (no AVX-512): the int16-activation dot products on 8 lanes (half a group: rows
- * 8h .. 8h+7, bytes 32h .. 32h+31 of each chunk) with vpmaddwd, up to 4 rows of x per call:
- * the 512-bit GCC vectors of dot_group's generic loop would need 32 ymm registers for a tile and spill. */
-static inline __attribute__((always_inline)) void dot16_half_avx2(const int fmt, const uint8_t *wg, int64_t nb,
-                                                                  const int32_t *xp, int64_t k, const float *dx,
-                                                                  const int32_t *sx, const float *ms, const float *bias, float *y,
-                                                                  int64_t y_stride, const int tm, const int half) {
-    const int64_t bb = x_block_bytes(fmt);
-    const int hb = x_head_bytes(fmt);
-    const __m256i mask = _mm256_set1_epi32(fmt == X_Q8_0 ? 0x00FF00FF : 0x000F000F);
-    __m256 acc[4];
-    _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) acc[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t *blk = wg + b * bb, *qs = blk + hb + 32 * half;
-        __m256i s[4];
-        _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) s[t] = _mm256_setzero_si256();
-        _Pragma("GCC unroll 1") for (int c = 0; c < (fmt == X_Q8_0 ? 8 : 4); ++c) {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(qs + 64 * c));
-            const __m256i q0 = _mm256_and_si256(w, mask), q1 = _mm256_and_si256(_mm256_srli_epi32(w, 8), mask);
-            _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) {
-                const int32_t *xb = xp + t * (k / 2) + 16 * b;
-                s[t] = _mm256_add_epi32(s[t], _mm256_madd_epi16(q0, _mm256_set1_epi32(xb[2 * c])));
-                s[t] = _mm256_add_epi32(s[t], _mm256_madd_epi16(q1, _mm256_set1_epi32(xb[2 * c + 1])));
-            }
-            if (fmt != X_Q8_0) { /* the high nibbles: weights 16 + 4c .. */
-                const __m256i q2 = _mm256_and_si256(_mm256_srli_epi32(w, 4), mask);
-                const __m256i q3 = _mm256_and_si256(_mm256_srli_epi32(w, 12), mask);
-                _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) {
-                    const int32_t *xb = xp + t * (k / 2) + 16 * b;
-                    s[t] = _mm256_add_epi32(s[t], _mm256_madd_epi16(q2, _mm256_set1_epi32(xb[2 * c + 8])));
-                    s[t] = _mm256_add_epi32(s[t], _mm256_madd_epi16(q3, _mm256_set1_epi32(xb[2 * c + 9])));
-                }
-            }
-        }
-        block_scale_avx2(fmt, blk, half, s, dx, sx, ms, k / 32, b, acc, tm);
-    }
-    store_half_avx2(acc, bias, y, y_stride, tm, half);
-}
-
-/* AVX2, int8 activations, Q4_0 / Q4_1 (Q8_0's a8 runs dot16_half_avx2 on int8-valued pairs: see
- * loraplex_qx16_f32): vpmaddubsw multiplies a lane's 4 unsigned nibbles by 4 signed bytes of x
- * into two int16 pair sums, 32 multiply-adds an instruction. A pair sum is at most
- * 2 * 15 * 127 = 3810, so a block's 8 of them add up in int16 (<= 30480) and one vpmaddwd by
- * ones widens them per block. */
-static inline __attribute__((always_inline)) void dot8_half_avx2(const int fmt, const uint8_t *wg, int64_t nb,
-                                                                 const int8_t *xq, int64_t k, const float *dx,
-                                                                 const int32_t *sx, const float *ms, const float *bias, float *y,
-                                                                 int64_t y_stride, const int tm, const int half) {
-    const int64_t bb = x_block_bytes(fmt);
-    const int hb = x_head_bytes(fmt);
-    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    __m256 acc[4];
-    _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) acc[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t *blk = wg + b * bb, *qs = blk + hb + 32 * half;
-        __m256i s[4];
-        _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) s[t] = _mm256_setzero_si256();
-        _Pragma("GCC unroll 4") for (int c = 0; c < 4; ++c) {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(qs + 64 * c));
-            const __m256i lo = _mm256_and_si256(w, mask), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), mask);
-            _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) {
-                const int32_t *x32 = (const int32_t *)(xq + t * k + 32 * b);
-                s[t] = _mm256_add_epi16(s[t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x32[c])));
-                s[t] = _mm256_add_epi16(s[t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x32[4 + c])));
-                /* keep the sum in order: GCC reassociates the integer adds into a tree of all
-                 * the block's products, which needs 32 live registers and spills */
-                __asm__("" : "+x"(s[t]));
-            }
-        }
-        _Pragma("GCC unroll 8") for (int t = 0; t < tm; ++t) s[t] = _mm256_madd_epi16(s[t], ones); /* widen */
-        block_scale_avx2(fmt, blk, half, s, dx, sx, ms, k / 32, b, acc, tm);
-    }
-    store_half_avx2(acc, bias, y, y_stride, tm, half);
-}
-
-/* One 8-row half of a group against up to 4 rows of x: int16 pairs (vpmaddwd) or int8 (Q4 only). */
-static inline __attribute__((always_inline)) void half_avx2(const int fmt, const int bits, const uint8_t *wg,
-                                                            int64_t nb, const int8_t *xq, int64_t k, const float *dx,
-                                                            const int32_t *sx, const float *ms, const float *bias,
-                                                            float *y, int64_t y_stride, const int tm, const int half) {
-    if (bits == 16)
-        dot16_half_avx2(fmt, wg, nb, (const int32_t *)xq, k, dx, sx, ms, bias, y, y_stride, tm, half);
-    else
-        dot8_half_avx2(fmt, wg, nb, xq, k, dx, sx, ms, bias, y, y_stride, tm, half);
-}
-/* GCC's -O3 schedules the unrolled tiles' products far ahead of their adds and spills them
- * (~900 ymm stack moves in dot16_X_Q4_1); -O2 keeps them in registers. */
-#define QX_ATTR_16 __attribute__((optimize("O2")))
-#define QX_ATTR_8 QX_ATTR_16
-#else
-#define QX_AVX2 0
-#define QX_ATTR_16
-#define QX_ATTR_8
-#endif
+#include "quant_x16_avx2.h" /* QX_AVX2: the AVX2 tiles dot_group runs where the build has them */
 
 /* y[t, g*16 .. +16] for rows t < tm of x (quantized) and group g; tm a constant at each call. */
 static inline __attribute__((always_inline)) void dot_group(const int fmt, const int bits, const uint8_t *wg,
@@ -604,7 +355,7 @@ int64_t loraplex_qx16_f32(const float *x, int64_t x_stride, const uint8_t *w, co
                         if (bits == 8)
                             loraplex_qx16_quantize_row_i8(x + t * x_stride, k, xqc + t * k, 32, dxc + t * nb, sxc + t * nb, msc + t * nb);
                         else
-                            quantize_row16(x + t * x_stride, k, (int32_t *)xqc + t * (k / 2), dxc + t * nb, sxc + t * nb, msc + t * nb,
+                            loraplex_qx16_quantize_row16(x + t * x_stride, k, (int32_t *)xqc + t * (k / 2), dxc + t * nb, sxc + t * nb, msc + t * nb,
                                            qmax);
                     }
                 } else {
@@ -613,7 +364,7 @@ int64_t loraplex_qx16_f32(const float *x, int64_t x_stride, const uint8_t *w, co
                         if (bits == 8)
                             loraplex_qx16_quantize_row_i8(x + t * x_stride, k, xq + t * k, 32, dx + t * nb, sx + t * nb, ms + t * nb);
                         else
-                            quantize_row16(x + t * x_stride, k, (int32_t *)xq + t * (k / 2), dx + t * nb, sx + t * nb, ms + t * nb,
+                            loraplex_qx16_quantize_row16(x + t * x_stride, k, (int32_t *)xq + t * (k / 2), dx + t * nb, sx + t * nb, ms + t * nb,
                                            qmax);
                     }
                 }
@@ -656,68 +407,4 @@ int64_t loraplex_qx16_f32(const float *x, int64_t x_stride, const uint8_t *w, co
         free(panel);
     }
     return failed ? -2 : 0;
-}
-
-/* Weight rows index[0 .. count) of W (an interleaved format, k weights a row) as floats into
- * out[count, k]: an embedding lookup from the tied table. Returns 0, -1 for a bad format. */
-int64_t loraplex_qx16_rows(const uint8_t *w, const int64_t *index, int64_t count, int64_t k, int format, float *out) {
-    if (format >= X_Q8_0 + 3) format -= 3;
-    if (format < X_Q8_0 || format > X_Q4_1 || k % 32 != 0) return -1;
-    const int64_t nb = k / 32, bb = x_block_bytes(format), hb = x_head_bytes(format);
-    for (int64_t i = 0; i < count; ++i) {
-        const int64_t lane = index[i] % GROUP;
-        const uint8_t *wg = w + index[i] / GROUP * nb * bb;
-        float *row = out + i * k;
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t *blk = wg + b * bb, *qs = blk + hb;
-            float tmp[16];
-            vstore(tmp, f16x16(blk));
-            const float d = tmp[lane];
-            if (format == X_Q8_0) {
-                for (int j = 0; j < 32; ++j) row[32 * b + j] = d * (float)((int)qs[64 * (j / 4) + 4 * lane + j % 4] - 128);
-            } else {
-                float m = -8.0f * d;
-                if (format == X_Q4_1) {
-                    vstore(tmp, f16x16(blk + 32));
-                    m = tmp[lane];
-                }
-                for (int j = 0; j < 16; ++j) {
-                    const uint8_t q = qs[64 * (j / 4) + 4 * lane + j % 4];
-                    row[32 * b + j] = d * (float)(q & 0xF) + m;
-                    row[32 * b + 16 + j] = d * (float)(q >> 4) + m;
-                }
-            }
-        }
-    }
-    return 0;
-}
-
-/* W [n, k / 32 blocks] in the GGUF layout of `format`'s base (Q8_0 / Q4_0 / Q4_1) rearranged
- * into `format`'s interleaved layout in place, one group of 16 rows at a time (a group's bytes
- * are the same span in both layouts): no second copy of the weight. Returns 0, -1 for a bad
- * format or shape, -2 without memory for one group. */
-int64_t loraplex_qx16_interleave(uint8_t *w, int64_t n, int64_t k, int format) {
-    if (format >= X_Q8_0 + 3) format -= 3;
-    if (format < X_Q8_0 || format > X_Q4_1 || k % 32 != 0 || n % GROUP != 0) return -1;
-    const int64_t nb = k / 32, bb = format == X_Q8_0 ? 34 : format == X_Q4_0 ? 18 : 20;
-    const int64_t head = format == X_Q4_1 ? 4 : 2, qbytes = bb - head, row_bytes = nb * bb;
-    uint8_t *tmp = malloc((size_t)(GROUP * row_bytes));
-    if (tmp == NULL) return -2;
-    for (int64_t g = 0; g < n / GROUP; ++g) {
-        uint8_t *span = w + g * GROUP * row_bytes;
-        memcpy(tmp, span, (size_t)(GROUP * row_bytes));
-        for (int64_t b = 0; b < nb; ++b) {
-            uint8_t *out = span + b * GROUP * bb;
-            for (int r = 0; r < GROUP; ++r) {
-                const uint8_t *blk = tmp + r * row_bytes + b * bb;
-                for (int64_t h = 0; h < head; h += 2) memcpy(out + GROUP * h + 2 * r, blk + h, 2);
-                for (int64_t q = 0; q < qbytes; ++q) {
-                    const uint8_t v = blk[head + q];
-                    out[GROUP * head + (q / 4) * 64 + 4 * r + q % 4] = format == X_Q8_0 ? (uint8_t)(v ^ 0x80) : v;
-                }
-            }
-        }
-    }
-    free(tmp);
-    return 0;
 }

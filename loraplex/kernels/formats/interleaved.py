@@ -35,7 +35,7 @@ GROUP = 16  # weight rows per interleaved group
 def quantize_activations(x: torch.Tensor, bits: int) -> torch.Tensor:  # x's shape, float32
     """The floats the integer kernels compute with for ``x`` ([rows, k], k a multiple of 32):
     per 32-block ``q = round(x / d)`` (half to even), ``d = amax / (2^(bits-1) - 1)``, as
-    ``dq * q`` (the torch reference of ``quant_x16.c``'s activation quantization)."""
+    ``dq * q`` (the torch reference of ``quant_x16_quantize.c``'s activation quantization)."""
     blocks = x.float().reshape(-1, 32)
     d = blocks.abs().amax(dim=1, keepdim=True) / float(2 ** (bits - 1) - 1)
     inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
