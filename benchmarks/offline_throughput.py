@@ -225,7 +225,7 @@ class KVSampler:
     def _step(self) -> Any:
         outs = self._orig()
         eng = self.engine
-        bm = eng.block_manager
+        bm = eng.kv.block_manager
         running = eng.scheduler.running
         stored = sum(s.num_computed_tokens for s in running)
         naive = sum(s.num_prompt_tokens + (s.params.max_tokens or 0) for s in running)
@@ -273,7 +273,7 @@ def run_loraplex(
     with KVSampler(engine) as sampler, stopwatch() as t:
         outs = llm.generate(wl.prompts, params, use_tqdm=progress)
     outputs = [list(o.outputs[0].token_ids) for o in outs]
-    bm = engine.block_manager
+    bm = engine.kv.block_manager
     pool = {
         "num_blocks": bm.num_blocks,
         "block_size": bm.block_size,

@@ -545,7 +545,7 @@ def part_restore(args: argparse.Namespace, maker: PromptMaker, progress: bool) -
         bar.close()
         tier_metrics = {name: tier_counters(r.engine) for name, r in runners.items()}
         prefix_stats = {
-            name: asdict(r.engine.block_manager.prefix_cache_stats()) for name, r in runners.items()
+            name: asdict(r.engine.kv.block_manager.prefix_cache_stats()) for name, r in runners.items()
         }
     finally:
         close(recompute, host, disk)

@@ -118,7 +118,7 @@ def run_peer(name: str, model_dir: Path, args: argparse.Namespace) -> dict[str, 
         max_model_len=total + 1,
     )
     engine = llm.llm_engine
-    bm = engine.block_manager
+    bm = engine.kv.block_manager
     prompt = [3 + (i * 7919) % 40000 for i in range(args.prompt_len)]
     params = SamplingParams(temperature=0.0, max_tokens=args.gen, ignore_eos=True)
     engine.add_request("r0", prompt, params)

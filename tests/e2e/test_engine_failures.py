@@ -49,7 +49,7 @@ def live(tiny_dirs: dict[str, Path]) -> Iterator[LiveServer]:
 
 
 def test_a_failed_step_fails_its_request_and_the_server_goes_on(live: LiveServer) -> None:
-    free = live.engine.block_manager.num_free_blocks
+    free = live.engine.kv.block_manager.num_free_blocks
     poisoned = {**BODY, "temperature": 1.0, "seed": POISON_SEED}
     with httpx.Client(base_url=live.url, timeout=60) as c:
         alone = c.post("/v1/completions", json=BODY).json()["choices"][0]["text"]
@@ -65,7 +65,7 @@ def test_a_failed_step_fails_its_request_and_the_server_goes_on(live: LiveServer
         again = c.post("/v1/completions", json=BODY)
         assert again.status_code == 200 and again.json()["choices"][0]["text"] == alone
     wait_until(lambda: not live.engine.has_unfinished_requests(), 5, "idle")
-    assert live.engine.block_manager.num_free_blocks == free
+    assert live.engine.kv.block_manager.num_free_blocks == free
     live.engine.check_integrity()
 
 
@@ -78,7 +78,7 @@ def _corrupting_scheduler_bug(engine: LLMEngine) -> Any:
     """
 
     def broken() -> Any:
-        engine.block_manager.pool.blocks[0].ref_cnt += 1  # a reference nobody holds
+        engine.kv.block_manager.pool.blocks[0].ref_cnt += 1  # a reference nobody holds
         raise RuntimeError("injected scheduler bug")
 
     return broken
@@ -134,7 +134,7 @@ def test_disconnects_abort_running_and_queued_at_once(tiny_dirs: dict[str, Path]
     engine = _engine(tiny_dirs, max_num_seqs=2)
     live = start_server(engine, "tiny")
     try:
-        free = engine.block_manager.num_free_blocks
+        free = engine.kv.block_manager.num_free_blocks
         long = {**BODY, "max_tokens": 2000}
         socks = [_send(live, {**long, "stream": i % 2 == 0}) for i in range(5)]
         wait_until(lambda: len(engine.requests) == 5, 30, "all requests in the engine")
@@ -144,7 +144,7 @@ def test_disconnects_abort_running_and_queued_at_once(tiny_dirs: dict[str, Path]
         for sock in socks:
             sock.close()
         wait_until(lambda: not engine.has_unfinished_requests(), 2.0, "aborted")
-        assert engine.block_manager.num_free_blocks == free and not engine.requests
+        assert engine.kv.block_manager.num_free_blocks == free and not engine.requests
         engine.check_integrity()
     finally:
         assert live.stop() == 0

@@ -345,6 +345,6 @@ def test_a_request_past_its_deadline_ends_with_a_typed_error_and_frees_its_block
     deadline = time.monotonic() + 10
     while engine.stats.num_unfinished and time.monotonic() < deadline:
         time.sleep(0.05)
-    holders = asyncio.run(engine.inspect(lambda inner: list(inner.block_manager.seq_ids())))
+    holders = asyncio.run(engine.inspect(lambda inner: list(inner.kv.block_manager.seq_ids())))
     assert not holders, "a request past its deadline still holds KV blocks"
     assert engine.stats.rejections.get("deadline", 0) - before == 2

@@ -144,7 +144,7 @@ def _abandon(live: LiveServer, num_clients: int) -> None:
     queued behind max_num_seqs), drop every connection, and check the engine lets go."""
     engine = live.engine
     _idle(live)
-    free_at_start = engine.block_manager.num_free_blocks
+    free_at_start = engine.kv.block_manager.num_free_blocks
     kv_at_start = engine.kv.block_counts().num_used_device_blocks
     pins_at_start = engine.lora_runtime.num_pins
     socks = []
@@ -163,7 +163,7 @@ def _abandon(live: LiveServer, num_clients: int) -> None:
     wait_until(lambda: len(engine.requests) == num_clients, 60, "every request reached the engine")
     # Leave once the running ones decode: an abort lands between steps, and a prefill
     # step on a loaded CI core can alone take longer than the 2 s this test allows.
-    wait_until(lambda: engine.block_manager.num_free_blocks < free_at_start, 60, "some requests run")
+    wait_until(lambda: engine.kv.block_manager.num_free_blocks < free_at_start, 60, "some requests run")
     first = engine.num_steps
     wait_until(lambda: engine.num_steps >= first + 2, 60, "the running requests decode")
     assert engine.scheduler.num_unfinished == num_clients  # some run, the rest wait

@@ -98,5 +98,5 @@ def run_workload(
             engine.check_integrity()
         step += 1
     engine.check_integrity()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.kv.block_manager.num_free_blocks == engine.kv.block_manager.num_blocks
     return outputs, engine

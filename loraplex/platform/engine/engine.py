@@ -86,7 +86,6 @@ class LLMEngine:
         """What this engine accepts (fixed while it runs): requests are checked against it."""
         self.runner = parts.runner
         self.kv = parts.kv
-        self.block_manager = self.kv.block_manager  # what steps allocate from (owned by self.kv)
         self.lora_runtime = parts.lora
         self.preemption = parts.preemption
         self.scheduler = parts.scheduler
@@ -189,7 +188,7 @@ class LLMEngine:
             len(token_ids),
             params,
             self.limits,
-            self.block_manager,
+            self.kv.block_manager,
         )
         grammar = None
         if params.structured_outputs is not None:
@@ -560,7 +559,7 @@ class LLMEngine:
         tiers (``TieredKV.check_integrity``); and adapter slots, with LoRA."""
         self.kv.check_integrity()
         live = {s.seq_id for s in self.scheduler.running} | {s.seq_id for s in self.scheduler.waiting}
-        for seq_id in self.block_manager.seq_ids():
+        for seq_id in self.kv.block_manager.seq_ids():
             if seq_id not in live:
                 raise AssertionError(f"seq {seq_id} holds KV blocks but is neither running nor waiting")
         if self.lora_runtime is not None:

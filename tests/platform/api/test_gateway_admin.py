@@ -259,7 +259,7 @@ async def test_deleting_a_tenant_purges_its_cached_kv(gateway_engine: AsyncEngin
             await db.dispose()
 
         def cached_of_acme(engine: LLMEngine) -> int:
-            return sum(b.owner == salt for b in engine.block_manager.pool.blocks if b.key is not None)
+            return sum(b.owner == salt for b in engine.kv.block_manager.pool.blocks if b.key is not None)
 
         assert await gateway_engine.inspect(cached_of_acme) == 3
 

@@ -29,7 +29,7 @@ def test_cancelled_submissions_and_shutdown(tiny_dirs: dict[str, Path]) -> None:
     config = EngineConfig(model=str(tiny_dirs["gqa_tied"]), dtype="float32", num_kv_blocks=128)
     engine = LLMEngine(config)
     aeng = AsyncEngine(engine)
-    free = engine.block_manager.num_free_blocks
+    free = engine.kv.block_manager.num_free_blocks
     params = SamplingParams(max_tokens=500, ignore_eos=True)
 
     async def cancelled_submissions() -> None:
@@ -46,7 +46,7 @@ def test_cancelled_submissions_and_shutdown(tiny_dirs: dict[str, Path]) -> None:
 
     asyncio.run(cancelled_submissions())
     _wait_idle(engine, 2)
-    assert engine.block_manager.num_free_blocks == free and not engine.requests
+    assert engine.kv.block_manager.num_free_blocks == free and not engine.requests
 
     async def open_then_shutdown() -> list[RequestOutput]:
         stream = await aeng.add_request("s", [5, 6, 7], params)
@@ -68,7 +68,7 @@ def test_generate_closed_early_aborts(tiny_dirs: dict[str, Path]) -> None:
     config = EngineConfig(model=str(tiny_dirs["gqa_tied"]), dtype="float32", num_kv_blocks=128)
     engine = LLMEngine(config)
     aeng = AsyncEngine(engine)
-    free = engine.block_manager.num_free_blocks
+    free = engine.kv.block_manager.num_free_blocks
 
     async def two_outputs_then_leave() -> None:
         gen = aeng.generate([5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True))
@@ -80,7 +80,7 @@ def test_generate_closed_early_aborts(tiny_dirs: dict[str, Path]) -> None:
     try:
         asyncio.run(two_outputs_then_leave())
         _wait_idle(engine, 2)
-        assert engine.block_manager.num_free_blocks == free
+        assert engine.kv.block_manager.num_free_blocks == free
         engine.check_integrity()
     finally:
         aeng.shutdown()

@@ -79,7 +79,7 @@ def test_beams_equal_hf(model_dir: Path, hf_model: Any, width: int) -> None:
             assert s.cum_logprob == pytest.approx(sum(s.logprobs), abs=1e-4)
     assert not llm.llm_engine.has_unfinished_requests()
     assert (
-        llm.llm_engine.block_manager.num_free_blocks == 128
+        llm.llm_engine.kv.block_manager.num_free_blocks == 128
     )  # every beam's blocks came back (cached ones are free)
 
 
@@ -109,14 +109,14 @@ def test_beams_share_blocks(model_dir: Path) -> None:
         engine.check_integrity()
         live = search.searches[0].beams if not search.searches[0].done else []
         if len(live) == width:
-            in_use = engine.block_manager.num_blocks - engine.block_manager.num_free_blocks
+            in_use = engine.kv.block_manager.num_blocks - engine.kv.block_manager.num_free_blocks
             peak = max(peak, in_use)
             longest = max(b.seq.num_tokens for b in live)
             separate = width * -(-longest // block)
             assert in_use < separate / 2, f"{in_use} blocks in use vs {separate} for separate copies"
     assert peak > 0
     assert len(search.outputs()[0].sequences) == width
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.kv.block_manager.num_free_blocks == engine.kv.block_manager.num_blocks
 
 
 def test_text_prompts_and_preemption(model_dir: Path) -> None:

@@ -40,7 +40,7 @@ def test_bad_sampling_params_name_the_parameter(kwargs: dict, name: str) -> None
 
 def test_bad_prompts_rejected_before_allocation(llm: LLM) -> None:
     engine = llm.llm_engine
-    free = engine.block_manager.num_free_blocks
+    free = engine.kv.block_manager.num_free_blocks
     with pytest.raises(ValueError, match="prompt must not be empty"):
         llm.generate([""], SamplingParams(max_tokens=2), use_tqdm=False)
     with pytest.raises(ValueError, match="prompt must not be empty"):
@@ -53,7 +53,7 @@ def test_bad_prompts_rejected_before_allocation(llm: LLM) -> None:
     with pytest.raises(ValueError):
         llm.generate([PROMPT, []], SamplingParams(max_tokens=2), use_tqdm=False)
     assert not engine.has_unfinished_requests()
-    assert engine.block_manager.num_free_blocks == free
+    assert engine.kv.block_manager.num_free_blocks == free
     engine.check_integrity()
 
 
@@ -69,12 +69,12 @@ def test_abort_frees_all_blocks(llm: LLM) -> None:
         engine.add_request(f"abort-{i}", PROMPT * (i + 1), SamplingParams(max_tokens=50, n=2 if i % 2 else 1))
     for _ in range(4):
         engine.step()
-    assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    assert engine.kv.block_manager.num_free_blocks < engine.kv.block_manager.num_blocks
     for i in range(6):
         engine.abort_request(f"abort-{i}")
     assert not engine.has_unfinished_requests()
     engine.check_integrity()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.kv.block_manager.num_free_blocks == engine.kv.block_manager.num_blocks
 
 
 def test_max_tokens_and_finish_reason(llm: LLM) -> None:

@@ -104,7 +104,7 @@ def test_a_request_past_its_deadline_ends_typed_and_frees_its_blocks(tiny_dirs: 
     assert outs["patient"].error is None and len(outs["patient"].outputs[0].token_ids) == 3
     assert engine.stats.rejections == {"deadline": 2}
     assert engine.stats.tenants[""].num_failed == 2
-    assert not list(engine.block_manager.seq_ids())
+    assert not list(engine.kv.block_manager.seq_ids())
     engine.check_integrity()
 
 

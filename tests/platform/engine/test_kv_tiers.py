@@ -208,16 +208,16 @@ def test_reset_prefix_cache_forgets_every_tier_and_survives_no_restart(
     _evict_everything(engine)  # PROMPT's blocks: on disk and host now
     _run(engine, "device", FILLERS[0])  # and a prompt cached on the device
     assert _metrics(engine, "host")["used_blocks"] > 0 and _metrics(engine, "disk")["used_blocks"] > 0
-    assert engine.block_manager.pool.num_cached_blocks > 0
+    assert engine.kv.block_manager.pool.num_cached_blocks > 0
 
     engine.add_request("busy", PROMPT, GREEDY)
     assert engine.reset_prefix_cache() is False  # unfinished: nothing changes
-    assert engine.block_manager.pool.num_cached_blocks > 0
+    assert engine.kv.block_manager.pool.num_cached_blocks > 0
     while engine.has_unfinished_requests():
         engine.step()
 
     assert engine.reset_prefix_cache() is True
-    assert engine.block_manager.pool.num_cached_blocks == 0
+    assert engine.kv.block_manager.pool.num_cached_blocks == 0
     assert _metrics(engine, "host")["used_blocks"] == _metrics(engine, "disk")["used_blocks"] == 0
     engine.check_integrity()
     out = _run(engine, "again", PROMPT)

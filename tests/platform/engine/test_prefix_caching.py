@@ -60,7 +60,7 @@ def test_hits_share_full_blocks_and_give_the_same_tokens(tiny_dirs: dict[str, Pa
     assert second.num_cached_tokens == 5 * BLOCK  # every full block; the last token is recomputed
     assert first.outputs[0].token_ids == second.outputs[0].token_ids == off.outputs[0].token_ids
     engine.check_integrity()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.kv.block_manager.num_free_blocks == engine.kv.block_manager.num_blocks
 
 
 @pytest.mark.parametrize("length", [4 * BLOCK, 4 * BLOCK + 1, 4 * BLOCK - 1])

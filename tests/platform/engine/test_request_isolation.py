@@ -77,11 +77,11 @@ def _alone(engine: LLMEngine, prompt: list[int]) -> list[int]:
 def test_requests_that_can_never_run_are_refused_at_add(
     engine: LLMEngine, prompt: str | list[int], params: SamplingParams, param: str, error: type[Exception]
 ) -> None:
-    free = engine.block_manager.num_free_blocks
+    free = engine.kv.block_manager.num_free_blocks
     with pytest.raises(error) as info:
         engine.add_request("bad", prompt, params)
     assert isinstance(info.value, InvalidParameterError) and info.value.param == param
-    assert not engine.has_unfinished_requests() and engine.block_manager.num_free_blocks == free
+    assert not engine.has_unfinished_requests() and engine.kv.block_manager.num_free_blocks == free
     # ... and the queue is not blocked: the next request runs at once.
     assert len(_alone(engine, PROMPT)) == 8
 
@@ -113,7 +113,7 @@ def test_a_failed_step_fails_only_its_requests(engine: LLMEngine, monkeypatch: p
     for out in outs.values():
         assert out.finished and out.error is not None and "injected device fault" in out.error.message
         assert out.outputs[0].finish_reason == "abort"
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.kv.block_manager.num_free_blocks == engine.kv.block_manager.num_blocks
     engine.check_integrity()
     # The engine goes on serving, with the same tokens as before the fault.
     assert _alone(engine, PROMPT) == expected

@@ -247,7 +247,7 @@ ISSUE_EXAMPLES: list[list[Draw]] = [
 )
 @given(batch=st.lists(requests(), min_size=1, max_size=4))
 def test_every_request_is_refused_or_completes(engine: LLMEngine, batch: list[Draw]) -> None:
-    free_at_start = engine.block_manager.num_free_blocks
+    free_at_start = engine.kv.block_manager.num_free_blocks
     accepted: dict[str, Draw] = {}
     max_steps = 20
     try:
@@ -280,13 +280,13 @@ def test_every_request_is_refused_or_completes(engine: LLMEngine, batch: list[Dr
         for request_id in list(engine.requests):
             engine.abort_request(request_id)
     engine.check_integrity()
-    assert engine.block_manager.num_free_blocks == free_at_start
+    assert engine.kv.block_manager.num_free_blocks == free_at_start
     assert not engine.requests
 
 
 def test_request_that_bans_every_token_fails_alone(engine: LLMEngine) -> None:
     """min_tokens with every token a stop token leaves nothing to sample: only that request may fail."""
-    free_at_start = engine.block_manager.num_free_blocks
+    free_at_start = engine.kv.block_manager.num_free_blocks
     witness = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
     engine.add_request("witness-alone", [5, 17, 300], witness)
     alone = _run_to_end(engine)["witness-alone"]
@@ -302,7 +302,7 @@ def test_request_that_bans_every_token_fails_alone(engine: LLMEngine) -> None:
     if "bans-all" in outs:
         assert outs["bans-all"].finished and outs["bans-all"].error is not None
     engine.check_integrity()
-    assert engine.block_manager.num_free_blocks == free_at_start
+    assert engine.kv.block_manager.num_free_blocks == free_at_start
 
 
 def _run_to_end(engine: LLMEngine, max_steps: int = 50) -> dict[str, RequestOutput]:

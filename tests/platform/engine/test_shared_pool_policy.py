@@ -116,5 +116,5 @@ def test_an_adapter_that_never_fits_beside_its_kv_is_refused_clearly(
     assert outs["neighbour"].error is None and len(outs["neighbour"].outputs[0].token_ids) == 6
     # The adapter never took a block: with none resident, the KV cache has every block.
     assert engine.kv.block_counts().num_adapter_device_blocks == 0
-    assert engine.block_manager.num_free_blocks == need + 4
+    assert engine.kv.block_manager.num_free_blocks == need + 4
     engine.shutdown()

@@ -182,7 +182,7 @@ def test_random_workload_invariants(tiny_dirs: dict[str, Path]) -> None:
         engine.step()
         engine.check_integrity()
     assert engine.speculator is not None and engine.speculator.counters.num_drafts > 0
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.kv.block_manager.num_free_blocks == engine.kv.block_manager.num_blocks
 
 
 def test_metrics_in_vllm_dialect_and_per_request(tiny_dirs: dict[str, Path]) -> None:
@@ -249,4 +249,4 @@ def test_beams_then_speculation_on_one_pool(tiny_dirs: dict[str, Path]) -> None:
         sp = SamplingParams(max_tokens=16, temperature=rng.choice([0.0, 1.0]), ignore_eos=True)
         _run_checked(llm, [copy_prompt(rng.randrange(9), 16) for _ in range(3)], [sp] * 3)
     assert engine.scheduler.num_preemptions > 0
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.kv.block_manager.num_free_blocks == engine.kv.block_manager.num_blocks

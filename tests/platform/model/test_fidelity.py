@@ -44,7 +44,7 @@ def _run(llm: LLM, prompts: list[list[int]], max_new: int, n: int = 1) -> list[A
     params = SamplingParams(temperature=0.0, max_tokens=max_new, n=n)
     outs = llm.generate(prompts, params, use_tqdm=False)
     llm.llm_engine.check_integrity()
-    assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_blocks
+    assert llm.llm_engine.kv.block_manager.num_free_blocks == llm.llm_engine.kv.block_manager.num_blocks
     return outs
 
 

@@ -94,7 +94,9 @@ def _check(llm: LLM, setup: dict[str, Any], what: str) -> None:
     # Every KV block is free again; resident adapters keep the blocks they borrowed.
     counts = engine.kv.block_counts()
     assert counts.num_used_device_blocks == 0
-    assert engine.block_manager.num_free_blocks + counts.num_adapter_device_blocks == counts.num_device_blocks
+    assert (
+        engine.kv.block_manager.num_free_blocks + counts.num_adapter_device_blocks == counts.num_device_blocks
+    )
     assert engine.lora_runtime.num_pins == 0, "every adapter pin is released"
 
 

@@ -85,7 +85,7 @@ def _run(llm: LLM, prompts: list[list[int]], refs: list[Reference], what: str) -
     outs = llm.generate(prompts, params, use_tqdm=False)
     engine = llm.llm_engine
     engine.check_integrity()
-    bm = engine.block_manager
+    bm = engine.kv.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
         assert_greedy_match(out.outputs[0].token_ids, ref, what=f"{what} prompt {i}")
@@ -107,7 +107,7 @@ def test_mistral_window_matches_hf_past_the_window(mistral_dir: Path) -> None:
 
     llm = LLM(**common, num_kv_blocks=64, max_num_seqs=8)
     assert llm.llm_engine.info.max_model_len == 2048  # not capped at the window
-    bm = llm.llm_engine.block_manager
+    bm = llm.llm_engine.kv.block_manager
     assert bm.sliding_window == WINDOW and bm.window_step_blocks == 5
     _run(llm, prompts[7:], refs[7:], "single")
     # 130 tokens = 17 blocks without a window; the window freed all but the last few.
@@ -139,7 +139,7 @@ def test_prefix_hits_past_the_window_match_hf(mistral_dir: Path) -> None:
     )
     _run(llm, prompts, refs, "cold")
     _run(llm, prompts, refs, "warm")
-    stats = llm.llm_engine.block_manager.prefix_cache_stats()
+    stats = llm.llm_engine.kv.block_manager.prefix_cache_stats()
     assert stats.num_hit_blocks > 0
 
 
@@ -205,7 +205,7 @@ def test_qwen2_sliding_window_matches_hf(max_window_layers: int, tmp_path: Path,
     refs = _references(model_dir, prompts)
     llm = LLM(model=str(model_dir), dtype="float32", block_size=8, num_kv_blocks=64, max_num_seqs=4)
     _run(llm, prompts, refs, f"qwen2 max_window_layers={max_window_layers}")
-    bm = llm.llm_engine.block_manager
+    bm = llm.llm_engine.kv.block_manager
     if max_window_layers == 0:
         assert bm.sliding_window == WINDOW and bm.num_window_freed_blocks > 0
     else:

@@ -123,7 +123,7 @@ def test_models_have_created(client: TestClient) -> None:
 
 def test_a_refused_prompt_in_a_list_refuses_the_request(client: TestClient) -> None:
     engine = client.llm_engine  # type: ignore[attr-defined]
-    free = engine.block_manager.num_free_blocks
+    free = engine.kv.block_manager.num_free_blocks
     body = {**GREEDY, "prompt": [[5, 6], [10**9], [7, 8]], "max_tokens": 50}
     for stream in (False, True):
         r = client.post("/v1/completions", json={**body, "stream": stream})
@@ -132,4 +132,4 @@ def test_a_refused_prompt_in_a_list_refuses_the_request(client: TestClient) -> N
     while engine.has_unfinished_requests():  # the accepted siblings are aborted
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    assert engine.block_manager.num_free_blocks == free
+    assert engine.kv.block_manager.num_free_blocks == free
