@@ -20,8 +20,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2e.test_replicas import ADMIN, Replica, start_replica, tenant_key
 from support.redis import RedisProcess
+from support.replicas import ADMIN, Replica, start_replica, tenant_key
 
 TTL_S = 10.0
 EVENT_BOUND_S = 2.0

@@ -12,9 +12,6 @@ as the Helm chart's replicas do: what one replica changes, the other serves.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,72 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from support.adapters import make_small_adapter
-from support.gateway import ADMIN_TOKEN, MAX_LORA_RANK, zip_bytes
-from support.ports import free_port
-
-REPO = Path(__file__).resolve().parents[2]
-ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-BASE = "tiny"
-AUTH_CACHE_TTL_S = 2.0
-PROMPT = list(range(5, 45))  # 40 tokens: two full KV blocks of 16 for the prefix cache
-
-
-class Replica:
-    """One ``loraplex serve`` process on loopback, its log in a file."""
-
-    def __init__(self, name: str, log: Path, process: subprocess.Popen[bytes], port: int) -> None:
-        self.name, self.log, self.process = name, log, process
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
-
-    def wait_ready(self, timeout_s: float = 180) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert self.process.poll() is None, f"replica {self.name} exited:\n{self.log.read_text()}"
-            try:
-                if self.client.get("/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"replica {self.name} did not start:\n{self.log.read_text()}"
-            time.sleep(0.25)
-
-    def stop(self) -> None:
-        self.client.close()
-        self.process.terminate()
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(10)
-
-
-def start_replica(name: str, tmp: Path, model: Path, shared: dict[str, str]) -> Replica:
-    port = free_port()
-    settings = {
-        "LORAPLEX_HOST": "127.0.0.1",
-        "LORAPLEX_PORT": str(port),
-        "LORAPLEX_MODEL": str(model),
-        "LORAPLEX_SERVED_MODEL_NAME": BASE,
-        "LORAPLEX_DTYPE": "float32",
-        "LORAPLEX_NUM_KV_BLOCKS": "128",
-        "LORAPLEX_MAX_LORA_RANK": str(MAX_LORA_RANK),
-        "LORAPLEX_MAX_LORAS": "2",
-        "LORAPLEX_ADMIN_TOKEN": ADMIN_TOKEN,
-        "LORAPLEX_DATA_DIR": str(tmp / name),
-        "LORAPLEX_LOG_LEVEL": "info",
-        "LORAPLEX_AUTH_CACHE_TTL_S": str(AUTH_CACHE_TTL_S),
-        **shared,
-    }
-    env = {**os.environ, "PYTHONPATH": str(REPO), **settings}
-    log = tmp / f"{name}.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "loraplex.cli", "serve"],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    return Replica(name, log, process, port)
+from support.gateway import zip_bytes
+from support.replicas import ADMIN, AUTH_CACHE_TTL_S, BASE, PROMPT, Replica, start_replica, tenant_key
 
 
 @pytest.fixture
@@ -120,14 +53,6 @@ def strong_adapter(base: Path, out: Path, seed: int) -> bytes:
     weights = out / "adapter_model.safetensors"
     save_file({k: v * 40 for k, v in load_file(str(weights)).items()}, str(weights))
     return zip_bytes(out)
-
-
-def tenant_key(replica: Replica, tenant: str, **quotas: int) -> tuple[str, int]:
-    r = replica.client.post("/admin/api/tenants", json={"name": tenant, **quotas}, headers=ADMIN)
-    assert r.status_code == 201, r.text
-    r = replica.client.post(f"/admin/api/tenants/{tenant}/keys", json={}, headers=ADMIN)
-    assert r.status_code == 201, r.text
-    return r.json()["key"], r.json()["id"]
 
 
 def complete(replica: Replica, key: str, model: str = BASE, prompt: list[int] = PROMPT) -> httpx.Response:

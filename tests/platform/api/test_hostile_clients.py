@@ -17,97 +17,23 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
-from support.gateway import ADMIN, bearer, make_gateway, settings_for
+from support.gateway import bearer
+from support.hostile import (
+    BACKLOG,
+    MAX_CONNECTIONS,
+    RSS_BOUND_BYTES,
+    STALL_S,
+    WRITE_TIMEOUT_S,
+    Live,
+    live,
+    rss_bytes,
+)
 from support.servers import wait_until
 
-from loraplex.platform.api.server import Server
-from loraplex.platform.engine.async_engine import AsyncEngine
-from loraplex.platform.engine.config import EngineConfig
-from loraplex.platform.engine.engine import LLMEngine
-from loraplex.platform.settings import ServerLimits
-
-WRITE_TIMEOUT_S = 1
-MAX_SEQUENCES = 24
-MAX_RESPONSE_LOGPROBS = 16 * 200 * 21
-"""The largest whole answer: n=16, 200 tokens, top_logprobs=20 (about 6 MB of JSON)."""
-MAX_CONNECTIONS = 64
-HEADER_TIMEOUT_S = 2.0
-BACKLOG = 32
-STALL_S = 1.0
-"""Longest /health may take while a hostile request runs."""
-RSS_BOUND_BYTES = 100 << 20
-"""A stalled reader of n=16 long completions may cost the server at most this much memory."""
-
-
-@dataclass
-class Live:
-    url: str
-    engine: AsyncEngine
-    mallory: str
-    """A tenant limited to one request at a time."""
-    alice: str
-    others: list[str]
-    """Two more tenants without limits."""
-    server: Server
-
-    @property
-    def host_port(self) -> tuple[str, int]:
-        host, port = self.url.removeprefix("http://").split(":")
-        return host, int(port)
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
-
-@pytest.fixture(scope="module")
-def live(tiny_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    tmp = tmp_path_factory.mktemp("hostile-clients")
-    # Room for 16 sequences of 2,000 tokens: the stalled reader's request could run that long.
-    config = EngineConfig(model=str(tiny_dirs["gqa_tied"]), dtype="float32", num_kv_blocks=2200)
-    engine = AsyncEngine(LLMEngine(config))
-    limits = ServerLimits(stream_write_timeout_s=WRITE_TIMEOUT_S, max_response_logprobs=MAX_RESPONSE_LOGPROBS)
-    settings = settings_for(
-        tmp,
-        f"sqlite+aiosqlite:///{tmp / 'g.db'}",
-        limits=limits,
-        max_sequences_per_tenant=MAX_SEQUENCES,
-        max_connections=MAX_CONNECTIONS,
-        header_timeout_s=HEADER_TIMEOUT_S,
-        backlog=BACKLOG,
-    )
-    # A small send buffer on the listening socket (connections inherit it): a stalled reader
-    # blocks the server's writes after a few kilobytes, not after the kernel's 4 MiB.
-    listener = socket.socket()
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
-    listener.bind(("127.0.0.1", 0))
-    port = int(listener.getsockname()[1])
-    server = Server(make_gateway(engine, settings), "127.0.0.1", port, log_level="warning")
-    thread = threading.Thread(target=server.run, args=([listener],), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}"
-    with httpx.Client(base_url=url, headers=ADMIN, timeout=60) as admin:
-        keys = {}
-        for name, quotas in (("mallory", {"max_concurrency": 1}), ("alice", {}), ("bob", {}), ("carol", {})):
-            assert admin.post("/admin/api/tenants", json={"name": name, **quotas}).status_code == 201
-            keys[name] = admin.post(f"/admin/api/tenants/{name}/keys", json={}).json()["key"]
-    try:
-        yield Live(url, engine, keys["mallory"], keys["alice"], [keys["bob"], keys["carol"]], server)
-    finally:
-        server.stop()
-        thread.join(60)
-        engine.shutdown()
+__all__ = ["live"]  # the fixture (support.hostile), used by every test here
 
 
 def _raw_request(
@@ -131,7 +57,7 @@ def test_a_stalled_stream_reader_is_aborted_and_costs_bounded_memory(live: Live)
     coalesce (a backlog of one per request), the write times out after ``stream_write_timeout_s``,
     the request is aborted and its 16 sequences released (the tenant may have 24 in flight):
     it is served again, with the socket still open."""
-    before = _rss_bytes()
+    before = rss_bytes()
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2000, "n": 16, "stream": True, "logprobs": 5}
     body |= {"ignore_eos": True, "temperature": 1.0}
     sock = _raw_request(live, "/v1/completions", body, live.alice)
@@ -142,7 +68,7 @@ def test_a_stalled_stream_reader_is_aborted_and_costs_bounded_memory(live: Live)
         freed_s = wait_until(
             lambda: live.engine.stats.num_running == 0, WRITE_TIMEOUT_S + 10, "the stalled request aborted"
         )
-        grown = _rss_bytes() - before
+        grown = rss_bytes() - before
         assert grown < RSS_BOUND_BYTES, f"+{grown >> 20} MiB for one stalled reader"
         held = asyncio.run(live.engine.inspect(lambda engine: list(engine.requests)))
         assert not held, "the engine still holds the stalled request"

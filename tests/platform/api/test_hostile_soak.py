@@ -34,12 +34,12 @@ import time
 import httpx
 import pytest
 from support.gateway import bearer
+from support.hostile import WRITE_TIMEOUT_S, Live, live, rss_bytes
 from support.servers import wait_until
-from test_hostile_clients import WRITE_TIMEOUT_S, Live, _rss_bytes, live
 
 from loraplex.platform.engine.host_memory import IDLE_TRIM_S
 
-__all__ = ["live"]  # the fixture, shared with test_hostile_clients
+__all__ = ["live"]  # the fixture (support.hostile), shared with test_hostile_clients
 
 SOAK_S = float(os.environ.get("LORAPLEX_SOAK_S", "60"))
 CLASSES = os.environ.get("LORAPLEX_SOAK_CLASSES", "stalled,abandoned,huge,slowloris")
@@ -248,14 +248,14 @@ def test_a_minute_of_every_hostile_class_beside_a_well_behaved_tenant(live: Live
     WellBehaved(live.url, live.alice).run_for(2.0)
     _neighbours(live, WARMUP_S, "hostile")
     _settle(live)
-    rss_start = _rss_bytes()
+    rss_start = rss_bytes()
     alone = WellBehaved(live.url, live.alice).run_for(ALONE_S)
     polite = WellBehaved(live.url, live.alice)
     _neighbours(live, POLITE_S, "polite", beside=polite)
     tenant = WellBehaved(live.url, live.alice)
     counts = _neighbours(live, SOAK_S, "hostile", beside=tenant)
     _settle(live)
-    rss_end = _rss_bytes()
+    rss_end = rss_bytes()
 
     report = {
         "alone": _summary(alone),
