@@ -2,7 +2,10 @@
 
 | module | owns |
 |---|---|
-| ``manager`` | ``AdapterManager``: what the engine talks to; the registry, the tiers and the lock |
+| ``manager`` | ``AdapterManager``: what the engine talks to; the lock over the tiers; acquire, release |
+| ``registration`` | ``Registration``: staging, registering, removing (draining); ``AdapterInfo``; checks |
+| ``prefetch`` | ``Prefetcher``: background store reads ahead of requests (``prefetch``, read-ahead) |
+| ``stats`` | ``AdapterStats``: the tiers at one moment (counts, moves, resident adapters, load times) |
 | ``residency`` | ``DeviceResidency``: the device tier: slots, page tables, loads, LRU eviction |
 | ``page_pool`` | ``LoRAPagePool``: adapter weights in rank-granular pages, per projection group |
 | ``page_table`` | ``PageTable``, ``Remaps``, ``pages_needed``: an adapter's pages per group; their moves |
@@ -37,13 +40,14 @@ from loraplex.adapters.errors import (
 )
 from loraplex.adapters.identity import AdapterIdentity, content_version
 from loraplex.adapters.loader import ParsedAdapter, read_adapter
-from loraplex.adapters.manager import AdapterManager, AdapterStats
+from loraplex.adapters.manager import AdapterManager
 from loraplex.adapters.peft_weights import AdapterWeights, LoRAModuleWeights
 from loraplex.adapters.registry import AdapterInfo
 from loraplex.adapters.request import LoRARequest
 from loraplex.adapters.resident import ResidentAdapter
 from loraplex.adapters.slot_buffers import SlotBuffers
 from loraplex.adapters.spec import GROUPS, MODULE_NAMES, BaseModelSpec, GroupName, ModuleName
+from loraplex.adapters.stats import AdapterStats
 from loraplex.adapters.store import StagedAdapter
 
 __all__ = [

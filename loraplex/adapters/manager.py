@@ -29,88 +29,43 @@ Disk reads for ``prefetch`` run on loader threads without that lock; their resul
 are collected by the next call from the engine, so a slow read never blocks requests
 for other adapters. ``add_lora`` validates outside the lock for the same reason.
 
-The manager is the lock and the registry over three helpers that are not thread-safe on
-their own: ``DeviceResidency`` (``residency.py``: slots, page tables, eviction),
-``HostAdapterCache`` (``host_cache.py``) and ``StoreReads`` (``store_reads.py``: the
-background reads).
+The manager is the lock over helpers that are not thread-safe on their own:
+``Registration`` (``registration.py``: adding and removing adapters, the registry),
+``DeviceResidency`` (``residency.py``: slots, page tables, eviction), ``HostAdapterCache``
+(``host_cache.py``), ``Prefetcher`` (``prefetch.py``: background reads ahead of requests) and
+``StoreReads`` (``store_reads.py``: the reads themselves); ``stats.py`` reads them all.
+Here: acquiring and releasing slots for requests, the one path that crosses every tier.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
 
 import torch
 
 from loraplex.adapters.config import AdapterManagerConfig
-from loraplex.adapters.errors import AdapterValidationError, NoFreeSlotError
+from loraplex.adapters.errors import NoFreeSlotError
 from loraplex.adapters.host_cache import HostAdapterCache
-from loraplex.adapters.identity import AdapterIdentity
-from loraplex.adapters.load_times import EMPTY_LOAD_TIMES, LoadTimes, LoadTimesSnapshot
+from loraplex.adapters.load_times import LoadTimes
 from loraplex.adapters.page_arena import OwnedArena, PageArena
-from loraplex.adapters.page_table import PageTable, pages_needed
+from loraplex.adapters.page_table import PageTable
 from loraplex.adapters.peft_weights import AdapterWeights
-from loraplex.adapters.registry import AdapterEntry, AdapterInfo, AdapterRegistry, Tier
+from loraplex.adapters.prefetch import Prefetcher
+from loraplex.adapters.registration import Registration
+from loraplex.adapters.registry import AdapterEntry, AdapterInfo, AdapterRegistry
 from loraplex.adapters.request import LoRARequest
 from loraplex.adapters.residency import DeviceResidency, PagesNeeded
-from loraplex.adapters.resident import ResidentAdapter, resident_adapters
 from loraplex.adapters.slot_buffers import SlotBuffers
 from loraplex.adapters.spec import BaseModelSpec, GroupName
+from loraplex.adapters.stats import AdapterStats, tier_stats
 from loraplex.adapters.store import AdapterStore, StagedAdapter
 from loraplex.adapters.store_reads import StoreReads
 from loraplex.kernels.lora_layout import LOGICAL_LAYOUT, LoRAWeightLayout
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["AdapterInfo", "AdapterManager", "AdapterStats", "ResidentAdapter"]
-
-
-@dataclass(frozen=True)
-class AdapterStats:
-    """The adapter tiers at one moment: how many adapters each holds, and cumulative moves."""
-
-    num_registered: int
-    """Adapters registered (every one is on disk, in the store)."""
-    max_loras: int | None
-    """The cap on resident adapters, None when memory alone bounds them."""
-    num_on_device: int
-    """Adapters resident (pages in the device pool)."""
-    num_pinned_slots: int
-    """Resident adapters a running sequence uses."""
-    pool_used_bytes: int
-    """Bytes of adapter pages in use."""
-    pool_bytes: int
-    """Bytes the adapter page pools hold (used and free pages)."""
-    pool_budget_bytes: int
-    """``lora_memory``: the most the pools may hold."""
-    pages_used: dict[str, int]
-    """Pages in use per projection group."""
-    num_evictions: int
-    """Resident adapters evicted to make room since start-up."""
-    num_in_host: int
-    """Registered adapters whose weights are in host memory."""
-    host_capacity: int | None
-    """``max_cpu_loras``: the most adapters the host LRU holds (None: bytes alone bound it)."""
-    host_bytes: int
-    """Bytes of adapter weights in the host LRU."""
-    host_budget_bytes: int | None
-    """``cpu_lora_memory``: the most bytes the host LRU holds (None: no byte cap)."""
-    num_slot_loads: int
-    """Adapters written into a device slot since start-up."""
-    num_disk_reads: int
-    """Adapters read from the store into host memory since start-up (host-cache misses)."""
-    num_loading: int
-    """Background reads in flight."""
-    resident: tuple[ResidentAdapter, ...] = ()
-    """The adapters in device pages (``gpu``), then those only in the host LRU (``cpu``), most
-    recently used first within each level."""
-    load_times: LoadTimesSnapshot = EMPTY_LOAD_TIMES
-    """How long each device load took (the store read of a host-cache miss included)."""
+__all__ = ["AdapterManager"]
 
 
 class AdapterManager:
@@ -151,6 +106,17 @@ class AdapterManager:
         self._slots = self._residency.slots
         self._pool = self._residency.pool
         self._registry = AdapterRegistry()
+        self._registration = Registration(
+            spec,
+            self.config.max_lora_rank,
+            dtype,
+            self._store,
+            self._registry,
+            self._host,
+            self._reads,
+            self._residency,
+        )
+        self._prefetcher = Prefetcher(self._registry, self._slots, self._host, self._reads)
         self._load_times = LoadTimes()
         self._lock = threading.RLock()
         self._closed = False
@@ -174,13 +140,11 @@ class AdapterManager:
 
         Changes nothing the scheduler sees; hand the result to ``register_lora`` (or ``discard_staged_lora``).
         """
-        max_rank = self.config.max_lora_rank
-        return self._store.stage(Path(request.path).expanduser(), self.spec, max_rank, self.dtype)
+        return self._registration.stage(request)
 
     def discard_staged_lora(self, staged: StagedAdapter) -> None:
         """Give up a ``stage`` result that will not be registered (its store folder is released)."""
-        if staged.owned:
-            self._store.release(staged.folder)
+        self._registration.discard(staged)
 
     def register_lora(
         self,
@@ -196,90 +160,32 @@ class AdapterManager:
         (``staged`` is released then); the very same adapter again returns the existing entry.
         """
         try:
-            parsed = staged.parsed
-            identity = AdapterIdentity(request.int_id, request.name, owner, parsed.version, served_name)
             with self._lock:
-                existing = self._registry.existing(identity)
-                if existing is not None:
-                    self.discard_staged_lora(staged)
-                    return self._info(existing)
-                need = pages_needed(parsed.weights, self._pool.page_rank)  # not cached: it may be refused
-                if not self._pool.can_ever_fit(need):
-                    raise AdapterValidationError(
-                        "exceeds_lora_memory",
-                        f"its pages ({need} of {self._pool.page_rank} rank rows) take "
-                        f"{self._pool.need_nbytes(need)} bytes ({self._pool.blocks_for(need)} blocks "
-                        f"of the device pool), more than lora_memory ({self._pool.budget_bytes} bytes, "
-                        f"{self._pool.arena.cap_blocks} blocks) holds; raise lora_memory",
-                    )
-                weights = self._reads.pin(parsed.weights)
-                entry = AdapterEntry(
-                    identity,
-                    request.path,
-                    staged.folder,
-                    staged.owned,
-                    weights.max_rank,
-                    weights.target_modules,
-                    weights.nbytes,
-                )
-                self._registry.add(entry)
-                self._host.put(parsed.version, weights)
+                return self._registration.register(request, staged, owner, served_name)
         except BaseException:
-            self.discard_staged_lora(staged)
+            self._registration.discard(staged)
             raise
-        logger.info(
-            "added adapter %d %r (owner %s, rank %d, %s, version %s)",
-            request.int_id,
-            request.name,
-            owner,
-            entry.rank,
-            ",".join(entry.target_modules),
-            parsed.version[:12],
-        )
-        return self._info(entry)
 
     def remove_lora(self, adapter_id: int) -> AdapterInfo:
         """Unregister ``adapter_id``: new acquires fail now; running requests finish on its old weights."""
         with self._lock:
-            entry = self._registry.remove(adapter_id)
-            info = self._info(entry, slot_idx=self._slots.slot_of(adapter_id))
-            detached = self._slots.detach(adapter_id)
-            if detached is not None and detached.freed:
-                self._residency.free_pages(detached.slot_idx)
-            elif detached is not None:
-                self._registry.start_draining(detached.slot_idx, entry)
-            version = entry.identity.version
-            if version not in self._registry.live_versions():
-                self._host.discard(version)
-                self._residency.forget(version)
-                self._reads.forget(version)
-            if entry.owned:
-                self._store.release(entry.folder)
-        logger.info(
-            "removed adapter %d %r%s",
-            adapter_id,
-            entry.identity.name,
-            f"; slot {detached.slot_idx} drains {info.num_pins} running request(s)"
-            if detached is not None and not detached.freed
-            else "",
-        )
-        return info
+            return self._registration.remove(adapter_id)
 
     def get_adapter(self, adapter_id: int) -> AdapterInfo:
         """The registered adapter ``adapter_id``; raises ``AdapterNotFoundError``/``AdapterRemovedError``."""
         with self._lock:
-            return self._info(self._registry.require(adapter_id))
+            return self._registration.info(self._registry.require(adapter_id))
 
     def find_adapter(self, name: str, owner: str | None = None) -> AdapterInfo | None:
         """The adapter ``owner`` registered as ``name``, or None."""
         with self._lock:
             entry = self._registry.find(name, owner)
-            return None if entry is None else self._info(entry)
+            return None if entry is None else self._registration.info(entry)
 
     def list_adapters(self) -> list[AdapterInfo]:
         """Every registered adapter, by id."""
         with self._lock:
-            return [self._info(entry) for entry in self._registry.entries()]
+            return [self._registration.info(entry) for entry in self._registry.entries()]
 
     # -- scheduler -----------------------------------------------------------------------
 
@@ -307,7 +213,7 @@ class AdapterManager:
         adapter that is not registered, so the caller can fail the request.
         """
         with self._lock:
-            self._collect_loads()
+            self._prefetcher.collect()
             entry = self._registry.require(adapter_id)
             if self._slots.slot_of(adapter_id) is not None:
                 return True
@@ -331,17 +237,7 @@ class AdapterManager:
         ``start=False`` only checks (and raises a failed read): ``prefetch_ahead`` reads.
         """
         with self._lock:
-            self._collect_loads()
-            entry = self._registry.require(adapter_id)
-            version = entry.identity.version
-            if self._slots.slot_of(adapter_id) is not None or version in self._host:
-                return True
-            error = self._reads.take_error(version)
-            if error is not None:
-                raise error
-            if start:
-                self._reads.submit(entry)
-            return False
+            return self._prefetcher.prefetch(adapter_id, start)
 
     def prefetch_ahead(self, adapter_ids: Iterable[int], max_adapters: int = 32) -> None:
         """Read ahead: the adapters of the next requests to admit, in that order.
@@ -355,36 +251,7 @@ class AdapterManager:
         (admission reports them). Never raises for a failed read (``prefetch`` does).
         """
         with self._lock:
-            self._collect_loads()
-            host_room = self._host.max_bytes // 2 if self._host.max_bytes is not None else None
-            if self._host.capacity is not None:
-                max_adapters = min(max_adapters, max(1, self._host.capacity // 2))
-            wanted: dict[str, AdapterEntry] = {}  # to read
-            counted: set[str] = set()  # every version within the bounds, in host or not
-            nbytes = 0
-            for adapter_id in adapter_ids:
-                if len(counted) >= max_adapters:
-                    break
-                entry = self._registry.get(adapter_id)
-                if entry is None or self._slots.slot_of(adapter_id) is not None:
-                    continue
-                version = entry.identity.version
-                if version in counted:
-                    continue
-                if counted and host_room is not None and nbytes + entry.host_nbytes > host_room:
-                    break
-                counted.add(version)
-                nbytes += entry.host_nbytes
-                # Already read ahead: keep it the most recently used, so reads for later
-                # requests push out something else (the bounds count it either way).
-                if self._host.get(version) is None:
-                    wanted[version] = entry
-            cancelled = self._reads.cancel_except(wanted)
-            for version, entry in wanted.items():
-                if not self._reads.failed(version):
-                    self._reads.submit(entry)
-            if cancelled:
-                logger.debug("cancelled %d queued adapter reads nobody waits for", cancelled)
+            self._prefetcher.ahead(adapter_ids, max_adapters)
 
     def wait_for_a_read(self, timeout: float) -> bool:
         """Block (without the manager lock) until a background store read in flight finishes,
@@ -392,7 +259,7 @@ class AdapterManager:
         look (it is moved to the host cache now, without waiting). Either way a True means
         news: a read that no call has collected yet (a caller may loop on it)."""
         with self._lock:
-            if self._collect_loads():
+            if self._prefetcher.collect():
                 # A read finished since the caller last looked (between its admission and
                 # this call): that is the news; waiting for another would return empty-handed.
                 return True
@@ -442,11 +309,7 @@ class AdapterManager:
             if unpinned is None:
                 return False
             if unpinned.freed:
-                self._residency.free_pages(unpinned.slot_idx)
-                entry = self._registry.finish_draining(unpinned.slot_idx)
-                logger.info(
-                    "slot %d of removed adapter %d is free", unpinned.slot_idx, entry.identity.adapter_id
-                )
+                self._registration.finish_draining(unpinned.slot_idx)
             return True
 
     def pinned_slot(self, request_id: str) -> int | None:
@@ -497,28 +360,8 @@ class AdapterManager:
     def stats(self) -> AdapterStats:
         """Where the adapters are now, and how often they moved (a snapshot, for ``EngineStats``)."""
         with self._lock:
-            entries = self._registry.entries()
-            on_device = sum(self._slots.slot_of(e.identity.adapter_id) is not None for e in entries)
-            in_host = sum(e.identity.version in self._host for e in entries)
-            return AdapterStats(
-                resident=resident_adapters(entries, self._slots, self._host),
-                load_times=self._load_times.snapshot(),
-                num_registered=len(entries),
-                max_loras=self.config.max_loras,
-                num_on_device=on_device,
-                num_pinned_slots=self._slots.num_pinned,
-                pool_used_bytes=self._pool.used_nbytes,
-                pool_bytes=self._pool.nbytes,
-                pool_budget_bytes=self._pool.budget_bytes,
-                pages_used={g: self._pool.num_used(g) for g in self._pool.groups()},
-                num_evictions=self._residency.num_evictions,
-                num_in_host=in_host,
-                host_capacity=self.config.max_cpu_loras,
-                host_bytes=self._host.nbytes,
-                host_budget_bytes=self.config.cpu_lora_memory,
-                num_slot_loads=self._residency.num_slot_loads,
-                num_disk_reads=self._reads.num_reads,
-                num_loading=self._reads.num_in_flight,
+            return tier_stats(
+                self.config, self._registry, self._residency, self._host, self._reads, self._load_times
             )
 
     # -- model runner ----------------------------------------------------------------------
@@ -543,33 +386,7 @@ class AdapterManager:
         """Raise AssertionError if slots, pins, tiers and the registry disagree."""
         with self._lock:
             self._slots.check_integrity()
-            errors: list[str] = []
-            draining = self._registry.draining()
-            errors += self._residency.check()
-            for slot_idx in self._slots.slots_in_use():
-                key = self._slots.key_of(slot_idx)
-                assert key is not None
-                if self._slots.is_draining(slot_idx):
-                    drained = draining.get(slot_idx)
-                    if drained is None or drained.identity.adapter_id != key:
-                        errors.append(f"draining slot {slot_idx} has no matching removed adapter")
-                elif self._registry.get(key) is None:
-                    errors.append(f"slot {slot_idx} holds unregistered adapter {key}")
-            for slot_idx in draining:
-                if not self._slots.is_draining(slot_idx):
-                    errors.append(f"removed adapter recorded on slot {slot_idx}, which is not draining")
-            live_versions = self._registry.live_versions()
-            stray = set(self._host.versions()) - live_versions
-            if stray:
-                errors.append(f"host cache holds versions of no registered adapter: {sorted(stray)}")
-            errors += self._host.check()
-            users: dict[Path, int] = {}
-            for e in self._registry.entries():
-                if e.owned:
-                    users[e.folder] = users.get(e.folder, 0) + 1
-            # After close() the store's folders are gone on purpose; the registry keeps its records.
-            if not self._closed and users != self._store.owned_folders:
-                errors.append(f"store folders {self._store.owned_folders} != registered users {users}")
+            errors = self._registration.check(store_closed=self._closed)
             if errors:
                 raise AssertionError("adapter manager inconsistent: " + "; ".join(errors))
 
@@ -591,30 +408,6 @@ class AdapterManager:
         self.close()
 
     # -- internals -------------------------------------------------------------------------
-
-    def _info(self, entry: AdapterEntry, slot_idx: int | None = None) -> AdapterInfo:
-        adapter_id = entry.identity.adapter_id
-        if slot_idx is None and self._registry.get(adapter_id) is entry:
-            slot_idx = self._slots.slot_of(adapter_id)
-        tier: Tier = (
-            "device" if slot_idx is not None else "host" if entry.identity.version in self._host else "disk"
-        )
-        pins = self._slots.pin_count(slot_idx) if slot_idx is not None else 0
-        return AdapterInfo(
-            entry.identity,
-            entry.source,
-            entry.folder,
-            entry.rank,
-            entry.target_modules,
-            entry.host_nbytes,
-            tier,
-            slot_idx,
-            pins,
-        )
-
-    def _collect_loads(self) -> int:
-        """Move finished background reads into the host cache (caller holds the lock); how many."""
-        return self._reads.collect(self._host, self._registry.live_versions())
 
     def _pages_needed(self, entry: AdapterEntry, weights: AdapterWeights) -> PagesNeeded:
         return self._residency.pages_needed(entry.identity.version, weights)

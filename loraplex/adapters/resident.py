@@ -2,8 +2,8 @@
 replica that holds it (``vllm:lora_adapter_loaded``).
 
 ``resident_adapters`` lists the adapters in device pages (``gpu``), then those only in the host
-LRU (``cpu``), most recently used first within each level; ``AdapterManager.stats`` calls it
-under its lock once per snapshot (one pass over the registered adapters, as the counts beside it).
+LRU (``cpu``), most recently used first within each level; ``tier_stats`` (``stats.py``) calls it
+under the manager's lock once per snapshot (one pass over the registered adapters, as the counts beside it).
 """
 
 from __future__ import annotations

@@ -5,13 +5,17 @@
 | ``config`` | ``EngineConfig`` (frozen, validated) and ``RuntimeInfo`` (derived at start-up) |
 | ``sampling_params`` | ``SamplingParams``: per-request sampling and stop settings |
 | ``sequence`` | ``Request`` and ``Sequence`` state |
-| ``scheduler`` | continuous batching, chunked prefill, preemption; ``SchedulerOutput`` |
+| ``scheduler`` | ``Scheduler``: continuous batching, chunked prefill, preemption; ``AdmitDecision`` |
+| ``scheduler_output`` | ``SchedulerOutput`` / ``ScheduledSeq``: one step's plan, as the runner reads it |
 | ``policy`` | ``SchedulingPolicy`` (fcfs, priority, fair): admission order, preemption victim, accounting |
 | ``deadlines`` | ``Deadlines``: which requests are past their ``request_timeout_s`` |
 | ``tier_admission`` | what admission asks of the KV tiers: promotions, swapped tails |
 | ``preemption`` | ``PreemptionPolicy``: swap or recompute a preempted sequence's partial tail |
 | ``runner`` | builds the model's ``ForwardBatch`` from the scheduler's output and runs the forward |
-| ``lora_runtime`` | adapter admission, pins and per-step LoRA metadata |
+| ``lora_runtime`` | ``LoRARuntime``: the adapter manager, its registry; facade over admission and passes |
+| ``lora_admission`` | ``LoRAAdmission``: the scheduler's adapter hooks: pins, the drain rule, read-ahead |
+| ``lora_passes`` | ``LoRAPasses``: a step's page passes per group, the LoRA hook and its prebound C sites |
+| ``lora_refusals`` | what a request refused for its adapter is told (no id or path), and what is logged |
 | ``sampler`` / ``detokenizer`` / ``outputs`` | next tokens, incremental text, ``RequestOutput`` |
 | ``output_processor`` | after the forward: forks, sampling, stop checks, the step's ``RequestOutput``s |
 | ``validation`` | the checks ``add_request`` runs on a request before it is queued |

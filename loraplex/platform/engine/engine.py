@@ -40,7 +40,7 @@ from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.engine.policy import FairSharePolicy
 from loraplex.platform.engine.sampler import Sampler
 from loraplex.platform.engine.sampling_params import SamplingParams
-from loraplex.platform.engine.scheduler import SchedulerOutput
+from loraplex.platform.engine.scheduler_output import SchedulerOutput
 from loraplex.platform.engine.sequence import Request, Sequence, tenant_cache_salt
 from loraplex.platform.engine.speculative import Speculator
 from loraplex.platform.engine.stats import EngineStats

@@ -22,7 +22,8 @@ from loraplex.platform.engine.errors import ErrorKind, RequestError
 from loraplex.platform.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.platform.engine.sampler import Sampler, non_finite_rows
 from loraplex.platform.engine.sampling_params import RequestOutputKind
-from loraplex.platform.engine.scheduler import Scheduler, SchedulerOutput
+from loraplex.platform.engine.scheduler import Scheduler
+from loraplex.platform.engine.scheduler_output import SchedulerOutput
 from loraplex.platform.engine.sequence import Request, SeqStatus, Sequence
 from loraplex.platform.engine.speculative import Speculator, verify
 from loraplex.platform.engine.structured import StepMasks

@@ -16,7 +16,7 @@ import torch
 
 from loraplex.kernels.contracts import AttentionBackend
 from loraplex.kernels.metadata import PAD_BLOCK_ID, AttentionMetadata, LoRAMetadata
-from loraplex.platform.engine.scheduler import SchedulerOutput
+from loraplex.platform.engine.scheduler_output import SchedulerOutput
 from loraplex.platform.model.forward_batch import ForwardBatch, LoRAApplier, LoRABatch
 from loraplex.platform.model.llama import LlamaForCausalLM
 from loraplex.storage.kv.kv_cache import KVCache

@@ -34,15 +34,16 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from loraplex.platform.engine.errors import ErrorKind, RequestError
 from loraplex.platform.engine.policy import PolicyName, SchedulingPolicy, make_policy
 from loraplex.platform.engine.preemption import PreemptionPolicy
+from loraplex.platform.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from loraplex.platform.engine.sequence import SeqStatus, Sequence
 from loraplex.platform.engine.speculative import Speculator
 from loraplex.platform.engine.tier_admission import TierAdmission, Wait
-from loraplex.storage.kv.block_manager import AllocStatus, BlockCopy
+from loraplex.storage.kv.block_manager import AllocStatus
 from loraplex.storage.kv.prefix_cache import NO_HIT, PrefixHit
 from loraplex.storage.kv.tiers.tiered_kv import TieredKV
 
@@ -56,48 +57,6 @@ class AdmitDecision(enum.Enum):
     LOAD = "load"  # admit if, once its KV is allocated, the load hook gets what it needs
     WAIT = "wait"  # not now; later sequences may still be admitted
     REJECT = "reject"  # never (e.g. its adapter was removed): finish it as aborted
-
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """A sequence, how many of its uncomputed tokens run this step, and its KV blocks.
-
-    ``block_ids`` is the sequence's block table after this step's allocation: the
-    runner reads it instead of asking the block manager, so whoever hands out blocks
-    (fresh, shared by a prefix-cache hit, promoted from a lower tier) is invisible to
-    the model side.
-    """
-
-    seq: Sequence
-    num_new_tokens: int
-    block_ids: tuple[int, ...]
-    num_draft: int = 0
-    """Of ``num_new_tokens``, the speculative drafts at the end (every position returns logits)."""
-
-    @property
-    def completes(self) -> bool:
-        """True when this step computes the sequence's last known token: it samples."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's work: decodes (one new token) first, then prefill chunks."""
-
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    block_copies: list[BlockCopy] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    # Ended while planning: rejected at admission (an adapter removed) or failed (an error
-    # planning it); ``request.error`` says why.
-    aborted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 @dataclass(frozen=True)

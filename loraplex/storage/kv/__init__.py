@@ -8,6 +8,7 @@
 | ``block_hash`` | prefix-cache keys: a sha256 chain over token ids and extra keys; the chain's owner |
 | ``prefix_cache`` | lookups of a prompt's longest cached prefix (``PrefixHit``), hit/miss counters |
 | ``block_manager`` | ``KVBlockManager``: block tables, admission, copy-on-write, prefix-cache hits |
+| ``block_window`` | ``BlockWindow``: the sliding window in blocks; the PAD head of each table |
 | ``tiers/`` | host and disk tiers below the pool, the tier manager, ``TieredKV``: all of it as one cache |
 | ``kv_events`` | ``KVEventLog``: blocks stored and removed per tier (``Medium``), for outside routers |
 | ``sliced`` | ``SlicedJob``: a purge or reset as bounded pieces, run a time budget at a time between steps |

@@ -24,23 +24,9 @@ block stays findable in the pool's LRU free queue until it is reused; tiers see
 that moment through ``pool.on_evict`` and promote blocks back through
 ``pool.allocate_for_key`` / ``publish_promoted`` (see ``block_pool``).
 
-Sliding window (``sliding_window`` = W, for models whose every layer attends to the last W
-positions only: Mistral, Qwen2 with ``use_sliding_window`` on all layers). A query at
-position ``p`` reads keys ``p - W < k <= p``, and positions only grow, so once a sequence's
-next query sits at ``p`` every block before ``first_kept_block(p)`` is dead for it:
-``free_outside_window`` returns those blocks to the pool and leaves ``PAD_BLOCK_ID`` in
-their table entries (the table keeps its length, so entry ``i`` is still token block ``i``;
-the attention kernels, given the window, never read entries before the first visible
-block). A windowed sequence so holds at most ``window_step_blocks`` blocks at a decode
-step (``ceil((W + block_size - 1) / block_size)``, about ``W / block_size + 1``) however
-long its context; admission and ``num_new_blocks_needed`` count only the entries a step
-keeps. A freed block that was cached keeps its key and its KV (it waits in the LRU free
-queue like any freed cached block) until the pool reuses it, when the key leaves the
-index: no prefix entry ever points at missing KV. A prefix-cache hit is still the unbroken
-run of resident blocks from the prompt's start (so a hit never needs a block that is
-gone); ``allocate_slots`` takes only the hit blocks inside the window and pads the rest.
-Models that mix windowed and global layers (Gemma 2/3, Qwen2 with ``max_window_layers``)
-free nothing: their global layers need every block (one table for all layers).
+Sliding window (``sliding_window`` = W, every layer's): blocks before a sequence's window go
+back to the pool and leave ``PAD_BLOCK_ID`` in their table entries, and admission counts only
+the entries a step keeps (``block_window``).
 """
 
 from __future__ import annotations
@@ -51,9 +37,10 @@ from typing import NamedTuple
 
 import torch
 
-from loraplex.kernels.metadata import PAD_BLOCK_ID, first_visible_block
+from loraplex.kernels.metadata import PAD_BLOCK_ID
 from loraplex.storage.kv.block_hash import BlockKey, ExtraKeys
 from loraplex.storage.kv.block_pool import BlockPool, KVBlock
+from loraplex.storage.kv.block_window import BlockWindow
 from loraplex.storage.kv.kv_events import NO_ORIGIN, BlockOrigin
 from loraplex.storage.kv.prefix_cache import NO_HIT, PrefixCache, PrefixCacheStats, PrefixHit
 
@@ -91,15 +78,8 @@ class KVBlockManager:
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be at least 1 (or None), got {sliding_window}")
         self.block_size = block_size
-        # Every layer's window (None: some layer attends to the whole context; nothing is freed).
-        self.sliding_window = sliding_window
-        # Leading PAD entries of each table (blocks freed out of the window), so freeing
-        # after every step looks only at the blocks that just left the window.
-        self._num_padded: dict[int, int] = {}
-        self.num_window_freed_blocks = 0  # since start-up, for tests and metrics
+        self.window = BlockWindow(sliding_window, block_size)
         self.pool = BlockPool(num_blocks)
         self._tables: dict[int, list[int]] = {}
         self.enable_prefix_caching = enable_prefix_caching
@@ -123,31 +103,35 @@ class KVBlockManager:
 
     def num_held_blocks(self, seq_id: int) -> int:
         """Blocks ``seq_id``'s table holds (its PAD entries, freed out of the window, aside)."""
-        return len(self._tables.get(seq_id, ())) - self._num_padded.get(seq_id, 0)
+        return len(self._tables.get(seq_id, ())) - self.window.num_padded(seq_id)
 
-    # -- sliding window --------------------------------------------------------
+    # -- sliding window (``block_window``) ---------------------------------------
+    @property
+    def sliding_window(self) -> int | None:
+        """Every layer's window (None: some layer attends to the whole context; nothing is freed)."""
+        return self.window.size
+
     def first_kept_block(self, position: int) -> int:
-        """The first table entry a query at ``position`` (or any later one) reads: the block
-        of key ``position - W + 1``; 0 without a window. Entries before it may be freed."""
-        # The kernels' own rule (``metadata.first_visible_block``): they never read before it.
-        return first_visible_block(position, self.sliding_window, self.block_size)
+        """The first table entry a query at ``position`` (or any later one) reads; 0 without a
+        window. Entries before it may be freed."""
+        return self.window.first_kept_block(position)
 
     @property
     def window_step_blocks(self) -> int | None:
         """The most blocks a windowed sequence holds at a decode step, at any context length
-        (None without a window): the window's ``W`` keys plus the new token may straddle
-        ``ceil((W + block_size - 1) / block_size)`` blocks."""
-        if self.sliding_window is None:
-            return None
-        return -(-(self.sliding_window + self.block_size - 1) // self.block_size)
+        (None without a window)."""
+        return self.window.step_blocks
+
+    @property
+    def num_window_freed_blocks(self) -> int:
+        """Blocks freed out of the window since start-up."""
+        return self.window.num_freed_blocks
 
     def max_chunk_tokens(self) -> int | None:
         """The longest prefill chunk whose blocks (the window before it included) fit the whole
         pool: the scheduler caps chunks at this, so a windowed sequence longer than the pool
         still runs. None without a window (then a sequence must fit the pool whole)."""
-        if self.sliding_window is None:
-            return None
-        return max(0, self.pool.num_blocks * self.block_size - self.sliding_window - self.block_size + 2)
+        return self.window.max_chunk_tokens(self.pool.num_blocks)
 
     def free_outside_window(self, seq_id: int, next_position: int) -> int:
         """Return to the pool the blocks of ``seq_id`` that no query at ``next_position`` or
@@ -158,20 +142,7 @@ class KVBlockManager:
         table's reference. Cached blocks keep their key until the pool reuses them.
         Idempotent; a no-op without a window.
         """
-        table = self._tables.get(seq_id)
-        if not table or self.sliding_window is None:
-            return 0
-        first = min(self.first_kept_block(next_position), len(table))
-        start = self._num_padded.get(seq_id, 0)
-        if first <= start:
-            return 0
-        for idx in range(start, first):
-            block_id = table[idx]
-            table[idx] = PAD_BLOCK_ID
-            self.pool.decref(block_id)
-        self._num_padded[seq_id] = first
-        self.num_window_freed_blocks += first - start
-        return first - start
+        return self.window.free_outside(seq_id, self._tables.get(seq_id, []), next_position, self.pool)
 
     def has_table(self, seq_id: int) -> bool:
         return seq_id in self._tables
@@ -263,12 +234,7 @@ class KVBlockManager:
             return self._num_revived(hit) + max(0, self.num_blocks_for(end) - hit.num_cached_blocks)
         table = self._tables.get(seq_id, [])
         # Blocks the window drops before this step (allocate_slots frees them first) come back.
-        released = 0
-        if self.sliding_window is not None and table:
-            for idx in range(
-                self._num_padded.get(seq_id, 0), min(self.first_kept_block(num_computed), len(table))
-            ):
-                released += self.pool.blocks[table[idx]].ref_cnt == 1
+        released = self.window.num_released(seq_id, table, num_computed, self.pool)
         table_len = len(table)
         fresh = max(0, self.num_blocks_for(end) - table_len)
         first = num_computed // self.block_size
@@ -323,12 +289,11 @@ class KVBlockManager:
                 continue
             self.pool.take(block_id)
             table.append(block_id)
-        if first_kept:
-            self._num_padded[seq_id] = first_kept
+        self.window.pad_head(seq_id, first_kept)
         end = num_computed + num_new
         copies: list[BlockCopy] = []
         first = num_computed // self.block_size
-        if first < self._num_padded.get(seq_id, 0):
+        if first < self.window.num_padded(seq_id):
             raise RuntimeError(
                 f"sequence {seq_id} writes from block {first}, which the sliding window already freed"
             )
@@ -362,8 +327,7 @@ class KVBlockManager:
             if block_id != PAD_BLOCK_ID:
                 self.pool.incref(block_id)
         self._tables[child_id] = list(table)
-        if parent_id in self._num_padded:
-            self._num_padded[child_id] = self._num_padded[parent_id]
+        self.window.fork(parent_id, child_id)
         self.prefix_cache.fork(parent_id, child_id)
 
     def truncate(self, seq_id: int, num_tokens: int) -> int:
@@ -390,7 +354,7 @@ class KVBlockManager:
         """
         self.prefix_cache.forget(seq_id)
         table = self._tables.pop(seq_id, None)
-        num_padded = self._num_padded.pop(seq_id, 0)
+        num_padded = self.window.forget(seq_id)
         if not table:
             return
         # Free tail first so the LRU queue hands out a sequence's head blocks last:
@@ -428,14 +392,7 @@ class KVBlockManager:
         counts = [0] * self.pool.num_blocks
         for seq_id, table in self._tables.items():
             # PAD entries (blocks freed out of the window) are exactly the table's head.
-            num_padded = self._num_padded.get(seq_id, 0)
-            if self.sliding_window is None and num_padded:
-                raise AssertionError(f"sequence {seq_id} has PAD entries but there is no sliding window")
-            if any(b != PAD_BLOCK_ID for b in table[:num_padded]) or PAD_BLOCK_ID in table[num_padded:]:
-                raise AssertionError(
-                    f"sequence {seq_id}: PAD entries are not exactly its first {num_padded} (freed out of "
-                    "the window)"
-                )
+            num_padded = self.window.check_table(seq_id, table)
             for block_id in table[num_padded:]:
                 counts[block_id] += 1
         for block_id in self.pool.promoting_block_ids():

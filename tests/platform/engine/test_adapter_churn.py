@@ -55,7 +55,7 @@ def fine_switching() -> Iterator[None]:
 
 
 class _WideWindows(dict[int, tuple[int, int]]):
-    """The LoRA runtime's blocked-adapter map with its check-then-act windows widened: a
+    """The LoRA admission's blocked-adapter map with its check-then-act windows widened: a
     membership test that succeeds yields the GIL for 2 ms before the caller acts on it.
 
     Without it the race the test guards against (another thread removing an adapter between
@@ -103,7 +103,7 @@ def test_adapter_churn_from_another_thread_never_kills_the_engine(
         )
     )
     assert engine.lora_runtime is not None
-    engine.lora_runtime._blocked = _WideWindows()
+    engine.lora_runtime.admission._blocked = _WideWindows()
     aeng = AsyncEngine(engine)
     stop = threading.Event()
     churn_errors: list[str] = []

@@ -12,7 +12,7 @@ from loraplex.adapters import (
     AdapterValidationError,
     LoRARequest,
 )
-from loraplex.platform.engine.lora_runtime import public_name, public_reason
+from loraplex.platform.engine.lora_refusals import public_name, public_reason
 
 GATEWAY_NAME = "acme/fr@0123456789ab#1734"
 """How the gateway names an adapter version in the engine: owner/name@version#row-id."""

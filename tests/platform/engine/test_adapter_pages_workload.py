@@ -47,7 +47,8 @@ def _state(engine: LLMEngine) -> str:
     waiting = [(s.request.request_id, s.request.lora) for s in engine.scheduler.waiting]
     running = [(s.request.request_id, s.request.lora) for s in engine.scheduler.running]
     return (
-        f"waiting {waiting}; running {running}; blocked {lora._blocked}; draining {lora._draining}; "
+        f"waiting {waiting}; running {running}; "
+        f"blocked {lora.admission._blocked}; draining {lora.admission._draining}; "
         f"pins {lora.adapter_manager.pins()}; stats {lora.adapter_manager.stats()}"
     )
 

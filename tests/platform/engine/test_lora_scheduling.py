@@ -73,7 +73,7 @@ def test_no_starvation_under_constant_load(
             c_started_at = step
             break
     assert c_started_at is not None, "adapter c starved"
-    grace = engine.lora_runtime.drain_after_steps
+    grace = engine.lora_runtime.admission.drain_after_steps
     assert c_started_at <= grace + 2 * params.max_tokens + 4, f"c waited {c_started_at} steps"
     for rid in list(engine.requests):
         engine.abort_request(rid)

@@ -9,7 +9,8 @@ from typing import cast
 from loraplex.kernels.metadata import PAD_BLOCK_ID
 from loraplex.platform.engine.detokenizer import IncrementalDetokenizer
 from loraplex.platform.engine.sampling_params import SamplingParams
-from loraplex.platform.engine.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from loraplex.platform.engine.scheduler import Scheduler, SchedulerLimits
+from loraplex.platform.engine.scheduler_output import SchedulerOutput
 from loraplex.platform.engine.sequence import Request, SeqStatus, Sequence
 from loraplex.storage.kv.block_manager import KVBlockManager
 from loraplex.storage.kv.tiers.tiered_kv import TieredKV

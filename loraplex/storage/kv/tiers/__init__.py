@@ -7,7 +7,10 @@
 | ``host_pool`` | ``HostKVPool``: block slots in host RAM (pinned on CUDA), LRU |
 | ``disk_pool`` | ``DiskKVPool``: capped, checksummed block files, async I/O, warm restart |
 | ``disk_slots`` / ``disk_files`` / ``block_codec`` | the disk slot states, slot files, record format |
-| ``manager`` | ``TierManager``: demotion, promotion, swap, discard: one location per cached block |
+| ``disk_io`` / ``disk_erase`` | the disk I/O workers, fsyncs, fault counts; erasing records (clear, purge) |
+| ``manager`` | ``TierManager``: the tiers' one door: demote, look up, promote, swap, discard, purge |
+| ``placement`` | ``TierPlacement``: where a block is below the device; the demotion policy |
+| ``promoter`` | ``Promoter``: promotions in flight, the keys they hold (moving, superseded) |
 | ``transfers`` / ``metrics`` | promotion and swap handles (``PromotionMover``); per-tier counters |
 | ``prefix_promotion`` | ``start_promotion`` / ``finish_promotion``: a prefix hit continued from host/disk |
 

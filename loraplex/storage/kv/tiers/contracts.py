@@ -12,7 +12,7 @@ still holds (it computed the block again: after a failed read, a partial promoti
 beside a copy demoted meanwhile), the copy below is dropped (``BlockPool.on_cache`` ->
 ``TierManager.on_device_cache``, wired by ``TieredKV``). The one transient exception: a
 key a promotion is moving, which the device cached meanwhile, is *superseded* and leaves
-its tier when the promotion ends, unless the device evicted its copy first (``manager``).
+its tier when the promotion ends, unless the device evicted its copy first (``promoter``).
 ``TieredKV.check_integrity`` checks the rule with the device's keys; ``TieredKV.persist``
 copies the device's blocks down at shutdown and closes the tiers, ending it.
 

@@ -27,18 +27,17 @@ Every fault is a counted miss or error, never an exception to the caller and nev
 wrong data: truncated, zeroed or foreign records, flipped bits (checksum), a
 directory or device in a slot's place, ENOSPC or EIO on write (the block is then
 not published). A slot being read is pinned, so eviction never overwrites a record
-under a reader (slot states: ``disk_slots``).
+under a reader (slot states: ``disk_slots``). The workers, fsyncs and fault counting live
+in ``disk_io``; ``clear`` and ``purge`` erase records with ``disk_erase``.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
-from collections.abc import Callable, Collection
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
+from collections.abc import Collection
+from concurrent.futures import Future
 from pathlib import Path
 from types import TracebackType
 
@@ -46,19 +45,16 @@ import torch
 
 from loraplex.storage.kv.kv_cache import KVBlockLayout
 from loraplex.storage.kv.kv_events import STORAGE, KVEventLog
-from loraplex.storage.kv.sliced import WAIT, Steps, chunks, run_to_end
+from loraplex.storage.kv.sliced import Steps, run_to_end
 from loraplex.storage.kv.tiers import block_codec
 from loraplex.storage.kv.tiers.block_codec import RecordError, RecordFault
+from loraplex.storage.kv.tiers.disk_erase import RecordEraser
 from loraplex.storage.kv.tiers.disk_files import RestartReport, SlotFiles, preallocate_slots, scan_slots
+from loraplex.storage.kv.tiers.disk_io import DiskIO
 from loraplex.storage.kv.tiers.disk_slots import PendingWrite, SlotTable
 from loraplex.storage.kv.tiers.metrics import TierCounters, TierMetrics
 
 logger = logging.getLogger(__name__)
-
-_DROP_CHUNK = 512
-"""Index entries dropped per piece of a sliced purge or clear (microseconds each)."""
-_SCAN_CHUNK = 64
-"""Slot headers read per piece when none needs erasing (an open and a read each)."""
 
 
 def _done(value: torch.Tensor | None) -> Future[torch.Tensor | None]:
@@ -91,20 +87,16 @@ class DiskKVPool:
         self.capacity_bytes = capacity_bytes
         self.record_bytes = block_codec.record_bytes(layout)
         self._num_slots = capacity_bytes // self.record_bytes
-        self._fsync_writes = fsync_writes
         self._lock = threading.Lock()
         self._slots = SlotTable(self._num_slots)
-        self._inflight: set[Future[bool]] = set()
-        self._dirty: set[int] = set()  # written since the last sync
         self._seq = 0
-        self._closed = False
-        self._warned: set[str] = set()
         self.counters = TierCounters()
         self.events: KVEventLog | None = None
         """Where blocks stored and dropped are reported (``kv_events``; a clear reports nothing)."""
         self.restart = RestartReport()
         self._files = SlotFiles(self.path, self.record_bytes)
-        self._executor: ThreadPoolExecutor | None = None
+        self._io = DiskIO(self._files, self._lock, self.counters, fsync_writes=fsync_writes)
+        self._eraser = RecordEraser(self._lock, self._slots, self._io)
         if self._num_slots == 0:  # disabled: every demotion is a counted drop, nothing touches disk
             if capacity_bytes:
                 logger.warning(
@@ -117,7 +109,7 @@ class DiskKVPool:
         self._restore_index()
         if preallocate:
             self._preallocate()
-        self._executor = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="kv-disk")
+        self._io.start(num_workers)
         logger.info(
             "disk KV tier at %s: %d blocks, %.1f MiB; restored %d blocks, discarded %d",
             self.path,
@@ -141,7 +133,7 @@ class DiskKVPool:
 
     def _preallocate(self) -> None:
         for slot, exc in preallocate_slots(self._files, self._num_slots):
-            self._count_io_error("preallocate", slot, exc)
+            self._io.count_io_error("preallocate", slot, exc)
 
     # -- queries ---------------------------------------------------------------
     @property
@@ -208,7 +200,8 @@ class DiskKVPool:
         else:
             owned = data
         with self._lock:
-            if self._closed or self._executor is None:
+            workers = self._io.workers()
+            if workers is None:
                 self.counters.drops += 1
                 return False
             if self._slots.contains(key):  # same key, same content: refresh instead of rewriting
@@ -232,25 +225,25 @@ class DiskKVPool:
             self.counters.demotions += 1
             if self.events is not None:  # findable from now on: a read is served from memory
                 self.events.stored((key,), STORAGE, owner)
-            write.future = self._executor.submit(self._write_job, write, header)
-            self._inflight.add(write.future)
+            write.future = workers.submit(self._write_job, write, header)
+            self._io.inflight.add(write.future)
             return True
 
     def _write_job(self, write: PendingWrite, header: bytes) -> bool:
         error: OSError | None = None
         try:
             payload = block_codec.payload_view(write.data)
-            self._files.write_record(write.slot, header, payload, self._fsync_writes)
+            self._io.write(write.slot, header, payload)
         except OSError as exc:
             error = exc
         with self._lock:
             if write.future is not None:
-                self._inflight.discard(write.future)
+                self._io.inflight.discard(write.future)
             if self._slots.finish_write(write, ok=error is None):
-                self._dirty.add(write.slot)
+                self._io.dirty.add(write.slot)
                 self.counters.bytes_in += self.layout.bytes_per_block
         if error is not None:
-            self._count_io_error("write", write.slot, error)
+            self._io.count_io_error("write", write.slot, error)
             if self.events is not None:
                 self.events.removed((write.key,), STORAGE)
         return error is None
@@ -269,11 +262,12 @@ class DiskKVPool:
                 self.counters.hits += 1
                 self.counters.bytes_out += self.layout.bytes_per_block
                 return _done(write.data)
-            slot = None if self._closed or self._executor is None else self._slots.pin(key)
-            if slot is None or self._executor is None:
+            workers = self._io.workers()
+            slot = None if workers is None else self._slots.pin(key)
+            if slot is None or workers is None:
                 self.counters.misses += 1
                 return _done(None)
-            return self._executor.submit(self._read_job, key, slot)
+            return workers.submit(self._read_job, key, slot)
 
     def _read_job(self, key: bytes, slot: int) -> torch.Tensor | None:
         block: torch.Tensor | None = None
@@ -291,9 +285,11 @@ class DiskKVPool:
             # Also on an unexpected error (it then reaches the future): the pin must go.
             self._end_read(key, slot, block, fault)
         if io_error is not None:
-            self._count_io_error("read", slot, io_error)
+            self._io.count_io_error("read", slot, io_error)
         elif fault is not None:
-            self._warn_once(f"record-{fault.fault.value}", "disk KV tier: slot %d refused (%s)", slot, fault)
+            self._io.warn_once(
+                f"record-{fault.fault.value}", "disk KV tier: slot %d refused (%s)", slot, fault
+            )
         return block
 
     def _end_read(self, key: bytes, slot: int, block: torch.Tensor | None, fault: RecordError | None) -> None:
@@ -340,7 +336,9 @@ class DiskKVPool:
     def clear_steps(self, keep: Collection[bytes] = ()) -> Steps[tuple[int, int]]:
         """``clear`` in bounded pieces (``sliced``): blocks written meanwhile may be dropped too
         (a reset forgets what it finds), blocks in ``keep`` never."""
-        return self._drop_and_erase_steps(lambda: [k for k in self._slots.held_keys() if k not in keep], None)
+        return self._eraser.steps(
+            lambda: [k for k in self._slots.held_keys() if k not in keep], None, self._removed
+        )
 
     def purge(self, owner: bytes) -> tuple[int, int]:
         """Forget every block ``owner`` owns and erase its records, with those of its promoted
@@ -354,109 +352,25 @@ class DiskKVPool:
         from the first piece on (``TierManager``), so none appear meanwhile."""
         if not owner:
             raise ValueError("purge needs an owner: blocks of nobody are cleared, not purged")
-        return self._drop_and_erase_steps(lambda: self._slots.keys_of(owner), owner)
+        return self._eraser.steps(lambda: self._slots.keys_of(owner), owner, self._removed)
 
-    def _drop_and_erase_steps(
-        self, doomed: Callable[[], list[bytes]], owner: bytes | None
-    ) -> Steps[tuple[int, int]]:
-        """Drop the ``doomed`` keys, then erase the records left in free slot files; a piece is
-        ``_DROP_CHUNK`` keys dropped, one file erased, or ``_SCAN_CHUNK`` files found with
-        nothing to erase. Each piece holds the lock, so no slot is claimed for a write while
-        its file is erased; a slot claimed between pieces is skipped (its new record replaces
-        the old one). The fsync of each erased file (milliseconds, up to ~100 ms on a busy
-        disk) runs on the I/O workers after the last erase, not in a piece: the steps end once
-        every one is done, waiting for them without holding the caller (``sliced.WAIT``)."""
-        if self._num_slots == 0:
-            return 0, 0
-        # The writes in flight land first (one finishing after the erase would leave its record
-        # on disk), waited for without blocking the caller: they may queue behind other I/O.
-        with self._lock:
-            in_flight = list(self._inflight)
-        while not all(future.done() for future in in_flight):
-            yield WAIT
-        with self._lock:
-            gone = doomed()
-        yield None
-        for chunk in chunks(gone, _DROP_CHUNK):
-            with self._lock:
-                dropped = [key for key in chunk if self._slots.drop(key)]
-            if owner is not None and self.events is not None:  # a reset is one AllCleared
-                self.events.removed(dropped, STORAGE)
-            yield None
-        with self._lock:
-            free = self._slots.free_slots()
-        erased = scanned = 0
-        to_sync: list[int] = []
-        for slot in free:
-            error: OSError | None = None
-            with self._lock:
-                if not self._slots.is_free(slot):
-                    continue
-                try:
-                    done = self._files.erase(slot, owner, fsync=False)
-                except OSError as exc:
-                    done, error = False, exc
-                self._dirty.discard(slot)
-                if done:
-                    to_sync.append(slot)
-            if error is not None:
-                self._count_io_error("erase", slot, error)
-            erased += done
-            scanned += 1
-            if done or scanned % _SCAN_CHUNK == 0:
-                yield None
-        # Synced only now, after every erase: an fsync commits the filesystem's journal, and a
-        # truncate or fallocate behind one waits for it (measured: up to ~0.5 s per erase while
-        # the workers synced the earlier ones).
-        syncs = [self._sync_later(slot) for slot in to_sync]
-        while not all(future.done() for future in syncs):
-            yield WAIT
-        return len(gone), erased
-
-    def _sync_later(self, slot: int) -> Future[None]:
-        """fsync ``slot``'s file on an I/O worker (at once, without workers); errors are counted."""
-
-        def sync() -> None:
-            try:
-                self._files.fsync_slot(slot)
-            except OSError as exc:
-                self._count_io_error("erase", slot, exc)
-
-        if self._executor is None or self._closed:
-            sync()
-            future: Future[None] = Future()
-            future.set_result(None)
-            return future
-        return self._executor.submit(sync)
+    def _removed(self, keys: list[bytes]) -> None:
+        if self.events is not None:
+            self.events.removed(keys, STORAGE)
 
     # -- shutdown --------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait for every write in flight; True if none is left."""
-        with self._lock:
-            futures = list(self._inflight)
-        _, not_done = wait_futures(futures, timeout=timeout_s)
-        return not not_done
+        return self._io.flush(timeout_s)
 
     def sync(self) -> None:
         """fsync every slot file written since the last sync (durability across power loss)."""
-        with self._lock:
-            dirty, self._dirty = self._dirty, set()
-        for slot in sorted(dirty):
-            try:
-                self._files.fsync_slot(slot)
-            except OSError as exc:
-                self._count_io_error("sync", slot, exc)
+        self._io.sync()
 
     def close(self) -> None:
         """Finish the writes in flight, fsync them, stop the workers and release the path."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-        self.sync()
-        self._files.unlock()
+        if self._io.close():
+            self._files.unlock()
 
     def __enter__(self) -> DiskKVPool:
         return self
@@ -467,20 +381,6 @@ class DiskKVPool:
         self.close()
 
     # -- metrics and invariants ------------------------------------------------
-    def _count_io_error(self, what: str, slot: int, exc: OSError) -> None:
-        """Count and log an OSError; the caller must not hold the lock."""
-        with self._lock:
-            self.counters.io_errors += 1
-        code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
-        self._warn_once(f"{what}-{code}", "disk KV tier: %s of slot %d failed: %s", what, slot, exc)
-
-    def _warn_once(self, kind: str, msg: str, *args: object) -> None:
-        # A full or failing disk fails every write: log the first of each kind, then quietly.
-        with self._lock:
-            first = kind not in self._warned
-            self._warned.add(kind)
-        logger.log(logging.WARNING if first else logging.DEBUG, msg, *args)
-
     def metrics(self) -> TierMetrics:
         with self._lock:
             return self.counters.snapshot("disk", self._num_slots, self._slots.num_used, self.record_bytes)

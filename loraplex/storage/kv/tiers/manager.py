@@ -26,17 +26,8 @@ owns the host and disk pools and moves blocks between them and the device::
                                        store none of its blocks again (a deleted tenant)
 
 A key being promoted is pinned where it is and hidden from ``lookup`` until ``wait``
-decides: loaded blocks leave the lower tier, blocks after a failure stay there
-(findable again). The caller publishes the loaded device blocks in its prefix cache
-only after ``wait``, so nothing reads a block before its data landed.
-
-The one transient exception to one location: the device may cache a key while a
-promotion moves it (another sequence computed it meanwhile). The copy below cannot go
-then (pinned, or read by a disk worker), so it is marked *superseded* and dropped when
-the promotion ends, unless it loaded (then it leaves anyway, and the promoted block
-stays keyless on the device). If the device evicts the key before that, the mark is
-lifted: the copy below is the only one again. ``check_integrity(device_keys)`` allows
-exactly the superseded keys on both sides.
+decides (``promoter``, with the one transient exception to one location: a *superseded*
+key). Where a block goes down and where it is: ``placement``.
 
 Thread safety: every public method takes one lock; disk I/O runs on the disk pool's
 workers, which never take this lock (lock order: manager, then disk pool), and
@@ -51,25 +42,17 @@ import logging
 import os
 import threading
 from collections.abc import Collection, Sequence
-from concurrent.futures import wait as wait_futures
 from typing import TypeVar
-
-import torch
 
 from loraplex.storage.kv.kv_cache import KVBlockLayout
 from loraplex.storage.kv.sliced import Steps, chunks, run_to_end
-from loraplex.storage.kv.tiers.contracts import DeviceBlockIO, KVTierPool, Location, Tier
+from loraplex.storage.kv.tiers.contracts import DeviceBlockIO, Location
 from loraplex.storage.kv.tiers.disk_pool import DiskKVPool
 from loraplex.storage.kv.tiers.host_pool import HostKVPool
 from loraplex.storage.kv.tiers.metrics import TierMetrics
-from loraplex.storage.kv.tiers.transfers import (
-    Promotion,
-    PromotionResult,
-    PromotionSource,
-    SwapHandle,
-    is_swap_key,
-    read_result,
-)
+from loraplex.storage.kv.tiers.placement import TierPlacement
+from loraplex.storage.kv.tiers.promoter import Promoter
+from loraplex.storage.kv.tiers.transfers import Promotion, SwapHandle, is_swap_key
 
 logger = logging.getLogger(__name__)
 
@@ -90,15 +73,11 @@ class TierManager:
         self.disk = disk if disk is not None and disk.num_slots > 0 else None
         self.layout = host.layout
         self._lock = threading.RLock()
-        self._moving: set[bytes] = set()  # keys a promotion holds: pinned, hidden from lookup
-        # Moving keys the device cached meanwhile: dropped below when their promotion ends.
-        self._superseded: set[bytes] = set()
+        self._placement = TierPlacement(device, host, self.disk)
+        self._promoter = Promoter(self._lock, self._placement)
         self._swaps: dict[int, list[bytes]] = {}
         self._swap_ids = itertools.count()
-        self._purged: set[bytes] = set()  # owners whose blocks are never stored again
         self._purging: set[bytes] = set()  # purged owners whose sliced purge has not ended
-        self.num_dropped_blocks = 0  # left the device and landed nowhere
-        self.num_discarded_blocks = 0  # copies below dropped because the device cached the key
 
     @classmethod
     def create(
@@ -143,47 +122,13 @@ class TierManager:
         owner's block is dropped.
         """
         with self._lock:
-            held = self._locate(key)
+            held = self._placement.locate(key)
             if held is not None:  # content-addressed: the copy below is the same data
                 # Superseded while a promotion moves it: the device copy goes now, so the
                 # one below is the block's only location again and must stay.
-                self._superseded.discard(key)
+                self._promoter.keep_below(key)
                 return held
-            location = None if owner in self._purged else self._store_from_device(key, block_id, owner)
-            if location is None:
-                self.num_dropped_blocks += 1
-            return location
-
-    def _store_from_device(self, key: bytes, block_id: int, owner: bytes = b"") -> Location | None:
-        """Copy device block ``block_id`` to host (else disk) under ``key``; where, or None."""
-        view = self._host_slot_for(key, owner)
-        if view is not None:
-            self.device.read_blocks([block_id], [view])
-            slot = self.host.slot_of(key)
-            assert slot is not None, f"host slot reserved for {key.hex()} vanished"
-            return Location(Tier.HOST, slot)
-        if self.disk is not None:
-            staging = torch.empty(self.layout.block_shape, dtype=self.layout.dtype)
-            self.device.read_blocks([block_id], [staging])
-            if self.disk.demote_async(key, staging, persistent=not is_swap_key(key), copy=False, owner=owner):
-                slot = self.disk.slot_of(key)
-                if slot is not None:
-                    return Location(Tier.DISK, slot)
-        return None
-
-    def _host_slot_for(self, key: bytes, owner: bytes) -> torch.Tensor | None:
-        """A host slot claimed for ``key`` (demoting the LRU block to disk first if full)."""
-        if self.host.num_free_slots == 0:
-            evicted = self.host.evict_lru()
-            # demote_async copies the data before returning, so the slot can be reused.
-            if evicted is not None and (
-                self.disk is None
-                or not self.disk.demote_async(
-                    evicted.key, evicted.data, persistent=not is_swap_key(evicted.key), owner=evicted.owner
-                )
-            ):
-                self.num_dropped_blocks += 1
-        return self.host.reserve(key, owner)
+            return self._placement.demote(key, block_id, owner)
 
     # -- lookup and promotion --------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> list[tuple[bytes, Location]]:
@@ -195,7 +140,7 @@ class TierManager:
         with self._lock:
             found: list[tuple[bytes, Location]] = []
             for key in keys:
-                location = None if key in self._moving else self._locate(key)
+                location = None if key in self._promoter.moving else self._placement.locate(key)
                 if location is None:
                     break
                 found.append((key, location))
@@ -209,22 +154,12 @@ class TierManager:
     def is_moving(self, key: bytes) -> bool:
         """True while a promotion or swap-in holds ``key`` (hidden from ``lookup`` until it ends)."""
         with self._lock:
-            return key in self._moving
+            return key in self._promoter.moving
 
     def location(self, key: bytes) -> Location | None:
         """Where ``key`` lives below the device (host or disk), or None."""
         with self._lock:
-            return self._locate(key)
-
-    def _locate(self, key: bytes) -> Location | None:
-        slot = self.host.slot_of(key)
-        if slot is not None:
-            return Location(Tier.HOST, slot)
-        if self.disk is not None:
-            slot = self.disk.slot_of(key)
-            if slot is not None:
-                return Location(Tier.DISK, slot)
-        return None
+            return self._placement.locate(key)
 
     def prefetch(self, keys: Sequence[bytes]) -> Promotion:
         """Start bringing a chain of ``keys`` up: pin host blocks, start disk reads (see ``transfers``).
@@ -232,7 +167,7 @@ class TierManager:
         The chain stops at the first key held by neither tier (or already being
         promoted); ``num_started`` says how many device blocks to ``assign``.
         """
-        return self._start(list(keys), keep_unloaded=True)
+        return self._promoter.start(list(keys), keep_unloaded=True)
 
     def promote(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> Promotion:
         """``prefetch`` and ``assign`` at once, for a caller that already holds the device blocks.
@@ -246,102 +181,6 @@ class TierManager:
         promotion.assign(block_ids[: promotion.num_started])
         return promotion
 
-    def _start(self, keys: list[bytes], keep_unloaded: bool) -> Promotion:
-        with self._lock:
-            sources: list[PromotionSource] = []
-            for key in keys:
-                if key in self._moving:
-                    break
-                slot = self.host.slot_of(key)
-                if slot is not None:
-                    self.host.pin(key)
-                    sources.append(PromotionSource(key, slot, None, self.host.owner_of(key)))
-                elif self.disk is not None and self.disk.contains(key):
-                    sources.append(PromotionSource(key, None, self.disk.fetch(key), self.disk.owner_of(key)))
-                else:
-                    break
-                self._moving.add(key)
-            return Promotion(self, sources, len(keys), keep_unloaded)
-
-    def copy_host_sources(self, promotion: Promotion) -> None:
-        """Issue the host -> device copies of an assigned promotion (they overlap planning on CUDA).
-
-        ``Promotion.assign`` calls it (``PromotionMover``); nothing else should."""
-        assert promotion.block_ids is not None
-        with self._lock:
-            pairs = [
-                (source, block_id)
-                for source, block_id in zip(promotion.sources, promotion.block_ids, strict=False)
-                if source.host_slot is not None
-            ]
-            if not pairs:
-                return
-            views = [self.host.get(source.key) for source, _ in pairs]  # counted, marked recently used
-            self.device.write_blocks([b for _, b in pairs], [v for v in views if v is not None])
-
-    def complete_promotion(
-        self, promotion: Promotion, timeout_s: float | None, cancel: bool
-    ) -> PromotionResult:
-        """End ``promotion``: loaded blocks leave host/disk, the rest stay (a swap-in's are freed).
-
-        ``Promotion.wait`` / ``cancel`` call it (``PromotionMover``); nothing else should."""
-        sources = promotion.sources
-        block_ids = [] if cancel or promotion.block_ids is None else promotion.block_ids
-        assigned = sources[: len(block_ids)]
-        reads = [s.read for s in assigned if s.read is not None]
-        _, not_done = wait_futures(reads, timeout=timeout_s)
-        if not_done:
-            raise TimeoutError(
-                f"{len(not_done)} of {len(reads)} disk reads still running after {timeout_s} s"
-            )
-        num_loaded = 0
-        from_disk: list[tuple[int, torch.Tensor]] = []
-        for source, block_id in zip(assigned, block_ids, strict=True):
-            if source.read is not None:
-                data = read_result(source.read)
-                if data is None:
-                    break  # a failed disk read: the chain stops here
-                from_disk.append((block_id, data))
-            num_loaded += 1
-        try:
-            if from_disk:
-                self.device.write_blocks([b for b, _ in from_disk], [d for _, d in from_disk])
-            # Host slots stay pinned until the device is done copying from them.
-            self.device.synchronize()
-        except BaseException:
-            # The device blocks may hold anything: nothing counts as loaded, every key stays
-            # where it was (findable again), and the caller releases its device blocks.
-            self._release_sources(promotion, 0)
-            raise
-        self._release_sources(promotion, num_loaded)
-        return PromotionResult(
-            num_loaded=num_loaded,
-            num_requested=promotion.num_requested,
-            keys=[s.key for s in sources[:num_loaded]],
-            block_ids=block_ids[:num_loaded],
-        )
-
-    def _release_sources(self, promotion: Promotion, num_loaded: int) -> None:
-        """Unhide and unpin a finished promotion's keys; the loaded ones leave host/disk."""
-        with self._lock:
-            for position, source in enumerate(promotion.sources):
-                self._moving.discard(source.key)
-                loaded = position < num_loaded
-                superseded = source.key in self._superseded
-                self._superseded.discard(source.key)
-                # Not loaded but superseded: the device cached the key meanwhile, so the
-                # copy below would be a second location.
-                drop = loaded or not promotion.keep_unloaded or superseded
-                removed = False
-                if source.host_slot is not None:
-                    self.host.unpin(source.key)
-                    if drop:
-                        removed = self.host.remove(source.key, promoted=loaded)
-                elif self.disk is not None and drop:
-                    removed = self.disk.remove(source.key, promoted=loaded)
-                if removed and superseded and not loaded:
-                    self.num_discarded_blocks += 1
-
     def on_device_cache(self, key: bytes) -> None:
         """The block pool's ``on_cache`` hook: the device now caches ``key``; drop the copy below."""
         self.discard((key,))
@@ -351,24 +190,15 @@ class TierManager:
         block); how many went now.
 
         A disk write in flight for a key is cancelled (never published). A key a promotion
-        is moving is marked superseded instead and goes when the promotion ends (module
-        docstring).
+        is moving is marked superseded instead and goes when the promotion ends (``promoter``).
         """
-        with self._lock:
-            dropped = 0
-            for key in keys:
-                if key in self._moving:
-                    self._superseded.add(key)
-                elif self._forget(key):
-                    dropped += 1
-            self.num_discarded_blocks += dropped
-            return dropped
+        return self._promoter.discard(keys)
 
     def clear(self) -> tuple[int, int]:
         """Drop every host and disk block, and erase the disk records (a prefix-cache reset);
         (host, disk) blocks dropped. Blocks a promotion or a swapped sequence holds stay."""
         with self._lock:
-            keep = set(self._moving) | {key for keys in self._swaps.values() for key in keys}
+            keep = set(self._promoter.moving) | self._swap_keys()
             host = self.host.clear(keep)
             disk = self.disk.clear(keep)[0] if self.disk is not None else 0
             return host, disk
@@ -387,7 +217,7 @@ class TierManager:
         if not owner:
             raise ValueError("purge needs an owner: blocks of nobody are cleared, not purged")
         with self._lock:
-            self._purged.add(owner)
+            self._placement.refuse(owner)
             self._purging.add(owner)
             keys = self.host.keys_of(owner)
         try:
@@ -407,7 +237,7 @@ class TierManager:
     def clear_steps(self) -> Steps[tuple[int, int]]:
         """``clear`` with its disk part in bounded pieces (``sliced``); the host part runs at once."""
         with self._lock:
-            keep = set(self._moving) | {key for keys in self._swaps.values() for key in keys}
+            keep = set(self._promoter.moving) | self._swap_keys()
             host = self.host.clear(keep)
         disk = 0
         if self.disk is not None:
@@ -425,8 +255,8 @@ class TierManager:
                     return result
             yield signal
 
-    def _forget(self, key: bytes) -> bool:
-        return self.host.remove(key) or (self.disk is not None and self.disk.remove(key))
+    def _swap_keys(self) -> set[bytes]:
+        return {key for keys in self._swaps.values() for key in keys}
 
     # -- swap preemption -------------------------------------------------------
     def swap_out(self, block_ids: Sequence[int]) -> SwapHandle | None:
@@ -441,16 +271,16 @@ class TierManager:
             keys = handle.block_keys()
             try:
                 for key, block_id in zip(keys, block_ids, strict=True):
-                    if self._store_from_device(key, block_id) is None:
+                    if self._placement.store(key, block_id) is None:
                         break
             except BaseException:
                 for key in keys:
-                    self._forget(key)
+                    self._placement.forget(key)
                 raise
             # A later block may have pushed an earlier one out of host and found the disk full.
-            if not all(self._locate(key) is not None for key in keys):
+            if not all(self._placement.locate(key) is not None for key in keys):
                 for key in keys:
-                    self._forget(key)
+                    self._placement.forget(key)
                 return None
             self._swaps[handle.swap_id] = keys
             return handle
@@ -465,13 +295,13 @@ class TierManager:
             keys = self._swaps.pop(handle.swap_id, None)
             if keys is None:
                 raise KeyError(f"swap {handle.swap_id} is unknown or was already swapped in")
-            return self._start(keys, keep_unloaded=False)
+            return self._promoter.start(keys, keep_unloaded=False)
 
     def discard_swap(self, handle: SwapHandle) -> None:
         """Free what a swapped-out sequence holds (finished or aborted while swapped)."""
         with self._lock:
             for key in self._swaps.pop(handle.swap_id, []):
-                self._forget(key)
+                self._placement.forget(key)
 
     @property
     def num_swapped_blocks(self) -> int:
@@ -481,19 +311,8 @@ class TierManager:
     # -- shutdown --------------------------------------------------------------
     def spill_to_disk(self) -> int:
         """Demote every unpinned host block to disk (before a graceful shutdown); how many went."""
-        if self.disk is None:
-            return 0
         with self._lock:
-            moved = 0
-            for key in self.host.held_keys():
-                if is_swap_key(key) or self.host.is_pinned(key):
-                    continue
-                slot = self.host.slot_of(key)
-                assert slot is not None
-                if self.disk.demote_async(key, self.host.view(slot), owner=self.host.owner_of(key)):
-                    self.host.remove(key)
-                    moved += 1
-            return moved
+            return self._placement.spill_to_disk()
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait for disk writes in flight; True if none is left."""
@@ -511,50 +330,46 @@ class TierManager:
             disk = self.disk.metrics() if self.disk is not None else TierMetrics.disabled("disk")
             return [self.host.metrics(), disk]
 
+    @property
+    def num_dropped_blocks(self) -> int:
+        """Blocks that left the device and landed nowhere (no room, or a purged owner's)."""
+        return self._placement.num_dropped_blocks
+
+    @property
+    def num_discarded_blocks(self) -> int:
+        """Copies below dropped because the device cached their key."""
+        return self._promoter.num_discarded_blocks
+
     def check_integrity(self, device_keys: Collection[bytes] = ()) -> None:
         """Each key lives in at most one tier; each pool conserves its slots; disk stays capped.
 
         ``device_keys``: the keys the accelerator pool's prefix cache holds now; none may be
-        held here too, but for the superseded keys of promotions in flight (module
-        docstring). Without them only host against disk is checked.
+        held here too, but for the superseded keys of promotions in flight (``promoter``).
+        Without them only host against disk is checked.
         """
         with self._lock:
-            pools: list[KVTierPool] = [self.host] if self.disk is None else [self.host, self.disk]
-            for pool in pools:
-                pool.check_integrity()
-            host_keys = set(self.host.held_keys())
-            # Disk workers only publish or drop keys, never add one: no false overlap below.
-            disk_keys = set(self.disk.held_keys()) if self.disk is not None else set()
-            both = host_keys & disk_keys
-            if both:
-                raise AssertionError(
-                    f"{len(both)} blocks are in host and disk, e.g. {next(iter(both)).hex()}"
-                )
-            if not self._superseded <= self._moving:
-                stale = next(iter(self._superseded - self._moving))
+            host_keys, disk_keys = self._placement.check_integrity()
+            moving, superseded = self._promoter.moving, self._promoter.superseded
+            if not superseded <= moving:
+                stale = next(iter(superseded - moving))
                 raise AssertionError(f"block {stale.hex()} is marked superseded but no promotion moves it")
-            on_device = (set(device_keys) & (host_keys | disk_keys)) - self._superseded
+            on_device = (set(device_keys) & (host_keys | disk_keys)) - superseded
             if on_device:
                 raise AssertionError(
                     f"{len(on_device)} device blocks also live below, e.g. {next(iter(on_device)).hex()}"
                 )
-            for key in self._moving:
+            for key in moving:
                 if self.host.contains(key) and not self.host.is_pinned(key):
                     raise AssertionError(
                         f"block {key.hex()} is being promoted but its host slot is not pinned"
                     )
-            for owner in self._purged - self._purging:  # a purge in progress still holds some
-                kept = [
-                    k
-                    for k in (host_keys | disk_keys) - self._moving
-                    if owner
-                    in (self.host.owner_of(k), self.disk.owner_of(k) if self.disk is not None else b"")
-                ]
+            for owner in self._placement.refused - self._purging:  # a purge in progress still holds some
+                held = (host_keys | disk_keys) - moving
+                kept = [k for k in held if owner in self._placement.owners_of(k)]
                 if kept:
                     raise AssertionError(
                         f"{len(kept)} blocks of a purged owner are still held, e.g. {kept[0].hex()}"
                     )
-            swap_keys = {key for keys in self._swaps.values() for key in keys}
-            stray = {k for k in host_keys | disk_keys if is_swap_key(k)} - swap_keys - self._moving
+            stray = {k for k in host_keys | disk_keys if is_swap_key(k)} - self._swap_keys() - moving
             if stray:
                 raise AssertionError(f"{len(stray)} swap blocks belong to no swap handle")

@@ -88,9 +88,9 @@ class PromotionSource(NamedTuple):
 
 
 class PromotionMover(Protocol):
-    """What a ``Promotion`` calls back to move its blocks (``TierManager`` implements it).
+    """What a ``Promotion`` calls back to move its blocks (``promoter.Promoter`` implements it).
 
-    A protocol rather than an import of the manager, so that ``manager`` imports this
+    A protocol rather than an import of the promoter, so that ``promoter`` imports this
     module and not the other way round (no import cycle inside ``storage.kv.tiers``).
     """
 
@@ -109,9 +109,9 @@ class Promotion:
     """Blocks on their way up; ``assign`` device blocks, then ``wait`` (or ``cancel``) once."""
 
     def __init__(
-        self, manager: PromotionMover, sources: list[PromotionSource], num_requested: int, keep_unloaded: bool
+        self, mover: PromotionMover, sources: list[PromotionSource], num_requested: int, keep_unloaded: bool
     ) -> None:
-        self._manager = manager
+        self._mover = mover
         self.sources = sources
         self.num_requested = num_requested
         self.keep_unloaded = keep_unloaded  # False for swap-in: what is not loaded is freed
@@ -139,7 +139,7 @@ class Promotion:
         if len(block_ids) > self.num_started:
             raise ValueError(f"{len(block_ids)} device blocks for {self.num_started} started keys")
         self.block_ids = list(block_ids)
-        self._manager.copy_host_sources(self)
+        self._mover.copy_host_sources(self)
 
     def done(self) -> bool:
         """True if ``wait`` would not block on disk reads."""
@@ -167,7 +167,7 @@ class Promotion:
             if self.block_ids is None:
                 raise RuntimeError("assign device blocks before waiting for a promotion")
             try:
-                self._result = self._manager.complete_promotion(self, timeout_s, cancel=False)
+                self._result = self._mover.complete_promotion(self, timeout_s, cancel=False)
             except TimeoutError:
                 raise  # nothing was finished: wait again later
             except BaseException:
@@ -178,4 +178,4 @@ class Promotion:
     def cancel(self) -> None:
         """Load nothing: every block stays in its tier (a swap-in's blocks are freed)."""
         if self._result is None:
-            self._result = self._manager.complete_promotion(self, None, cancel=True)
+            self._result = self._mover.complete_promotion(self, None, cancel=True)

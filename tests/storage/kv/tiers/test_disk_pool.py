@@ -84,8 +84,8 @@ def test_lru_eviction_reuses_the_oldest_slot(pool: DiskKVPool) -> None:
 def test_writes_in_flight_are_served_from_memory_and_not_evicted(tmp_path: Path) -> None:
     with DiskKVPool(tmp_path / "kv", LAYOUT, FP, RECORD, num_workers=1) as p:
         gate = threading.Event()
-        assert p._executor is not None
-        p._executor.submit(gate.wait, 30)  # the only worker waits: writes stay in flight
+        assert p._io.executor is not None
+        p._io.executor.submit(gate.wait, 30)  # the only worker waits: writes stay in flight
         assert p.demote_async(key(0), block(0))
         assert p.contains(key(0)) and not p.is_published(key(0))
         got = fetch(p, key(0))  # served from the in-flight copy
@@ -105,8 +105,8 @@ def test_writes_in_flight_are_served_from_memory_and_not_evicted(tmp_path: Path)
 def test_removed_while_in_flight_is_never_published(tmp_path: Path) -> None:
     with DiskKVPool(tmp_path / "kv", LAYOUT, FP, 2 * RECORD, num_workers=1) as p:
         gate = threading.Event()
-        assert p._executor is not None
-        p._executor.submit(gate.wait, 30)
+        assert p._io.executor is not None
+        p._io.executor.submit(gate.wait, 30)
         assert p.demote_async(key(0), block(0))
         assert p.remove(key(0))
         assert not p.contains(key(0))
