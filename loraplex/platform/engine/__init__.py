@@ -26,6 +26,7 @@
 | ``limits`` | ``EngineLimits``: what a running engine accepts (built by the engine, read by the server) |
 | ``inputs`` | ``PromptType``: a prompt as the engine takes it (text or token ids) |
 | ``stats`` | ``EngineStats`` / ``TenantUsage``: value types of one snapshot per step (built by the engine) |
+| ``engine_thread`` | ``EngineThread``: the one thread that touches the engine: its inbox, streams and jobs |
 | ``commands`` | the engine thread's commands (add, abort, call, start a job): objects that apply themselves |
 | ``request_stream`` | ``RequestStream``: one request's outputs handed from the engine thread to its reader |
 | ``counters`` | ``TenantCounters`` / ``RejectionCounters``: counted by the engine, frozen per snapshot |

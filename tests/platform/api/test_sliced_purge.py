@@ -30,9 +30,10 @@ from support.servers import sse_lines
 from loraplex.platform.api.server import Server
 from loraplex.platform.api.services import tenants
 from loraplex.platform.api.services.tenants import engine_tenant_id
-from loraplex.platform.engine.async_engine import MAINTENANCE_SLICE_S, AsyncEngine
+from loraplex.platform.engine.async_engine import AsyncEngine
 from loraplex.platform.engine.config import EngineConfig
 from loraplex.platform.engine.engine import LLMEngine
+from loraplex.platform.engine.engine_thread import MAINTENANCE_SLICE_S
 from loraplex.platform.engine.sequence import tenant_cache_salt
 from loraplex.storage.db import Database
 from loraplex.storage.kv.kv_cache import KVBlockLayout
