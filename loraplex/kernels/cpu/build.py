@@ -44,7 +44,7 @@ SOURCES = (
     "linear_panels.c",
     "pointwise.c",
     "kv_write.c",
-    "quant_linear.c",
+    "quant_linear.c",  # the block formats' projection (their decoders: quant_blocks.h)
     "quant_x16.c",  # the interleaved formats' projection (its AVX2 tiles: quant_x16_avx2.h)
     "quant_x16_quantize.c",  # their activation quantizers
     "quant_x16_layout.c",  # their layout: GGUF rows interleaved in place, rows read back
