@@ -264,7 +264,7 @@ class BeamSearch:
             rows = self._row_logprobs(beam, kids)
             # Forks first, from the parent as it stands (before its own new token).
             for (score, tok), lp in list(zip(kids, rows, strict=True))[1:]:
-                child = engine._new_sequence(
+                child = engine.factory.new_sequence(
                     search.request, next(search.next_index), list(beam.seq.token_ids)
                 )
                 search.request.seqs.append(child)
@@ -297,7 +297,7 @@ class BeamSearch:
             self._parked.discard(beam.seq.seq_id)
         req = search.request
         self.engine.scheduler.abort(req.seqs)
-        self.engine._retire(req)
+        self.engine.book.retire(req)
 
     # -- results ---------------------------------------------------------------------
     def outputs(self) -> list[BeamSearchOutput]:

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Iterable
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -21,12 +21,8 @@ from loraplex.adapters import StagedAdapter
 from loraplex.adapters.request import LoRARequest
 from loraplex.platform.engine.assembly import assemble
 from loraplex.platform.engine.config import EngineConfig
-from loraplex.platform.engine.counters import RejectionCounters, TenantCounters
-from loraplex.platform.engine.deadlines import Deadlines
-from loraplex.platform.engine.detokenizer import IncrementalDetokenizer
 from loraplex.platform.engine.errors import (
     AdapterUnavailableError,
-    EngineDeadError,
     ErrorKind,
     InvalidParameterError,
     RequestError,
@@ -35,9 +31,11 @@ from loraplex.platform.engine.kv_events.stream import KVEventStream
 from loraplex.platform.engine.limits import EngineLimits
 from loraplex.platform.engine.lora_runtime import LoRARuntime
 from loraplex.platform.engine.maintenance import MaintenanceQueue
-from loraplex.platform.engine.output_processor import OutputProcessor, request_output
+from loraplex.platform.engine.output_processor import OutputProcessor
 from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.engine.policy import FairSharePolicy
+from loraplex.platform.engine.request_book import RequestBook
+from loraplex.platform.engine.request_factory import RequestFactory
 from loraplex.platform.engine.sampler import Sampler
 from loraplex.platform.engine.sampling_params import SamplingParams
 from loraplex.platform.engine.scheduler_output import SchedulerOutput
@@ -45,20 +43,10 @@ from loraplex.platform.engine.sequence import Request, Sequence, tenant_cache_sa
 from loraplex.platform.engine.speculative import Speculator
 from loraplex.platform.engine.stats import EngineStats
 from loraplex.platform.engine.structured import GrammarCompiler, GrammarMasker, StepMasks
-from loraplex.platform.engine.validation import (
-    check_request_limits,
-    check_scheduling_params,
-    prompt_token_ids,
-)
 from loraplex.platform.model.source import model_display_name
 from loraplex.storage.kv.sliced import SlicedJob
 
-if TYPE_CHECKING:
-    pass
-
 logger = logging.getLogger(__name__)
-
-_SEED_MODULUS = 1 << 64  # torch.Generator.manual_seed takes any 64-bit pattern
 
 
 class LLMEngine:
@@ -89,27 +77,31 @@ class LLMEngine:
         self.lora_runtime = parts.lora
         self.preemption = parts.preemption
         self.scheduler = parts.scheduler
-        self.requests: dict[str, Request] = {}
+        self.book = RequestBook(self.scheduler, self.check_integrity)
+        """The unfinished requests, their deadlines and per-tenant counters; how each one ends."""
+        self.requests = self.book.requests
+        self.usage = self.book.usage
+        self.rejections = self.book.rejections
         self.maintenance = MaintenanceQueue()
         """Purges and resets in progress, run in slices between steps (``run_maintenance``)."""
-        self.deadlines = Deadlines()
-        self.usage = TenantCounters()
-        self.rejections = RejectionCounters()
-        """Requests refused or ended by reason (``overload``, ``deadline``); any thread may count."""
         self.kv_events = KVEventStream.start(config.kv_events, self.kv, config.block_size)
         """The KV events published to routers (``kv_events_config``); None when off."""
+        self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, self.info.eos_token_ids)
+        """Compiled output constraints (``structured_outputs``), an LRU shared by every request."""
+        self._masker: GrammarMasker | None = None  # made on the first constrained request
+        self.factory = RequestFactory(
+            self.tokenizer, self.limits, self.kv.block_manager, self.grammars, self.lora_runtime
+        )
+        """Validates what callers send into requests; makes their sequences."""
         self.outputs = OutputProcessor(
             self.scheduler,
             Sampler(torch.Generator().manual_seed(config.seed)),
             self.info,
             self.usage,
-            self._new_sequence,
-            self._fail_request,
-            self._retire,
+            self.factory.new_sequence,
+            self.book.fail,
+            self.book.retire,
         )
-        self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size, self.info.eos_token_ids)
-        """Compiled output constraints (``structured_outputs``), an LRU shared by every request."""
-        self._masker: GrammarMasker | None = None  # made on the first constrained request
         spec = config.speculative
         self.speculator = None if spec is None else Speculator(spec)
         """Speculative decoding (``speculative_config``): drafts in the scheduler, verification in
@@ -143,15 +135,7 @@ class LLMEngine:
 
     def tokenize(self, prompt: str) -> list[int]:
         """Token ids of ``prompt`` (with the model's special tokens, e.g. BOS)."""
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            # Lone surrogates ("\ud800") are valid JSON but no text: refuse them here,
-            # before the tokenizer (Rust) fails on them in a less readable way.
-            raise InvalidParameterError(
-                f"prompt is not valid Unicode text: {exc.reason} at position {exc.start}", param="prompt"
-            ) from None
-        return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        return self.factory.tokenize(prompt)
 
     def add_request(
         self,
@@ -176,80 +160,21 @@ class LLMEngine:
         admitted raises ``RequestTooLargeError``, an adapter that cannot be served
         ``AdapterUnavailableError``. Nothing is queued when it raises.
         """
-        if not isinstance(params, SamplingParams):
-            raise InvalidParameterError(
-                f"params must be SamplingParams, got {type(params).__name__}", param="sampling_params"
-            )
         if request_id in self.requests:
             raise InvalidParameterError(f"request_id {request_id!r} is already in use", param="request_id")
-        check_scheduling_params(tenant_weight, timeout_s)
-        text, token_ids = prompt_token_ids(prompt, self.tokenize, self.arch.vocab_size)
-        check_request_limits(
-            len(token_ids),
-            params,
-            self.limits,
-            self.kv.block_manager,
+        req = self.factory.make(
+            request_id, prompt, params, lora_request, priority, tenant_id, tenant_weight, timeout_s
         )
-        grammar = None
-        if params.structured_outputs is not None:
-            grammar = self.grammars.compile(params.structured_outputs)  # the server compiled it: a hit
-            if self._masker is None:
-                self._masker = GrammarMasker(self.grammars.mask_words)
-        adapter = None
-        if lora_request is not None:
-            if self.lora_runtime is None:
-                raise AdapterUnavailableError(
-                    "lora_request given but the engine was built without enable_lora=True", param="model"
-                )
-            adapter = self.lora_runtime.resolve(lora_request)
-        req = Request(
-            request_id,
-            text,
-            token_ids,
-            params,
-            priority=priority,
-            lora=lora_request,
-            adapter=adapter,
-            tenant_id=tenant_id,
-            tenant_weight=tenant_weight,
-            grammar=grammar,
-        )
-        if timeout_s is not None:
-            req.deadline = req.arrival_time + timeout_s
-            self.deadlines.add(req)
-        req.seqs.append(self._new_sequence(req, 0, list(token_ids)))
-        self.requests[request_id] = req
-        self.usage.added(tenant_id, len(token_ids))
-        self.scheduler.add(req.seqs[0])
+        if req.grammar is not None and self._masker is None:
+            self._masker = GrammarMasker(self.grammars.mask_words)
+        self.book.open(req, timeout_s)
         return req
-
-    def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
-        gen = None
-        if req.params.seed is not None:
-            # Each completion of a seeded request gets its own stream: seed for the
-            # first, derived seeds for forked siblings (wrapped into 64 bits).
-            gen = torch.Generator().manual_seed((req.params.seed + 1_000_003 * index) % _SEED_MODULUS)
-        detok = IncrementalDetokenizer(
-            self.tokenizer,
-            req.prompt_token_ids,
-            skip_special_tokens=req.params.skip_special_tokens,
-            stop=req.params.stop_strings,
-            include_stop_str_in_output=req.params.include_stop_str_in_output,
-        )
-        seq = Sequence(request=req, index=index, token_ids=token_ids, generator=gen, detokenizer=detok)
-        if req.grammar is not None:
-            # Siblings fork before the first token is sampled: each starts from the start state.
-            seq.grammar = req.grammar.new_state()
-        return seq
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free everything it holds (unknown ids are ignored)."""
         req = self.requests.get(request_id)
-        if req is None:
-            return
-        self.scheduler.abort(req.seqs)
-        req.forked = True
-        self._retire(req)
+        if req is not None:
+            self.book.abort(req)
 
     # -- the prefix cache -------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
@@ -368,7 +293,7 @@ class LLMEngine:
         fails the requests in it (their outputs carry ``error``); the engine goes on.
         ``step`` raises only when the engine itself cannot go on (``EngineDeadError``).
         """
-        expired = self._expire()
+        expired = self.book.expire()
         if not self.has_unfinished_requests():
             self.publish_stats()
             return expired
@@ -378,7 +303,7 @@ class LLMEngine:
             # Planning failed outside any one sequence's admission: which requests it concerns
             # is unknown, so every unfinished one fails; new ones are served.
             return expired + self._fail_all(exc)
-        outputs = expired + self._rejected_outputs(out)
+        outputs = expired + self.book.take_rejected(out)
         if not out.is_empty:
             outputs += self._run(out)
         self.publish_stats()
@@ -420,25 +345,6 @@ class LLMEngine:
             return (0, 0.0, 0.0, 0.0)
         t = self._masker.times
         return (t.masks, t.compute_s, t.wait_s, t.apply_s)
-
-    def _expire(self) -> list[RequestOutput]:
-        """End the requests past their deadline (``request_timeout_s``), freeing their blocks."""
-        outputs = []
-        for request_id, deadline in self.deadlines.expired(time.monotonic()):
-            req = self.requests.get(request_id)
-            if req is None or req.deadline != deadline:
-                continue  # finished before its deadline (the id may be in use again)
-            timeout_s = deadline - req.arrival_time
-            state = "running" if any(s.num_computed_tokens for s in req.seqs) else "waiting"
-            logger.info("request %s passed its %.3g s deadline (%s)", req.request_id, timeout_s, state)
-            self.rejections.count("deadline")
-            error = RequestError(
-                ErrorKind.DEADLINE,
-                f"The request did not finish within its deadline of {timeout_s:g} s "
-                f"(request_timeout_s); it was {state} when it ended.",
-            )
-            outputs.append(self._fail_request(req, error))
-        return outputs
 
     def publish_stats(self) -> None:
         """Publish what the step (or the commands run between steps) changed: the KV events, as one
@@ -485,52 +391,15 @@ class LLMEngine:
         reqs = {item.seq.request.request_id: item.seq.request for item in out.scheduled}
         logger.exception("engine step %d failed; failing its requests %s", self.num_steps, sorted(reqs))
         error = RequestError(ErrorKind.ENGINE_FAILURE, f"internal error while running this request: {exc}")
-        return self._fail_and_check(reqs.values(), error, exc)
+        return self.book.fail_checked(reqs.values(), error, exc)
 
     def _fail_all(self, exc: Exception) -> list[RequestOutput]:
         logger.exception("planning step %d failed; failing every unfinished request", self.num_steps + 1)
-        reqs = list(self.requests.values())
         message = f"internal error while scheduling this request: {exc!r}"
         error = RequestError(ErrorKind.ENGINE_FAILURE, message)
-        outputs = self._fail_and_check(reqs, error, exc)
+        outputs = self.book.fail_checked(list(self.requests.values()), error, exc)
         self.publish_stats()
         return outputs
-
-    def _fail_and_check(
-        self, reqs: Iterable[Request], error: RequestError, exc: Exception
-    ) -> list[RequestOutput]:
-        failed = [self._fail_request(req, error) for req in reqs]
-        try:
-            self.check_integrity()
-        except AssertionError as bad:
-            raise EngineDeadError(f"engine state is inconsistent after a failure: {bad}") from exc
-        return failed
-
-    def _fail_request(self, req: Request, error: RequestError) -> RequestOutput:
-        """Finish ``req`` as aborted with ``error``; free its blocks and adapter pin."""
-        req.error = error
-        req.forked = True  # no siblings will be forked now
-        self.scheduler.abort(req.seqs)
-        self._retire(req)
-        return request_output(req)
-
-    def _rejected_outputs(self, out: SchedulerOutput) -> list[RequestOutput]:
-        """Requests the scheduler ended while planning: rejected (their adapter was removed) or
-        failed (an error planning them); ``request.error`` says which."""
-        outputs = []
-        for seq in out.aborted:
-            req = seq.request
-            req.forked = True  # no siblings will ever be forked now
-            if req.request_id in self.requests:
-                self.scheduler.abort(req.seqs)
-                self._retire(req)
-                outputs.append(request_output(req))
-        return outputs
-
-    def _retire(self, req: Request) -> None:
-        """``req`` has ended: forget it, and count it once for its tenant."""
-        if self.requests.pop(req.request_id, None) is not None:
-            self.usage.finished(req.tenant_id, req.num_cached_tokens, req.error is not None)
 
     def shutdown(self) -> None:
         """Persist cached KV to the disk tier and stop its workers; the engine serves no more after it.
