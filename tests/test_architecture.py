@@ -41,6 +41,7 @@ def test_import_contracts_are_kept() -> None:
     assert "0 broken" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("module", "forbidden_import", "contract"),
     [

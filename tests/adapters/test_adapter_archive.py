@@ -54,6 +54,7 @@ def _reject(manager: Any, path: Path, store_dir: Path, reason: str, *words: str)
     manager.check_integrity()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["zip_root", "zip_folder", "tar_root", "tar_folder"])
 def test_valid_archives_load_with_the_directory_version(
     layout: str, adapter_dir: Path, tmp_path: Path, spec: Any, make_manager: Any, store_dir: Path

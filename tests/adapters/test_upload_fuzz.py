@@ -128,6 +128,7 @@ def test_fuzz_archives(validator: AdapterValidator, data: bytes, filename: str) 
     _validate(validator, {"file": (filename, data)})
 
 
+@pytest.mark.slow
 @FUZZ
 @given(config=configs, weights=st.binary(max_size=4096), name=st.sampled_from(["w.safetensors", "w.bin"]))
 def test_fuzz_two_file_form(validator: AdapterValidator, config: bytes, weights: bytes, name: str) -> None:

@@ -54,6 +54,7 @@ async def _world(client: httpx.AsyncClient, adapter_dir: Path) -> dict[str, str]
     return keys
 
 
+@pytest.mark.slow
 async def test_nothing_without_a_session(
     gateway_engine: AsyncEngine, tmp_path: Path, peft_adapter_dir: Path
 ) -> None:

@@ -34,6 +34,7 @@ def test_engine_args_pass_max_loras_only_for_a_cap() -> None:
         bench.parse_args(["--many-adapters", "8", "--configs", "default,x"])
 
 
+@pytest.mark.slow
 def test_time_limited_run_stops_and_frees_what_it_cut(tiny_dirs: dict[str, Path]) -> None:
     from loraplex import LLM
 

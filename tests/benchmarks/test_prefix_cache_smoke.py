@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from support.benchmarks import load_benchmark
 
 
+@pytest.mark.slow
 def test_prefix_cache_tiny(tmp_path: Path, tiny_dirs: dict[str, Path]) -> None:
     bench = load_benchmark("prefix_cache")
     out = tmp_path / "prefix_cache.json"

@@ -32,6 +32,7 @@ def authenticate(database_url: str, key: str) -> Tenant | None:
     return asyncio.run(check())
 
 
+@pytest.mark.slow
 def test_tenants_keys_and_adapters(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,

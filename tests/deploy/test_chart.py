@@ -44,6 +44,7 @@ def test_lint_strict(name: str) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_every_manifest_validates_for_kubernetes_1_36(rendered: tuple[str, list[Manifest]]) -> None:
     name, manifests = rendered
     assert manifests, name

@@ -44,12 +44,14 @@ async def at_head(database_url: str) -> bool:
         await db.dispose()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 def test_two_upgrades_at_once_on_sqlite(database_url: str, tmp_path: Path) -> None:
     finish(start_upgrades(database_url, tmp_path))
     assert asyncio.run(at_head(database_url))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
 @pytest.mark.asyncio
 async def test_two_upgrades_wait_for_the_lock_then_migrate_once_on_postgresql(

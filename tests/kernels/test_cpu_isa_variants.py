@@ -35,8 +35,8 @@ VARIANTS = [
 
 
 @pytest.fixture(scope="module")
-def libraries(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL]:
-    """Each variant's library, built once for the module (a build takes ~10 s)."""
+def libraries() -> dict[str, ctypes.CDLL]:
+    """Each variant's library, loaded once for the module."""
     return {}
 
 
@@ -44,7 +44,6 @@ def libraries(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ctypes.CDLL
 def variant(
     request: pytest.FixtureRequest,
     libraries: dict[str, ctypes.CDLL],
-    tmp_path_factory: pytest.TempPathFactory,
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[tuple[str, int, bool, int, bool]]:
     name, flags, width, linear_tile, row_vectors, extend_tile = request.param
@@ -55,8 +54,11 @@ def variant(
     if name not in libraries:
         compiler = build._compiler()
         assert compiler is not None, "the CPU kernels need a C compiler (./dev installs gcc)"
-        target = tmp_path_factory.mktemp(f"kernels-{name}") / "libloraplex_cpu.so"
-        build.build(compiler, target, flags)
+        # Cached beside the native build, under a name that hashes the flags too: rebuilt only
+        # when a source changes (a build takes ~10 s per variant).
+        target = build.library_path(compiler, flags)
+        if not target.exists():
+            build.build(compiler, target, flags)
         libraries[name] = ctypes.CDLL(str(target))
     library = libraries[name]
     build.clear_caches()

@@ -77,6 +77,7 @@ def _check(case: tuple[int, int, int, int], dtype: torch.dtype, row_vectors: int
     assert_close(out, expected, dtype, f"C extend ({row_vectors} row vectors)")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("row_vectors", [0, 1, 2, 3, 4, 5, 6], ids=lambda n: f"nv{n}")
 @pytest.mark.parametrize("case", FAST_CASES, ids=lambda c: "bs{}-d{}-gqa{}-kv{}".format(*c))

@@ -82,6 +82,7 @@ def _check_decode(
         assert_close(out, reference.double(), dtype, f"triton paged_decode (splits={num_splits}) vs portable")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", FAST_CASES, ids=_case_id)
 def test_paged_decode(case: tuple[int, int, int, int, torch.dtype]) -> None:
     # 1 = single pass; 3 forces split-K, with empty partitions for the short sequences.
@@ -165,6 +166,7 @@ def _extend_chunks(block_size: int, long_prefix: int) -> list[tuple[int, int]]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", FAST_CASES, ids=_case_id)
 def test_extend_attention(case: tuple[int, int, int, int, torch.dtype]) -> None:
     _check_extend(case, _extend_chunks(case[0], long_prefix=1000))

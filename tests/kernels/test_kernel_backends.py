@@ -89,6 +89,7 @@ def test_cpu_attention_backend(dtype: torch.dtype, block_size: int, num_heads: i
     _run_step(CpuAttentionBackend(), dtype, block_size, num_heads, torch.device("cpu"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_triton_attention_backend(dtype: torch.dtype) -> None:
     _run_step(TritonAttentionBackend(), dtype, block_size=16, num_heads=8)

@@ -13,9 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_gpu_script_cpu_smoke(tmp_path: Path) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(

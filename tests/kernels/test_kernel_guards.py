@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import loraplex
 
 KERNEL_WRAPPERS = (
@@ -31,6 +33,7 @@ def test_no_assert_guards_a_kernel_call() -> None:
     assert not found, found
 
 
+@pytest.mark.slow
 def test_a_wrong_input_is_refused_under_python_o() -> None:
     script = (
         "import torch\n"

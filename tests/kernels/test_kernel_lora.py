@@ -68,6 +68,7 @@ def _max_seg_len(meta: LoRAMetadata) -> int:
 # -- the raw kernels ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
 @pytest.mark.parametrize("split_k", [1, 2])
 def test_bgmv_shrink(dtype: torch.dtype, split_k: int) -> None:
@@ -79,6 +80,7 @@ def test_bgmv_shrink(dtype: torch.dtype, split_k: int) -> None:
     assert_close(out, reference.double(), dtype, "bgmv_shrink vs torch")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
 @pytest.mark.parametrize("split_k", [1, 2])
 def test_sgmv_shrink(dtype: torch.dtype, split_k: int) -> None:
@@ -190,6 +192,7 @@ def _check_apply(case: ApplyCase) -> None:
     assert_close(y, expected, dtype, f"{name} apply on {batch}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [c for c in ALL_APPLY_CASES if _fast_apply_case(c)], ids=_apply_id)
 def test_backend_apply(case: ApplyCase) -> None:
     _check_apply(case)
@@ -201,6 +204,7 @@ def test_backend_apply_grid(case: ApplyCase) -> None:
     _check_apply(case)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend_name", ["torch", "triton-auto", *(["cpu"] if "cpu" in BACKENDS else [])])
 def test_backend_apply_reuses_plan_across_projections(backend_name: str) -> None:
     # One metadata object, two projections with different layouts: the cached

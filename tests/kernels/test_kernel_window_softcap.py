@@ -143,6 +143,7 @@ def _check(name: str, block_size: int, dtype: torch.dtype, window: int | None, c
     assert_close(out, _expected(query, kv, q_lens, window, cap), dtype, f"{name} window={window} cap={cap}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: f"w{s[0]}-cap{s[1]}")
 @pytest.mark.parametrize("block_size", [8, 16])
 @pytest.mark.parametrize("name", ["torch", "cpu", "triton"])

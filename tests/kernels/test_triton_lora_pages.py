@@ -126,11 +126,13 @@ def test_paged_apply_fp32(batch: str) -> None:
     _check(_pass_slots(adapters), "qkv", torch.float32, "auto", seed=1, what=f"paged {batch}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_dtype_id)
 def test_paged_apply_half(dtype: torch.dtype) -> None:
     _check(_pass_slots(MIXED), "qkv", dtype, "auto", seed=2, what=f"paged mixed {_dtype_id(dtype)}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["bgmv", "sgmv"])
 def test_paged_apply_forced_family(mode: LoRAKernelMode) -> None:
     # One family for every token: SGMV over runs of 1 token, BGMV over prefill runs.
@@ -212,6 +214,7 @@ def _count_launches(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     return counts
 
 
+@pytest.mark.slow
 def test_fused_path_launches_once_per_family(monkeypatch: pytest.MonkeyPatch) -> None:
     """Three passes over decodes and prefill runs: one paged shrink and one paged expand per
     family, where the per-pass loop launches each plain kernel once per pass."""
@@ -250,6 +253,7 @@ def test_one_pass_takes_the_plain_kernels(monkeypatch: pytest.MonkeyPatch) -> No
     assert_close(y, expected, torch.float32, "one pass")
 
 
+@pytest.mark.slow
 def test_paged_plan_is_built_once_per_passes_tuple(monkeypatch: pytest.MonkeyPatch) -> None:
     """One passes tuple serves two projections (q/k/v, gate/up) with one plan; a new tuple
     (a new step) gets a new one."""

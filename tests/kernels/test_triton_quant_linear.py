@@ -14,6 +14,7 @@ FORMATS = ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k", "f16", "bf16", "f32", "int8"]
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FORMATS)
 def test_formats(name: str) -> None:
     gen = torch.Generator().manual_seed(len(name) * 7)

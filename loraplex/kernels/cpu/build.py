@@ -96,14 +96,15 @@ def _compiler_version(compiler: str) -> str:
         return ""
 
 
-def library_path(compiler: str) -> Path:
-    """Where the library for these sources, flags, compiler and CPU lives."""
+def library_path(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
+    """Where the library for these sources, flags (``CFLAGS`` then ``extra_flags``), compiler and
+    CPU lives."""
     here = Path(__file__).resolve().parent
     digest = hashlib.sha256()
     for source in sorted([*here.glob("*.c"), *here.glob("*.h")]):
         digest.update(source.name.encode())
         digest.update(source.read_bytes())
-    for part in (" ".join(CFLAGS), compiler, _compiler_version(compiler), _cpu_signature()):
+    for part in (" ".join((*CFLAGS, *extra_flags)), compiler, _compiler_version(compiler), _cpu_signature()):
         digest.update(part.encode())
     return cache_root() / "kernels" / f"libloraplex_cpu-{digest.hexdigest()[:16]}.so"
 

@@ -21,7 +21,7 @@
 | ``validation`` | the checks ``add_request`` runs on a request before it is queued |
 | ``engine`` | ``LLMEngine``: add / abort / step |
 | ``request_factory`` | ``RequestFactory``: a caller's request validated into a ``Request``; its sequences |
-| ``request_book`` | ``RequestBook``: the unfinished requests and the one way each ends (finish, fail, deadline) |
+| ``request_book`` | ``RequestBook``: the unfinished requests and the one way each one ends |
 | ``assembly`` | ``assemble``: the engine's parts built from its config, in dependency order |
 | ``maintenance`` | ``MaintenanceQueue``: purges and resets run in bounded slices between steps |
 | ``async_engine`` | ``AsyncEngine``: the engine in its own thread; the server's only door to it |

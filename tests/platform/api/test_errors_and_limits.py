@@ -69,6 +69,7 @@ def _error(r: Any, status: int) -> dict[str, Any]:
 JSON = {"content-type": "application/json"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("method", "path", "raw", "status", "param", "code"),
     [

@@ -75,6 +75,7 @@ async def _count_usage(db: Database) -> int:
         return int(await session.scalar(select(func.count(UsageRecord.id))) or 0)
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_stats_and_readiness_follow_the_database(
     gateway_engine: AsyncEngine,
@@ -115,6 +116,7 @@ async def test_stats_and_readiness_follow_the_database(
         assert await _count_usage(gateway.db) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_known_keys_are_served_for_ttl_plus_stale_only(
     gateway_engine: AsyncEngine,
@@ -143,6 +145,7 @@ async def test_known_keys_are_served_for_ttl_plus_stale_only(
         await asyncio.to_thread(postgres_process.resume)  # so that shutdown writes the usage at once
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_a_cached_key_expires_on_time(gateway_engine: AsyncEngine, tmp_path: Path) -> None:
     """The TTL bounds revocation; a key's own expiry is exact even when its check is cached."""
@@ -170,6 +173,7 @@ async def db_with_tenants(pg_url: str) -> AsyncIterator[tuple[Database, Tenant, 
         await db.dispose()
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_usage_buffer_overflow_is_counted_and_logged_once(
     db_with_tenants: tuple[Database, Tenant, Tenant],

@@ -48,6 +48,7 @@ async def follow(
         after = body["last_id"]
 
 
+@pytest.mark.slow
 async def test_lists_page_over_http(
     gateway_engine: AsyncEngine, tmp_path: Path, peft_adapter_dir: Path
 ) -> None:

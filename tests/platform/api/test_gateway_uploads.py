@@ -277,6 +277,7 @@ async def test_half_sent_uploads(uploads: Uploads, peft_adapter_dir: Path) -> No
     await uploads.assert_nothing_stored()
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_quota_refusal_after_validation_leaves_nothing(
     uploads: Uploads, peft_adapter_dir: Path, tiny_dirs: dict[str, Path], tmp_path: Path

@@ -52,6 +52,7 @@ def _raw_request(
     return sock
 
 
+@pytest.mark.slow
 def test_a_stalled_stream_reader_is_aborted_and_costs_bounded_memory(live: Live) -> None:
     """Class 1: a client that opens n=16 long streams and never reads. The engine's outputs for it
     coalesce (a backlog of one per request), the write times out after ``stream_write_timeout_s``,
@@ -306,6 +307,7 @@ def _timed_request(host: str, port: int, request: bytes) -> tuple[float, float, 
     return connected - started, time.monotonic() - connected, b"".join(chunks)
 
 
+@pytest.mark.slow
 def test_half_open_connections_beyond_the_fd_limit_leave_others_served(live: Live) -> None:
     """Class 3: 600 connections that never finish their headers, those the server closes reopened
     five times a second, against a process allowed 200 more open files: /health and another tenant's

@@ -126,6 +126,7 @@ def adapter_with_config(base: Path, out: Path, **config: Any) -> Path:
 
 
 # -- 1: patterns from a config ------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_backtracking_patterns_do_not_stall_the_gateway(
     hostile: Hostile, tiny_dirs: dict[str, Path], tmp_path: Path
@@ -184,6 +185,7 @@ def bombs() -> dict[str, bytes]:
     return {"bomb.tar.bz2": tar_bz2_bomb(), "many.zip": zip_of_empty_entries(300_000)}
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_archive_bombs_are_refused_quickly_without_stalling_others(
     hostile: Hostile, bombs: dict[str, bytes]
@@ -248,6 +250,7 @@ async def test_uploads_count_against_rpm_and_have_their_own_concurrency(
     assert over.status_code == 429 and over.json()["error"]["code"] == "rate_limit_exceeded", over.text
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_stalled_uploads_time_out_and_are_capped_per_tenant(hostile: Hostile) -> None:
     async def stalled() -> AsyncIterator[bytes]:
@@ -272,6 +275,7 @@ async def test_stalled_uploads_time_out_and_are_capped_per_tenant(hostile: Hosti
 
 
 # -- 5 and 6: request bodies --------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_a_large_structured_body_does_not_stall_the_gateway(hostile: Hostile) -> None:
     ignored = ",".join(["0"] * 3_900_000)

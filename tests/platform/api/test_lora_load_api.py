@@ -56,6 +56,7 @@ async def unload(client: httpx.AsyncClient, headers: dict[str, str], **body: Any
     return await client.post("/v1/unload_lora_adapter", json=body, headers=headers)
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_load_list_serve_unload_and_refusals(
     gateway_engine: AsyncEngine, peft_adapter_dir: Path, tmp_path: Path, tiny_dirs: dict[str, Path]

@@ -67,6 +67,7 @@ async def _timed(client: httpx.AsyncClient, key: str, body: bytes) -> tuple[int,
     return r.status_code, time.perf_counter() - started, r.json()
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 @pytest.mark.parametrize("name", list(HOSTILE))
 async def test_hostile_schema_of_one_tenant_does_not_delay_another(tenants: Tenants, name: str) -> None:

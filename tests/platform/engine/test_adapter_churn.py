@@ -88,6 +88,7 @@ def _churn(aeng: AsyncEngine, adapters: list[LoRARequest], stop: threading.Event
     return asyncio.run(loop())
 
 
+@pytest.mark.slow
 def test_adapter_churn_from_another_thread_never_kills_the_engine(
     tiny_dirs: dict[str, Path], adapters: list[LoRARequest], fine_switching: None
 ) -> None:

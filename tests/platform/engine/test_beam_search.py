@@ -56,6 +56,7 @@ PROMPTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("width", [2, 4, 8])
 def test_beams_equal_hf(model_dir: Path, hf_model: Any, width: int) -> None:
     # A small chunk budget: prompts are prefilled in chunks, beams decode together.
@@ -148,6 +149,7 @@ def test_bad_params() -> None:
         BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.5)
 
 
+@pytest.mark.slow
 def test_eos_beams_equal_hf(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
     """A model steered to EOS (its output row scaled up): beams end early, finished hypotheses
     compete with running beams, and the result is still HF's, in HF's order."""

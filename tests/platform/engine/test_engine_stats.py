@@ -78,6 +78,7 @@ def test_stats_count_what_the_requests_report(tiny_dirs: dict[str, Path]) -> Non
         stats.tenants["acme"] = stats.tenants["globex"]  # type: ignore[index]
 
 
+@pytest.mark.slow
 def test_readers_on_another_thread_see_whole_steps(tiny_dirs: dict[str, Path]) -> None:
     engine = _engine(tiny_dirs)
     aeng = AsyncEngine(engine)

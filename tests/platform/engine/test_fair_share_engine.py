@@ -121,6 +121,7 @@ def test_bad_weights_and_deadlines_are_refused(tiny_dirs: dict[str, Path]) -> No
     assert not engine.has_unfinished_requests()
 
 
+@pytest.mark.slow
 def test_past_max_queued_a_request_is_refused_at_once(tiny_dirs: dict[str, Path]) -> None:
     aeng = AsyncEngine(_engine(tiny_dirs, max_num_seqs=1))
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)

@@ -110,6 +110,7 @@ def shared_full_blocks(prompt: list[int], earlier: list[list[int]]) -> int:
     return min(best, len(prompt) - 1) // BLOCK * BLOCK
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 3])
 def test_hits_never_cross_adapters_or_tenants_through_the_tiers(
     tiny_dirs: dict[str, Path], adapters: list[LoRARequest | None], tmp_path: Path, seed: int

@@ -77,6 +77,7 @@ def _run(engine: LLMEngine, rid: str, prompt: list[int], **kwargs: object) -> No
         engine.step()
 
 
+@pytest.mark.slow
 def test_stored_blocks_carry_tokens_block_size_adapter_and_tenant_digest(
     engine_and_subscriber: tuple[LLMEngine, Subscriber], tmp_path: Path, tiny_dirs: dict[str, Path]
 ) -> None:
@@ -104,6 +105,7 @@ def test_stored_blocks_carry_tokens_block_size_adapter_and_tenant_digest(
         assert later.parent_block_hash == earlier.block_hashes[-1]
 
 
+@pytest.mark.slow
 def test_two_tenants_same_prompt_get_distinct_keys(
     engine_and_subscriber: tuple[LLMEngine, Subscriber],
 ) -> None:
@@ -123,6 +125,7 @@ def test_two_tenants_same_prompt_get_distinct_keys(
     assert acme.lora_name is None and acme.extra_keys is not None and len(acme.extra_keys[0]) == 1
 
 
+@pytest.mark.slow
 def test_eviction_reset_and_replay(engine_and_subscriber: tuple[LLMEngine, Subscriber]) -> None:
     engine, subscriber = engine_and_subscriber
     _run(engine, "first", PROMPT)
@@ -146,6 +149,7 @@ def test_eviction_reset_and_replay(engine_and_subscriber: tuple[LLMEngine, Subsc
     assert subscriber.request_replay(live[-1].seq + 1) == cleared
 
 
+@pytest.mark.slow
 def test_map_encoding_carries_the_same_events_by_name(tmp_path: Path, tiny_dirs: dict[str, Path]) -> None:
     """``encoding: "map"`` (vLLM since vllm#42892): the same events as the array layout, named."""
     adapter = make_small_adapter(tiny_dirs["gqa_tied"], tmp_path / "style")
@@ -184,6 +188,7 @@ def test_bad_kv_events_config_is_refused_with_the_field_named(tiny_dirs: dict[st
             ZmqEventPublisher(config, 16)
 
 
+@pytest.mark.slow
 def test_a_full_queue_drops_batches_counted_and_leaves_a_gap() -> None:
     port = free_port()
     publisher = ZmqEventPublisher(KVEventsConfig(True, endpoint=f"tcp://*:{port}", max_queue_size=1), 16)

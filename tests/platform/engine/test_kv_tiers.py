@@ -78,6 +78,7 @@ def test_hits_come_back_from_host(tiny_dirs: dict[str, Path], reference: list[in
     engine.check_integrity()
 
 
+@pytest.mark.slow
 def test_hits_come_back_from_disk_and_after_a_restart(
     tiny_dirs: dict[str, Path], reference: list[int], tmp_path: Path
 ) -> None:
@@ -121,6 +122,7 @@ def _make_unreadable(path: Path) -> None:
     path.mkdir()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", [_flip_middle_byte, _zero_second_half, _truncate, _make_unreadable])
 def test_damaged_disk_blocks_are_misses_not_wrong_tokens(
     tiny_dirs: dict[str, Path], reference: list[int], tmp_path: Path, damage: object
@@ -192,6 +194,7 @@ def test_tier_settings_that_cannot_mean_what_they_say_are_refused() -> None:
         EngineConfig(enable_prefix_caching=False, host_kv_cache_bytes=1 << 20)
 
 
+@pytest.mark.slow
 def test_reset_prefix_cache_forgets_every_tier_and_survives_no_restart(
     tiny_dirs: dict[str, Path], reference: list[int], tmp_path: Path
 ) -> None:
@@ -234,6 +237,7 @@ def test_reset_prefix_cache_forgets_every_tier_and_survives_no_restart(
     restarted.shutdown()
 
 
+@pytest.mark.slow
 def test_purge_tenant_erases_its_blocks_on_every_tier_and_keeps_the_others(
     tiny_dirs: dict[str, Path], reference: list[int], tmp_path: Path
 ) -> None:
@@ -272,6 +276,7 @@ def test_purge_tenant_erases_its_blocks_on_every_tier_and_keeps_the_others(
     restarted.shutdown()
 
 
+@pytest.mark.slow
 def test_a_sliced_reset_and_purge_interleave_with_steps_and_keep_every_invariant(
     tiny_dirs: dict[str, Path], reference: list[int], tmp_path: Path
 ) -> None:

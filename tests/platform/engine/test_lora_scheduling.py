@@ -81,6 +81,7 @@ def test_no_starvation_under_constant_load(
     assert engine.lora_runtime.num_pins == 0
 
 
+@pytest.mark.slow
 def test_adapters_of_waiting_requests_are_read_ahead(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
     """A request whose adapter is only in the store has it read in the background while it
     still queues behind a full batch, not only once admission reaches it."""

@@ -12,6 +12,7 @@ from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.platform.engine.errors import AdapterUnavailableError
 
 
+@pytest.mark.slow
 def test_same_id_other_content_is_refused_same_content_is_served(
     tiny_dirs: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -57,6 +57,7 @@ def reference(tiny_dirs: dict[str, Path]) -> dict[str, list[int]]:
     return {rid: out.outputs[0].token_ids for rid, out in _run_all(engine, prompts).items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tier", sorted(TIERS))
 def test_a_fault_in_a_tier_read_fails_only_its_request(
     tiny_dirs: dict[str, Path], tmp_path: Path, reference: dict[str, list[int]], tier: str

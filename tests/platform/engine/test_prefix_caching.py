@@ -85,6 +85,7 @@ def test_no_hit_across_adapters_versions_tenants_or_the_base_model(
     engine.check_integrity()
 
 
+@pytest.mark.slow
 def test_isolation_holds_across_the_disk_tier_and_a_restart(
     tiny_dirs: dict[str, Path], adapters: list[LoRARequest], tmp_path: Path
 ) -> None:

@@ -61,6 +61,7 @@ def _alone(engine: LLMEngine, prompt: list[int]) -> list[int]:
     return _drain(engine)["alone"].outputs[0].token_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("prompt", "params", "param", "error"),
     [

@@ -79,6 +79,7 @@ def test_sampling_distribution_follows_probs() -> None:
     assert counts[2] / 3000 == pytest.approx(0.2, abs=0.04)
 
 
+@pytest.mark.slow
 def test_draws_pass_a_chi_square_test_and_never_pick_a_banned_token() -> None:
     """The inverse-transform draw against the softmax over 200 tokens, a quarter of them banned:
     Pearson's chi-square over 40,000 draws stays under its 99.9th percentile for 149 degrees of

@@ -77,6 +77,7 @@ def _adapter_blocks(engine: LLMEngine, lora: LoRARequest) -> int:
     return manager._pool.blocks_for(pages_needed(weights, manager.page_rank))
 
 
+@pytest.mark.slow
 def test_an_idle_adapter_yields_its_blocks_before_a_sequence_is_preempted(
     tiny_dirs: dict[str, Path], big_adapter: LoRARequest
 ) -> None:
@@ -101,6 +102,7 @@ def test_an_idle_adapter_yields_its_blocks_before_a_sequence_is_preempted(
     engine.shutdown()
 
 
+@pytest.mark.slow
 def test_an_adapter_that_never_fits_beside_its_kv_is_refused_clearly(
     tiny_dirs: dict[str, Path], big_adapter: LoRARequest
 ) -> None:

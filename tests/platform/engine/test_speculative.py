@@ -93,6 +93,7 @@ def _run_checked(llm: LLM, prompts: list[list[int]], params: list[SamplingParams
     return [done[r] for r in ids]
 
 
+@pytest.mark.slow
 def test_greedy_equals_no_spec_and_hf(tiny_dirs: dict[str, Path]) -> None:
     from support.fidelity import assert_greedy_match, hf_greedy
     from transformers import AutoModelForCausalLM
@@ -111,6 +112,7 @@ def test_greedy_equals_no_spec_and_hf(tiny_dirs: dict[str, Path]) -> None:
         assert_greedy_match(ours, hf_greedy(hf, prompt, 24, (2,)), what="spec vs HF")
 
 
+@pytest.mark.slow
 def test_greedy_with_preemption_and_mixed_sampling(tiny_dirs: dict[str, Path]) -> None:
     """A tight pool (preemption, recompute) and a batch mixing greedy and seeded sampled requests."""
     model = tiny_dirs["gqa_tied"]
@@ -131,6 +133,7 @@ def test_greedy_with_preemption_and_mixed_sampling(tiny_dirs: dict[str, Path]) -
         assert len(spec[i]) == 20
 
 
+@pytest.mark.slow
 def test_greedy_with_lora(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
     from support.adapters import make_peft_adapter
 

@@ -67,6 +67,7 @@ def test_constraint_shape_is_checked(kwargs: dict, match: str) -> None:
         S(**kwargs)
 
 
+@pytest.mark.slow
 def test_json_schema_outputs_validate_greedy_sampled_n_seeded(tiny: LLM) -> None:
     """A random model only ever says what the grammar allows: every answer parses and validates,
     for greedy, sampled with n = 3, and the seed gives the same answers again."""
@@ -225,6 +226,7 @@ def test_backtracking_pattern_compiles_and_runs(tiny: LLM) -> None:
         jsonschema.validate(json.loads(c.text), schema)
 
 
+@pytest.mark.slow
 def test_speculative_decoding_leaves_grammar_requests_masked(tiny_dirs: dict[str, Path], tiny: LLM) -> None:
     """With ``speculative_config`` on, a request under a grammar decodes normally (drafts are not
     verified against masks): the same valid tokens as without speculation."""

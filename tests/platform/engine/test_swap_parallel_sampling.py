@@ -47,6 +47,7 @@ def unpreempted(tiny_dirs: dict[str, Path]) -> tuple[list[list[list[int]]], int]
     return samples, engine.num_batched_tokens
 
 
+@pytest.mark.slow
 def test_swapped_samples_match_and_recompute_nothing(
     tiny_dirs: dict[str, Path], unpreempted: tuple[list[list[list[int]]], int]
 ) -> None:

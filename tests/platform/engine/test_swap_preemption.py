@@ -48,6 +48,7 @@ def expected(tiny_dirs: dict[str, Path]) -> list[list[int]]:
     return tokens
 
 
+@pytest.mark.slow
 def test_swap_to_host_recomputes_nothing(tiny_dirs: dict[str, Path], expected: list[list[int]]) -> None:
     got, engine = _generate(tiny_dirs, host_kv_cache_bytes=4 << 20, preemption_mode="swap")
     assert got == expected
@@ -67,6 +68,7 @@ def test_recompute_mode_recomputes_the_tail(tiny_dirs: dict[str, Path], expected
     engine.check_integrity()
 
 
+@pytest.mark.slow
 def test_swap_to_disk_reads_the_tail_back_asynchronously(
     tiny_dirs: dict[str, Path], expected: list[list[int]], tmp_path: Path
 ) -> None:
@@ -186,6 +188,7 @@ def _prefix_on_disk(tiny_dirs: dict[str, Path], tmp_path: Path) -> LLMEngine:
     return engine
 
 
+@pytest.mark.slow
 def test_disk_reads_do_not_stall_other_sequences(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
     """While a prompt's prefix is read back from disk, the engine keeps stepping the sequence
     that is already running; the prompt is admitted once its blocks have landed."""
@@ -222,6 +225,7 @@ def test_disk_reads_do_not_stall_other_sequences(tiny_dirs: dict[str, Path], tmp
     engine.shutdown()
 
 
+@pytest.mark.slow
 def test_a_request_aborted_during_its_reads_still_caches_the_blocks(
     tiny_dirs: dict[str, Path], tmp_path: Path
 ) -> None:

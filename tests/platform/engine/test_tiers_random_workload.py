@@ -26,6 +26,7 @@ from loraplex.platform.engine.engine import LLMEngine
 BLOCK_BYTES = 2 * 2 * WORKLOAD_BLOCK_SIZE * 2 * 16 * 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [5, 7])
 @pytest.mark.parametrize("tiers", ["swap-to-host", "auto-to-disk", "recompute"])
 def test_a_drawn_workload_gives_the_uncached_tokens(
@@ -90,6 +91,7 @@ class FlakyDisk:
         files.write_record = write  # type: ignore[method-assign]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["auto", "swap"])
 def test_a_flaky_disk_costs_hits_never_tokens(tiny_dirs: dict[str, Path], tmp_path: Path, mode: str) -> None:
     model, arrivals = tiny_dirs["gqa_tied"], draw_workload(3)

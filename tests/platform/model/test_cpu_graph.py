@@ -61,6 +61,7 @@ def _engines(model_dir: Path, **kw: Any) -> tuple[LLM, LLM]:
     return graph, eager
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", TINY)
 def test_graph_equals_layer_by_layer(name: str, tiny_dirs: dict[str, Path]) -> None:
     """Mixed steps (small token budget: chunks next to decodes), prefix hits: identical logprobs."""
@@ -73,6 +74,7 @@ def test_graph_equals_layer_by_layer(name: str, tiny_dirs: dict[str, Path]) -> N
     assert any(cached > 0 for *_, cached in got), "the workload should hit the prefix cache"
 
 
+@pytest.mark.slow
 def test_graph_with_lora_equals_layer_by_layer(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
     """Adapters on every projection group and base requests in the same steps."""
     base = tiny_dirs["gqa3_bias"]
@@ -101,6 +103,7 @@ def test_graph_with_lora_equals_layer_by_layer(tiny_dirs: dict[str, Path], tmp_p
     assert counted is not None and counted.lora_steps["c"] > 0 and counted.lora_steps["hook"] == 0
 
 
+@pytest.mark.slow
 def test_graph_serves_mixed_ranks_and_base_without_leaving(
     tiny_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -150,6 +153,7 @@ def test_graph_serves_mixed_ranks_and_base_without_leaving(
     assert all(a[0] == b[0] for a, b, w in zip(got, base_only, which, strict=True) if w is None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("kw", "reason"),
     [

@@ -63,6 +63,7 @@ def _check(llm: LLM, prompts: list[list[int]], refs: list[Reference], what: str,
     llm.llm_engine.check_integrity()
 
 
+@pytest.mark.slow
 def test_family_arch_parts(family_dirs: dict[str, Path]) -> None:
     """The arch read from each config has the parts the tiny models switch on."""
     from loraplex.platform.model.loader import load_hf_config

@@ -50,6 +50,7 @@ def _check_family(family: str, root: Path, smollm2_dir: Path) -> None:
     assert AutoTokenizer.from_pretrained(converted).chat_template == template
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAST)
 def test_family_gguf_matches_hf(family: str, tmp_path: Path, smollm2_dir: Path) -> None:
     _check_family(family, tmp_path, smollm2_dir)

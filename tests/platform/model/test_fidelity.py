@@ -83,6 +83,7 @@ def test_tiny_models_match_hf(name: str, tiny_dirs: dict[str, Path]) -> None:
     assert tight.llm_engine.scheduler.num_preemptions > 0, "the tight pool was meant to force preemption"
 
 
+@pytest.mark.slow
 def test_parallel_sampling_greedy_and_cow(tiny_dirs: dict[str, Path]) -> None:
     """n = 4 shares the prompt's blocks; greedy children equal the reference, and
     sampled children's logprobs equal HF's teacher-forced logprobs (KV not corrupted

@@ -100,6 +100,7 @@ def _check(llm: LLM, setup: dict[str, Any], what: str) -> None:
     assert engine.lora_runtime.num_pins == 0, "every adapter pin is released"
 
 
+@pytest.mark.slow
 def test_mixed_batch_all_slots(lora_setup: dict[str, Any]) -> None:
     _check(_llm(lora_setup["base_dir"], max_loras=8), lora_setup, "8 slots")
 
@@ -118,6 +119,7 @@ def test_paged_by_default_every_adapter_resident_at_once(lora_setup: dict[str, A
     assert stats.pages_used == want
 
 
+@pytest.mark.slow
 def test_paged_evicts_and_reloads_under_a_small_lora_memory(lora_setup: dict[str, Any]) -> None:
     """A lora_memory of half what the eight adapters take: adapters are evicted (least recently
     used, unpinned) and reloaded into other pages during the run; tokens stay PEFT's."""

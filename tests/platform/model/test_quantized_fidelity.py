@@ -37,6 +37,7 @@ def _hf_tensor(files: list[Any], name: str) -> torch.Tensor:
     raise KeyError(name)
 
 
+@pytest.mark.slow
 def test_packed_blocks_dequantize_to_the_converted_weights(smollm2_dir: Path) -> None:
     """Formats, q/k un-permutation and fusing: every packed weight equals HF's floats exactly."""
     arch = ModelArch.from_hf_config(load_hf_config(smollm2_dir))
@@ -52,6 +53,7 @@ def test_packed_blocks_dequantize_to_the_converted_weights(smollm2_dir: Path) ->
     assert torch.equal(packed["embed"].rows(rows), _hf_tensor(files, "embed_tokens.weight")[rows])
 
 
+@pytest.mark.slow
 def test_gguf_model_holds_about_the_file(smollm2_dir: Path) -> None:
     """Acceptance 4's bytes: packed weights plus the float norms within 10% of the GGUF file."""
     llm = LLM(quantization="gguf", num_kv_blocks=16)
@@ -118,6 +120,7 @@ def test_gguf_greedy_matches_hf_on_the_dequantized_weights(smollm2_dir: Path) ->
     assert _matches(chunked, refs, "gguf eager chunked") >= 23
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gqa_tied", "mha_untied", "gqa3_bias"])
 def test_int8_same_tokens_on_every_projection_path(name: str, tiny_dirs: dict[str, Path]) -> None:
     """int8 from float checkpoints: the C graph, the C layer-by-layer path and the torch

@@ -91,6 +91,7 @@ def _run(llm: LLM, prompts: list[list[int]], refs: list[Reference], what: str) -
         assert_greedy_match(out.outputs[0].token_ids, ref, what=f"{what} prompt {i}")
 
 
+@pytest.mark.slow
 def test_window_changes_the_reference(mistral_dir: Path, tmp_path: Path, smollm2_dir: Path) -> None:
     """The same weights without a window generate otherwise past 32 tokens: so the fidelity
     test below can fail when the window is not applied (or applied one position off)."""
@@ -100,6 +101,7 @@ def test_window_changes_the_reference(mistral_dir: Path, tmp_path: Path, smollm2
     assert any(a.tokens != b.tokens for a, b in zip(windowed, full, strict=True))
 
 
+@pytest.mark.slow
 def test_mistral_window_matches_hf_past_the_window(mistral_dir: Path) -> None:
     prompts = _prompts(0)
     refs = _references(mistral_dir, prompts)
@@ -143,6 +145,7 @@ def test_prefix_hits_past_the_window_match_hf(mistral_dir: Path) -> None:
     assert stats.num_hit_blocks > 0
 
 
+@pytest.mark.slow
 def test_tight_pool_with_host_tier_and_swap_matches_hf(mistral_dir: Path) -> None:
     """Preemption with swap (the partial tail to the host tier), evictions demoting blocks freed
     out of the window, promotions of prefixes: all with PAD entries in the tables."""
@@ -189,6 +192,7 @@ def test_prompt_longer_than_the_pool_with_its_prefix_in_the_host_tier(mistral_di
     _run(llm, [prompt], refs, "long prompt, prefix in the host tier")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_window_layers", [0, 1])
 def test_qwen2_sliding_window_matches_hf(max_window_layers: int, tmp_path: Path, smollm2_dir: Path) -> None:
     """Qwen2 with ``use_sliding_window``: all layers windowed (blocks freed), or the first

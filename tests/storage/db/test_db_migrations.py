@@ -75,6 +75,7 @@ def _downgrade_to_base(connection: Connection) -> None:
     command.downgrade(config, "base")
 
 
+@pytest.mark.slow
 async def test_downgrade_to_base_and_upgrade_again(database_url: str) -> None:
     async with _migrated(database_url) as db:
         async with migration_lock(db.engine) as connection:
@@ -99,6 +100,7 @@ async def test_replicas_starting_at_once_migrate_once(database_url: str) -> None
             await db.dispose()
 
 
+@pytest.mark.slow
 async def test_an_upgrade_waits_while_another_replica_holds_the_lock(database_url: str) -> None:
     first, second = Database(database_url), Database(database_url)
     try:

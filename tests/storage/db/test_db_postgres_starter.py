@@ -15,6 +15,7 @@ from support.ports import port_open
 from loraplex.storage.db import Database, head_revision, schema_diff, upgrade_to_head
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_a_throwaway_postgres_starts_migrates_and_goes_away() -> None:
     server = start_postgres()

@@ -145,6 +145,7 @@ class Sim:
                 assert GARBAGE not in self.content[block.block_id], block
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [None, 1, 5, 9])
 @pytest.mark.parametrize("seed", range(12))
 def test_random_ops_keep_integrity_and_content(seed: int, window: int | None) -> None:

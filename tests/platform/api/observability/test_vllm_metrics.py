@@ -93,6 +93,7 @@ def single(families: dict[str, tuple[str, list[Sample]]], name: str) -> Sample:
     return samples[0]
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_vllm_families_types_labels_running_adapters_and_residency(
     gateway_engine: AsyncEngine, peft_adapter_dir: Path, tmp_path: Path, tiny_dirs: dict[str, Path]
@@ -159,6 +160,7 @@ async def test_vllm_families_types_labels_running_adapters_and_residency(
         assert idle.labels["running_lora_adapters"] == "" and idle.labels["waiting_lora_adapters"] == ""
 
 
+@pytest.mark.slow
 def test_residency_series_stay_capped_with_2000_adapters(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
     from support.adapters import make_peft_adapter
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -93,12 +94,14 @@ def _check(raw: bytes, model: type) -> None:
     assert took_s < CASE_LIMIT_S, f"a case took {took_s:.2f} s"
 
 
+@pytest.mark.slow
 @FUZZ
 @given(raw=bodies())
 def test_fuzz_completion_bodies(raw: bytes) -> None:
     _check(raw, CompletionRequest)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(raw=bodies())
 def test_fuzz_chat_bodies(raw: bytes) -> None:

@@ -36,6 +36,7 @@ async def test_a_taken_name_is_a_conflict(database: Database) -> None:
         await make_tenant(database, "acme")
 
 
+@pytest.mark.slow
 async def test_bad_names_are_refused(database: Database) -> None:
     for name in ["", "Acme", "a/b", "-lead", "a b", "x" * 65, "acme\n"]:
         with pytest.raises(InvalidInput) as error:

@@ -106,6 +106,7 @@ async def test_prefix_cache_hits_within_a_tenant_and_never_across(client: httpx.
 # -- keys ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_key_lifecycle(client: httpx.AsyncClient) -> None:
     admin = Admin(client)
@@ -214,6 +215,7 @@ def retry_after_s(response: httpx.Response) -> int:
     return value
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_rpm_limit_refuses_the_request_after_the_limit_and_recovers(client: httpx.AsyncClient) -> None:
     key = await Admin(client).tenant_with_key("acme", rpm=3)
@@ -229,6 +231,7 @@ async def test_rpm_limit_refuses_the_request_after_the_limit_and_recovers(client
     assert (await complete(client, key, max_tokens=1)).status_code == 200
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_tpm_limit_reserves_max_tokens_and_refunds_what_was_not_used(client: httpx.AsyncClient) -> None:
     admin = Admin(client)
@@ -256,6 +259,7 @@ async def test_tpm_limit_reserves_max_tokens_and_refunds_what_was_not_used(clien
     assert (await complete(client, key, max_tokens=4)).status_code == 200
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_concurrency_limit(client: httpx.AsyncClient, gateway_engine: AsyncEngine) -> None:
     key = await Admin(client).tenant_with_key("acme", max_concurrency=1)
@@ -302,6 +306,7 @@ async def test_two_gateway_instances_share_one_redis_limit(
     assert codes == [200, 200, 200, 200, 429, 429]
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_redis_outage_follows_the_policy_and_recovers(
     gateway_engine: AsyncEngine, tmp_path: Path, redis_process: Any

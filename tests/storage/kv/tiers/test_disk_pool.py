@@ -298,6 +298,7 @@ def test_restart_with_a_smaller_cap_stays_under_it(tmp_path: Path) -> None:
         p.check_integrity()  # includes: slot files hold at most the cap
 
 
+@pytest.mark.slow
 def test_torn_record_after_a_crash_is_a_miss(tmp_path: Path) -> None:
     # A child process writes blocks and dies without close(); one record is then torn
     # (new header over an old payload, as a crash mid-write leaves it).

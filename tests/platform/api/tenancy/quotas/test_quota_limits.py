@@ -65,6 +65,7 @@ def reservation_of(decision: QuotaDecision) -> Reservation:
     return decision.reservation
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_rpm_admits_exactly_the_limit_then_recovers_after_the_window(make_limiter: MakeLimiter) -> None:
     limiter = make_limiter(window_s=1.0)
@@ -110,6 +111,7 @@ async def test_tpm_reserves_then_settles_and_refunds_the_rest(make_limiter: Make
     assert (await admit(limiter, quota, 30)).allowed
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_tpm_tokens_age_out_with_the_window(make_limiter: MakeLimiter) -> None:
     limiter = make_limiter(window_s=1.0)

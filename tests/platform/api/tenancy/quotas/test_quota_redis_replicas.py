@@ -77,6 +77,7 @@ async def test_racing_replicas_admit_exactly_the_limit(make_replica: MakeReplica
     assert sum(d.allowed for d in decisions) == 30
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_a_live_replica_keeps_its_slot_and_a_dead_ones_slot_expires(make_replica: MakeReplica) -> None:
     lease_s = 0.3
