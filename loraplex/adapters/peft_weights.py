@@ -309,13 +309,22 @@ def _store(
     take their rows of B: ``B[rows] @ A x`` is the slice's part of ``B @ A x``, exactly."""
     parts = FUSED_MODULES.get(module)
     if parts is None:
-        modules[(layer, cast(ModuleName, module))] = LoRAModuleWeights(lora_a, lora_b, scaling)
+        modules[(layer, cast(ModuleName, module))] = LoRAModuleWeights(
+            lora_a, _in_row_order(spec, cast(ModuleName, module), lora_b), scaling
+        )
         return
     start = 0
     for part in parts:
         rows = spec.features(part)[1]
-        modules[(layer, part)] = LoRAModuleWeights(lora_a, lora_b[start : start + rows].contiguous(), scaling)
+        b = _in_row_order(spec, part, lora_b[start : start + rows])
+        modules[(layer, part)] = LoRAModuleWeights(lora_a, b.contiguous(), scaling)
         start += rows
+
+
+def _in_row_order(spec: BaseModelSpec, module: ModuleName, lora_b: torch.Tensor) -> torch.Tensor:
+    """``lora_b``'s rows in the order the served base keeps ``module``'s (a partial rotary)."""
+    order = spec.row_order(module)
+    return lora_b if order is None else lora_b[order].contiguous()
 
 
 def load_weights(

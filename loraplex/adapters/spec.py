@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal
 
+from loraplex.kernels.rotary_layout import rotary_row_order
+
 ModuleName = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GroupName = Literal["qkv", "o", "gate_up", "down"]
 
@@ -81,6 +83,10 @@ class BaseModelSpec:
     # The served family's checkpoint fuses q|k|v and gate|up (Phi-3): adapters target
     # ``qkv_proj`` / ``gate_up_proj`` and not the separate modules (and the other way round).
     fused_projections: bool = False
+    # A partial rotary (``partial_rotary_factor`` < 1, Phi-4-mini): the base keeps each q / k
+    # head's rows in ``kernels.rotary_layout``'s order, so an adapter's rows of B are kept so too.
+    head_dim: int = 0
+    rotary_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -113,7 +119,16 @@ class BaseModelSpec:
             up_proj=(hidden, intermediate),
             down_proj=(intermediate, hidden),
             fused_projections=getattr(config, "model_type", "") in FUSED_MODEL_TYPES,
+            head_dim=int(head_dim),
+            rotary_dim=_partial_rotary_dim(config, int(head_dim)),
         )
+
+    def row_order(self, module: ModuleName) -> list[int] | None:
+        """The order the served base keeps ``module``'s output rows in (None: the checkpoint's)."""
+        if self.rotary_dim is None or module not in ("q_proj", "k_proj"):
+            return None
+        heads = self.features(module)[1] // self.head_dim
+        return rotary_row_order(heads, self.head_dim, self.rotary_dim)
 
     def adaptable_modules(self) -> tuple[str, ...]:
         """The PEFT module names an adapter of the served family may target."""
@@ -147,3 +162,12 @@ class BaseModelSpec:
     def max_adapter_bytes(self, max_rank: int) -> int:
         """Upper bound on a valid adapter's safetensors size (float64 weights, plus header slack)."""
         return self.max_adapter_numel * max_rank * 8 + (1 << 20)
+
+
+def _partial_rotary_dim(config: Any, head_dim: int) -> int | None:
+    """The rotary part of a head when the config turns only part of it (None: all of it)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    factor = float(factor or getattr(config, "partial_rotary_factor", None) or 1.0)
+    rotary_dim = int(head_dim * factor)
+    return rotary_dim if rotary_dim < head_dim else None

@@ -6,6 +6,8 @@
   ``select_linear_backend``, resolving "auto" by device;
 - ``metadata``: the flat-batch ``AttentionMetadata`` / ``LoRAMetadata`` and ``PAD_BLOCK_ID``;
 - ``lora_layout``: how the slot buffers store adapter weights for a backend;
+- ``rotary_layout``: the order q/k rows are kept in so whole-head rotary kernels serve a partial
+  rotary (``partial_rotary_factor``, Phi-4-mini);
 - ``portable/``: pure PyTorch, used wherever no C or Triton kernel applies (the "torch" backend);
 - ``cpu/``: C kernels compiled for the host (decode attention, LoRA, dense projections);
 - ``triton/``: the CUDA kernels (paged decode, extend attention, cache ops, BGMV/SGMV LoRA).

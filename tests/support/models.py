@@ -133,8 +133,10 @@ def family_config(
                 "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
             },
         )
-    if family == "phi3":
-        half = head_dim // 2
+    if family in ("phi3", "phi4_mini"):
+        # Phi-4-mini is a Phi-3 whose RoPE turns 3/4 of each head (partial_rotary_factor).
+        partial = 0.75 if family == "phi4_mini" else 1.0
+        half = int(head_dim * partial) // 2
         return Phi3Config(
             **{**common, "max_position_embeddings": 1024},
             original_max_position_embeddings=256,
@@ -142,6 +144,7 @@ def family_config(
             rope_parameters={
                 "rope_type": "longrope",
                 "rope_theta": 10000.0,
+                "partial_rotary_factor": partial,
                 "short_factor": [1.0 + 0.05 * i for i in range(half)],
                 "long_factor": [1.0 + 0.5 * i for i in range(half)],
             },
@@ -227,6 +230,7 @@ GGUF_ARCH = {
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "phi3": "phi3",
+    "phi4_mini": "phi3",
 }
 
 
@@ -271,7 +275,9 @@ def write_family_gguf(hf_dir: Path, out: Path, family: str, tokenizer_gguf: Path
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(float((cfg.rope_parameters or {}).get("rope_theta", 10000.0)))
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_rope_dimension_count(head_dim)
+    # The dimensions RoPE turns (llama.cpp writes head_dim x partial_rotary_factor).
+    partial = float((cfg.rope_parameters or {}).get("partial_rotary_factor") or 1.0)
+    writer.add_rope_dimension_count(int(head_dim * partial))
     if getattr(cfg, "sliding_window", None):
         writer.add_sliding_window(int(cfg.sliding_window))
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)

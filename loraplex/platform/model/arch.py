@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from loraplex.kernels.rotary_layout import rotary_head_order
 from loraplex.platform.model.families import (
     ACTIVATIONS,
     FAMILIES,
@@ -80,6 +81,9 @@ class ModelArch:
     embed_scale: float | None = None
     activation: str = "silu"  # "silu" or "gelu_tanh"
     fused_checkpoint: bool = False
+    # Dimensions of each head RoPE turns (None: all of them); fewer with ``partial_rotary_factor``
+    # (Phi-4-mini), served by storing q/k rows in ``kernels.rotary_layout``'s order.
+    rotary_dim: int | None = None
 
     @property
     def q_size(self) -> int:
@@ -128,7 +132,7 @@ class ModelArch:
         layer_types = _layer_types(config, family.window_layers, num_layers)
         sliding = getattr(config, "sliding_window", None)
         windows = tuple(int(sliding) if sliding and t == "sliding_attention" else None for t in layer_types)
-        ropes, layer_ropes = _ropes(config, layer_types, head_dim)
+        ropes, layer_ropes, rotary_dim = _ropes(config, layer_types, head_dim)
         attn_bias = bool(getattr(config, "attention_bias", False))
         return cls(
             model_type=model_type,
@@ -166,6 +170,7 @@ class ModelArch:
             embed_scale=float(config.hidden_size) ** 0.5 if family.embed_scale else None,
             activation=act,
             fused_checkpoint=family.fused_checkpoint,
+            rotary_dim=rotary_dim if rotary_dim < head_dim else None,
         )
 
 
@@ -207,25 +212,31 @@ def _rope_params(config: Any, layer_type: str) -> tuple[dict[str, Any], str | No
     if legacy and not params.get("rope_type"):
         params.update(legacy)
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params.setdefault("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
     return params, None
 
 
 def _ropes(
     config: Any, layer_types: list[str], head_dim: int
-) -> tuple[tuple[RopeSpec, ...], tuple[int, ...]]:
-    """One ``RopeSpec`` per distinct layer type's parameters, and each layer's index."""
+) -> tuple[tuple[RopeSpec, ...], tuple[int, ...], int]:
+    """One ``RopeSpec`` per distinct layer type's parameters, each layer's index, and the
+    dimensions of a head that RoPE turns (``head_dim`` unless ``partial_rotary_factor`` < 1)."""
     specs: list[RopeSpec] = []
     by_type: dict[str, int] = {}
+    rotary_dims = set()
     for layer_type in dict.fromkeys(layer_types):
         params, key = _rope_params(config, layer_type)
-        if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise ValueError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
+        rotary_dim = int(head_dim * float(params.get("partial_rotary_factor") or 1.0))
+        rotary_head_order(head_dim, rotary_dim)  # raises for a split the kernels cannot serve
+        rotary_dims.add(rotary_dim)
         rope_type = params.get("rope_type", params.get("type", "default"))
         theta = float(params["rope_theta"])
-        if rope_type == "default":
-            spec = RopeSpec(theta)
-        elif rope_type in ("linear", "llama3"):
-            spec = RopeSpec(theta, {**params, "rope_type": rope_type})
+        scaling = {**params, "rope_type": rope_type} if rope_type in ("linear", "llama3") else None
+        if rope_type in ("default", "linear", "llama3"):
+            # With a partial rotary, the frequencies span rotary_dim (as HF computes them).
+            partial = rotary_dim < head_dim
+            inv_freq = tuple(_inv_freq(rotary_dim, theta, scaling).tolist()) if partial else None
+            spec = RopeSpec(theta, scaling, inv_freq=inv_freq)
         elif rope_type in ("yarn", "longrope", "su"):
             spec = _hf_rope(config, key, "longrope" if rope_type == "su" else rope_type, theta, params)
         else:
@@ -236,7 +247,11 @@ def _ropes(
         if spec not in specs:
             specs.append(spec)
         by_type[layer_type] = specs.index(spec)
-    return tuple(specs), tuple(by_type[t] for t in layer_types)
+    if len(rotary_dims) > 1:
+        raise ValueError(
+            f"layer types with different partial rotary factors are not supported: {rotary_dims}"
+        )
+    return tuple(specs), tuple(by_type[t] for t in layer_types), rotary_dims.pop()
 
 
 def _hf_rope(config: Any, key: str | None, rope_type: str, theta: float, params: dict[str, Any]) -> RopeSpec:
@@ -276,8 +291,12 @@ def rope_tables(spec: RopeSpec, head_dim: int, max_positions: int) -> tuple[torc
     if spec.long_inv_freq is not None and max_positions > spec.long_from:
         long = torch.tensor(spec.long_inv_freq, dtype=torch.float32)
         freqs[spec.long_from :] = positions[spec.long_from :] * long[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos() * spec.attention_factor, emb.sin() * spec.attention_factor
+    cos, sin = freqs.cos() * spec.attention_factor, freqs.sin() * spec.attention_factor
+    rest = head_dim // 2 - freqs.shape[1]
+    if rest:  # a partial rotary: the pass-through dimensions turn by nothing (kernels.rotary_layout)
+        cos = torch.cat((cos, torch.ones(max_positions, rest)), dim=-1)
+        sin = torch.cat((sin, torch.zeros(max_positions, rest)), dim=-1)
+    return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
 
 def rope_inv_freq(arch: ModelArch) -> torch.Tensor:

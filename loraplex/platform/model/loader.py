@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from loraplex.kernels.contracts import LinearBackend, PackedWeight, PointwiseBackend
+from loraplex.kernels.rotary_layout import rotary_head_order, rotary_row_order
 from loraplex.platform.model.arch import ModelArch
 from loraplex.platform.model.llama import PROJECTIONS, LlamaForCausalLM
 from loraplex.platform.model.packed_weights import HF_NAMES, describe, quantize_int8, read_gguf_weights
@@ -77,6 +78,38 @@ def _hf_names(key: str, arch: ModelArch) -> tuple[str, ...]:
     if arch.fused_checkpoint and name in FUSED_HF_NAMES:
         return tuple(f"{layer}.{hf}" for hf in FUSED_HF_NAMES[name])
     return tuple(f"{layer}.{hf}" for hf in HF_NAMES[name])
+
+
+def qk_row_order(arch: ModelArch) -> torch.Tensor:
+    """The fused q|k|v rows in the order the forward keeps them: q and k heads in
+    ``kernels.rotary_layout``'s order (a partial rotary), v as the checkpoint has it."""
+    assert arch.rotary_dim is not None
+    q = rotary_row_order(arch.num_heads, arch.head_dim, arch.rotary_dim)
+    k = rotary_row_order(arch.num_kv_heads, arch.head_dim, arch.rotary_dim)
+    v = range(arch.q_size + arch.kv_size, arch.q_size + 2 * arch.kv_size)
+    return torch.tensor([*q, *(arch.q_size + i for i in k), *v])
+
+
+def _store_rotary_order(
+    arch: ModelArch, weights: dict[str, torch.Tensor], packed: dict[str, PackedWeight]
+) -> None:
+    """Reorder the q and k rows of every layer's fused projection (and bias, and per-head q/k
+    norms) so the whole-head rotary kernels turn only the rotary part (a partial rotary)."""
+    assert arch.rotary_dim is not None
+    order = qk_row_order(arch)
+    head = torch.tensor(rotary_head_order(arch.head_dim, arch.rotary_dim))
+    for i in range(arch.num_layers):
+        p = f"layers.{i}."
+        if p + "qkv_weight" in packed:  # GGUF blocks run along a row: whole rows move
+            w = packed[p + "qkv_weight"]
+            packed[p + "qkv_weight"] = PackedWeight(w.format, w.data[order].contiguous(), w.in_features)
+        else:
+            weights[p + "qkv_weight"] = weights[p + "qkv_weight"][order].contiguous()
+        if p + "qkv_bias" in weights:
+            weights[p + "qkv_bias"] = weights[p + "qkv_bias"][order].contiguous()
+        for norm in ("q_norm", "k_norm"):
+            if p + norm in weights:
+                weights[p + norm] = weights[p + norm][head].contiguous()
 
 
 def load_model(
@@ -165,6 +198,8 @@ def load_model(
     if not arch.tie_word_embeddings and "lm_head" not in packed:
         weights["lm_head"] = state.pop("lm_head.weight").to(dtype)
     state.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
+    if arch.rotary_dim is not None:
+        _store_rotary_order(arch, weights, packed)
     if quantization == "int8":
         for key in [k for k in weights if k.rsplit(".", 1)[-1] in {f"{n}_weight" for n in PROJECTIONS}]:
             packed[key] = quantize_int8(weights.pop(key))

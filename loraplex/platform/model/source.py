@@ -65,6 +65,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     logger.info("converting %s (one time; cached at %s)", gguf_path, out_dir)
+    _refuse_lost_rope(gguf_path)
     folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
@@ -93,6 +94,32 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _refuse_lost_rope(gguf_path: Path) -> None:
+    """Refuse a file whose RoPE turns only part of each head (``rope.dimension_count`` below the
+    head size: Phi-4-mini): transformers' GGUF reader drops that (and Phi-3's LongRoPE factors),
+    so the converted model would be another model, and its tokens wrong."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+
+    def number(key: str) -> int | None:
+        field = reader.fields.get(key)
+        return None if field is None else int(field.contents())
+
+    arch_field = reader.fields.get("general.architecture")
+    arch = str(arch_field.contents()) if arch_field is not None else ""
+    rotary = number(f"{arch}.rope.dimension_count")
+    heads = number(f"{arch}.attention.head_count")
+    width = number(f"{arch}.embedding_length")
+    head = number(f"{arch}.attention.key_length") or (width // heads if width and heads else None)
+    if rotary is not None and head is not None and rotary < head:
+        raise ValueError(
+            f"{gguf_path.name}: its RoPE turns {rotary} of each head's {head} dimensions (a partial "
+            "rotary, as Phi-4-mini's), which the GGUF conversion cannot carry over; serve the model's "
+            "Hugging Face folder instead (partial rotary is served from there)"
+        )
 
 
 def gguf_source(model: str | os.PathLike[str] | None) -> Path | None:

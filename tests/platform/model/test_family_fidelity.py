@@ -29,7 +29,7 @@ from loraplex.adapters.peft_weights import parse_weights
 from loraplex.adapters.spec import BaseModelSpec
 from loraplex.platform.model.arch import ModelArch
 
-FAMILIES = ["qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3"]
+FAMILIES = ["qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "phi4_mini"]
 MAX_NEW = 10
 W = FAMILY_WINDOW
 
@@ -78,6 +78,9 @@ def test_family_arch_parts(family_dirs: dict[str, Path]) -> None:
     g3 = arch["gemma3"]
     assert g3.qk_norm and len(g3.ropes) == 2 and g3.layer_ropes == (0, 1)
     assert arch["phi3"].fused_checkpoint and arch["phi3"].ropes[0].long_inv_freq is not None
+    assert arch["phi3"].rotary_dim is None  # the whole head turns
+    phi4 = arch["phi4_mini"]  # 3/4 of each 16-wide head turns, with LongRoPE frequencies over those 12
+    assert phi4.rotary_dim == 12 and phi4.ropes[0].inv_freq is not None and len(phi4.ropes[0].inv_freq) == 6
     # The window no longer caps the context.
     assert arch["mistral"].max_position_embeddings == 2048
 
@@ -118,7 +121,7 @@ def test_family_matches_hf(family: str, family_dirs: dict[str, Path]) -> None:
 
 
 def _adapter_spec(family: str) -> dict[str, Any]:
-    if family == "phi3":
+    if family in ("phi3", "phi4_mini"):
         modules = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
     else:
         modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

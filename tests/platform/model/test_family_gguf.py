@@ -60,3 +60,12 @@ def test_family_gguf_matches_hf(family: str, tmp_path: Path, smollm2_dir: Path) 
 @pytest.mark.parametrize("family", SLOW)
 def test_family_gguf_matches_hf_slow(family: str, tmp_path: Path, smollm2_dir: Path) -> None:
     _check_family(family, tmp_path, smollm2_dir)
+
+
+def test_a_partial_rotary_file_is_refused_not_served_wrong(tmp_path: Path, smollm2_dir: Path) -> None:
+    """transformers' GGUF reader drops ``partial_rotary_factor`` (and LongRoPE): a Phi-4-mini file
+    converted through it would be another model, so it is refused with what to do instead."""
+    hf_dir = make_tiny_family_dir(tmp_path / "hf", smollm2_dir, "phi4_mini", seed=21)
+    path = write_family_gguf(hf_dir, tmp_path / "tiny-phi4-mini.gguf", "phi4_mini", default_gguf_path())
+    with pytest.raises(ValueError, match=r"turns 12 of each head's 16 dimensions.*Hugging Face folder"):
+        resolve_model_dir(str(path))
