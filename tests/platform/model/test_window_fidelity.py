@@ -214,3 +214,5 @@ def test_qwen2_sliding_window_matches_hf(max_window_layers: int, tmp_path: Path,
         assert bm.sliding_window == WINDOW and bm.num_window_freed_blocks > 0
     else:
         assert bm.sliding_window is None and bm.num_window_freed_blocks == 0
+    # What /metrics exports (loraplex_kv_window_freed_blocks_total) is the manager's count.
+    assert llm.llm_engine.stats.kv.num_window_freed_blocks == bm.num_window_freed_blocks

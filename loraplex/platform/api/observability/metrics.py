@@ -130,6 +130,12 @@ class SnapshotCollector(Collector):
             device.add_metric([holder], count)
         device.add_metric(["free"], free)
         yield device
+        yield _counter(
+            "loraplex_kv_window_freed_blocks",
+            "KV blocks returned to the pool while their sequence ran, having left every layer's "
+            "sliding window (0 unless every layer has a window).",
+            kv.num_window_freed_blocks,
+        )
         prefix = stats.prefix_cache
         yield _counter(
             "loraplex_prefix_cache_queries",

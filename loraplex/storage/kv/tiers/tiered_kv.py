@@ -54,6 +54,7 @@ class KVBlockCounts:
     num_disk_blocks: int
     num_used_disk_blocks: int  # published or being written
     num_swapped_blocks: int  # held below for preempted sequences' tails (in host or disk)
+    num_window_freed_blocks: int = 0  # since start-up: blocks sliding windows gave back mid-sequence
 
 
 class PersistReport(NamedTuple):
@@ -266,4 +267,5 @@ class TieredKV:
             num_disk_blocks=disk.capacity_blocks,
             num_used_disk_blocks=disk.used_blocks,
             num_swapped_blocks=tiers.num_swapped_blocks if tiers is not None else 0,
+            num_window_freed_blocks=bm.num_window_freed_blocks,
         )

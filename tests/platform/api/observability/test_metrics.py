@@ -36,6 +36,7 @@ FAMILIES = (
     "loraplex_kv_blocks_used",
     "loraplex_device_pool_blocks",
     "loraplex_kv_blocks_total",
+    "loraplex_kv_window_freed_blocks",
     "loraplex_prefix_cache_queries",
     "loraplex_prefix_cache_hits",
     "loraplex_adapters_resident",
