@@ -24,66 +24,25 @@ next-token logits, whatever steps of the engine that took.
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from loraplex.adapters.request import LoRARequest
-from loraplex.platform.engine.errors import InvalidParameterError
+from loraplex.platform.engine.beam_rule import (
+    BeamSearchOutput,
+    BeamSearchParams,
+    BeamSearchSequence,
+    HypothesisBeam,
+    candidates_per_step,
+    hf_search_step,
+)
 from loraplex.platform.engine.sampling_params import SamplingParams
 from loraplex.platform.engine.sequence import Request, SeqStatus, Sequence
 
 if TYPE_CHECKING:  # the engine imports this module: no cycle at run time
     from loraplex.platform.engine.engine import LLMEngine
-
-_NEG = -1.0e9  # HF's "ended" score offset: such a candidate never runs on
-
-
-@dataclass(frozen=True)
-class BeamSearchParams:
-    """vLLM's ``BeamSearchParams``: ``beam_width`` beams, up to ``max_tokens`` new tokens each."""
-
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
-
-    def __post_init__(self) -> None:
-        for name, low in (("beam_width", 1), ("max_tokens", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise InvalidParameterError(f"{name} must be an integer >= {low}, got {value!r}", param=name)
-        if self.temperature != 0.0:
-            # vLLM scales the logits before the log-softmax; HF's reference search has no
-            # temperature. Refused rather than silently ignored.
-            raise InvalidParameterError("beam search supports temperature=0 only", param="temperature")
-        if not math.isfinite(self.length_penalty):
-            raise InvalidParameterError("length_penalty must be finite", param="length_penalty")
-
-
-@dataclass
-class BeamSearchSequence:
-    """One returned beam, as vLLM shapes it: ``tokens`` are prompt + generated ids, ``text`` the
-    generated text (without a final EOS), ``cum_logprob`` the sum of its tokens' logprobs."""
-
-    tokens: list[int]
-    logprobs: list[float]
-    cum_logprob: float = 0.0
-    text: str | None = None
-    finish_reason: str | None = None
-    score: float = 0.0
-    """The ranking score, ``cum_logprob / gen_len ** length_penalty``."""
-
-
-@dataclass
-class BeamSearchOutput:
-    """vLLM's ``BeamSearchOutput``: the best ``beam_width`` sequences, best first."""
-
-    sequences: list[BeamSearchSequence]
 
 
 @dataclass
@@ -206,41 +165,22 @@ class BeamSearch:
         cum = torch.tensor([b.cum_logprob for b in beams], dtype=rows.dtype)
         acc = (rows + cum[:, None]).flatten()
         vocab = rows.shape[1]
-        keep = min(max(2, 1 + len(self._eos)) * width, acc.numel())
+        keep = min(candidates_per_step(width, len(self._eos)), acc.numel())
         top_scores, top_idx = torch.topk(acc, keep)
-        gen_len = beams[0].seq.num_output_tokens + 1  # every beam has the same length
-        seq_cap = self.engine.info.max_model_len
-        at_limit = gen_len >= self.params.max_tokens or beams[0].seq.num_tokens + 1 >= seq_cap
-        cands: list[tuple[float, int, int, bool]] = []  # (score, beam, token, ends)
-        for score, flat in zip(top_scores.tolist(), top_idx.tolist(), strict=True):
-            b, tok = divmod(flat, vocab)
-            cands.append((score, b, tok, at_limit or tok in self._eos))
-        if search.improvable:
-            for rank, (score, b, tok, ends) in enumerate(cands):
-                if ends and rank < width:
-                    beam = beams[b]
-                    lp = float(rows[b, tok])
-                    search.finished.append(
-                        BeamSearchSequence(
-                            tokens=[*beam.seq.token_ids, tok],
-                            logprobs=[*beam.logprobs, lp],
-                            cum_logprob=score,
-                            finish_reason="length" if at_limit and tok not in self._eos else "stop",
-                            score=score / gen_len**self.params.length_penalty,
-                        )
-                    )
-            search.finished.sort(key=lambda s: s.score, reverse=True)  # stable: earlier first on ties
-            del search.finished[width:]
-        # The best ``width`` candidates that do not end run on (HF's topk over "ended = -1e9").
-        running = sorted(
-            range(len(cands)), key=lambda r: cands[r][0] + (_NEG if cands[r][3] else 0.0), reverse=True
-        )[:width]
-        chosen = [cands[r] for r in running if not cands[r][3]]
-        valid = not all(c[3] for c in cands)
-        if chosen and len(search.finished) == width:
-            best = chosen[0][0] / gen_len**self.params.length_penalty
-            search.improvable = search.improvable and best > search.finished[-1].score
-        if not (search.improvable and valid and chosen):
+        scored = [
+            (score, *divmod(flat, vocab))
+            for score, flat in zip(top_scores.tolist(), top_idx.tolist(), strict=True)
+        ]
+        chosen = hf_search_step(
+            search,
+            scored,
+            [HypothesisBeam(b.seq.token_ids, b.logprobs, b.seq.num_output_tokens) for b in beams],
+            lambda b, tok: float(rows[b, tok]),
+            self.params,
+            self._eos,
+            self.engine.info.max_model_len,
+        )
+        if chosen is None:
             self._end(search)
             return
         search.beams = self._fork(search, chosen)

@@ -70,6 +70,7 @@ class LLMEngine:
             max_lora_rank=config.max_lora_rank,
             dtype=self.info.dtype,
             block_size=config.block_size,
+            eos_token_ids=tuple(self.info.eos_token_ids),
         )
         """What this engine accepts (fixed while it runs): requests are checked against it."""
         self.runner = parts.runner

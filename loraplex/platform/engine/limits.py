@@ -33,3 +33,5 @@ class EngineLimits:
     """The serving dtype: adapter weights must fit it."""
     block_size: int = 16
     """Tokens per KV block (the tiers count blocks; metrics report tokens)."""
+    eos_token_ids: tuple[int, ...] = ()
+    """The model's end-of-sequence tokens (generation stops at them unless ``ignore_eos``)."""

@@ -12,6 +12,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from loraplex.platform.api.errors import APIError, bad_request, unsupported
+from loraplex.platform.engine.beam_rule import BeamSearchParams
+from loraplex.platform.engine.errors import InvalidParameterError
 from loraplex.platform.engine.inputs import PromptType
 
 
@@ -51,8 +53,9 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # vLLM's beam search extra: offline only here (``LLM.beam_search``), refused by the server
+    # vLLM's beam search extras: ``n`` beams (``/v1/completions``; openai/beam_search.py)
     use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -63,9 +66,46 @@ class SamplingFields(BaseModel):
     def _refuse_common(self) -> APIError | None:
         if self.logit_bias:
             return unsupported("logit_bias")
-        if self.use_beam_search:
-            return unsupported("use_beam_search", "(beam search is offline only: LLM.beam_search)")
         return None
+
+    def beam_search_params(self) -> BeamSearchParams | None:
+        """With ``use_beam_search``: its ``BeamSearchParams`` (``n`` beams, greedy), or a 400 naming
+        a field the search cannot honour (refused, never ignored); None without it."""
+        if not self.use_beam_search:
+            if self.length_penalty != 1.0:
+                raise bad_request(
+                    "length_penalty applies to beam search only (use_beam_search).", "length_penalty"
+                )
+            return None
+        given = self.model_fields_set
+        # The sampling fields a greedy search has no use for: refused when set to anything else.
+        defaults = {
+            "temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "presence_penalty": 0.0,
+            "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 0, "stream": False,
+        }  # fmt: skip
+        for name, default in defaults.items():
+            if name in given and getattr(self, name) != default:
+                value = getattr(self, name)
+                raise bad_request(
+                    f"use_beam_search does not take {name}={value!r} (beam search is greedy "
+                    "and answers whole).",
+                    name,
+                )
+        for name in ("stop", "stop_token_ids", "structured_outputs", "guided_json", "guided_regex",
+                     "guided_choice", "guided_grammar", "logprobs", "response_format"):  # fmt: skip
+            if getattr(self, name, None):
+                raise bad_request(f"use_beam_search does not take {name}.", name)
+        if self.max_tokens is None:
+            raise bad_request("use_beam_search needs max_tokens.", "max_tokens")
+        try:
+            return BeamSearchParams(
+                beam_width=self.n,
+                max_tokens=self.max_tokens,
+                ignore_eos=self.ignore_eos,
+                length_penalty=self.length_penalty,
+            )
+        except InvalidParameterError as exc:
+            raise bad_request(exc.message, "n" if exc.param == "beam_width" else exc.param) from None
 
 
 class CompletionRequest(SamplingFields):
@@ -170,4 +210,6 @@ class ChatCompletionRequest(SamplingFields):
             return unsupported("audio")
         if self.prediction is not None:
             return unsupported("prediction")
+        if self.use_beam_search:
+            return unsupported("use_beam_search", "on /v1/chat/completions (it is served on /v1/completions)")
         return self._refuse_common()

@@ -18,11 +18,13 @@ from starlette.responses import Response
 
 from loraplex.platform.api.errors import bad_request
 from loraplex.platform.api.observability.record import record_of
+from loraplex.platform.api.openai.beam_search import beam_search
 from loraplex.platform.api.openai.responses import ResponseShape
 from loraplex.platform.api.openai.streaming import SSEResponse, sse_events
 from loraplex.platform.api.openai.submission import MeteredStream, abort_all, collect, submit
 from loraplex.platform.api.state import AppState
-from loraplex.platform.api.tenancy.gate import GatedCall, ModelTarget, PromptSource, RequestEnd
+from loraplex.platform.api.tenancy.gate import Admission, GatedCall, ModelTarget, PromptSource, RequestEnd
+from loraplex.platform.engine.beam_rule import BeamSearchParams
 from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.engine.request_stream import RequestStream
 from loraplex.platform.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -79,8 +81,10 @@ async def respond(
     params: SamplingParams,
     target: ModelTarget,
     stream: bool,
+    beam: BeamSearchParams | None = None,
 ) -> Response:
-    """Admit ``prompts`` through the caller's gate, run them, answer whole or as an SSE stream.
+    """Admit ``prompts`` through the caller's gate, run them, answer whole or as an SSE stream;
+    with ``beam``, search ``beam.beam_width`` beams per prompt (``params.n`` of them, as admitted).
 
     From admission on, every way out closes the admission once, with what the streams read.
     """
@@ -135,6 +139,9 @@ async def respond(
             write_timeout_s=write_timeout_s,
         )
 
+    if beam is not None:
+        return await _respond_beams(request, state, shape, admission, beam, target)
+
     # Nobody reads a non-streamed answer before it ends: the engine posts only the final output.
     params.output_kind = RequestOutputKind.FINAL_ONLY
 
@@ -156,6 +163,39 @@ async def respond(
     # ``max_response_logprobs`` entries, seconds of Python that would stall every other request.
     # One at a time: the build holds the GIL, so two at once finish no sooner, and every thread
     # that wants the GIL (the event loop, the engine at each torch call) waits behind each of them.
+    body = await anyio.to_thread.run_sync(_encode, shape, finals, limiter=_builder())
+    return Response(body, media_type="application/json")
+
+
+async def _respond_beams(
+    request: Request,
+    state: AppState,
+    shape: ResponseShape,
+    admission: Admission,
+    beam: BeamSearchParams,
+    target: ModelTarget,
+) -> Response:
+    """The answer of a beam search: its best beams as the ``n`` choices of each prompt. Usage
+    counts each prompt once and the tokens of the beams returned (vLLM's accounting), though
+    every search step ran one request per beam."""
+    search = beam_search(
+        state,
+        shape.request_id,
+        admission.prompts,
+        beam,
+        target.lora,
+        admission.tenant_id,
+        admission.tenant_weight,
+    )
+    end: RequestEnd = "error"
+    finals: list[RequestOutput] | None = None
+    try:
+        finals = await until_disconnected(request, search)
+        end = "ok" if finals is not None else "aborted"
+    finally:
+        admission.close(finals or [], end)
+    if finals is None:
+        return Response(status_code=CLIENT_CLOSED)
     body = await anyio.to_thread.run_sync(_encode, shape, finals, limiter=_builder())
     return Response(body, media_type="application/json")
 

@@ -1,0 +1,177 @@
+"""Beam search for the server (vLLM's ``use_beam_search``), beside every other request.
+
+The offline search (``LLM.beam_search``) drives an idle engine step by step; a server's engine is
+never idle. So, as vLLM's server does, the search runs here, above the engine: every search step
+submits one request per running beam for one token with the top ``candidates_per_step``
+logprobs (greedy, EOS allowed), and ranks what comes back with ``hf_search_step``, the rule the
+offline search uses, so both return the same beams. A beam's request is its prompt plus what
+it generated: the prefix cache serves the shared part (every full block), so a step computes
+about one block per beam. The requests run as the caller's tenant, under its fair share, the
+server's queue limit and deadline, like any other; the client leaving aborts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from loraplex.adapters import LoRARequest
+from loraplex.platform.api.openai.submission import abort_all, collect, submit
+from loraplex.platform.api.state import AppState
+from loraplex.platform.engine.beam_rule import (
+    BeamSearchParams,
+    BeamSearchSequence,
+    HypothesisBeam,
+    candidates_per_step,
+    hf_search_step,
+)
+from loraplex.platform.engine.inputs import PromptType
+from loraplex.platform.engine.outputs import CompletionOutput, RequestOutput
+from loraplex.platform.engine.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class _Search:
+    """One prompt's finished hypotheses, and whether a running beam can still beat them."""
+
+    finished: list[BeamSearchSequence] = field(default_factory=list)
+    improvable: bool = True
+
+
+async def beam_search(
+    state: AppState,
+    request_id: str,
+    prompts: list[PromptType],
+    params: BeamSearchParams,
+    lora: LoRARequest | None,
+    tenant_id: str | None,
+    tenant_weight: float,
+) -> list[RequestOutput]:
+    """Search every prompt (concurrently); one finished ``RequestOutput`` per prompt whose
+    completions are its best ``beam_width`` beams, best first."""
+    searches = [
+        _search_one(state, f"{request_id}-{i}", p, params, lora, tenant_id, tenant_weight)
+        for i, p in enumerate(prompts)
+    ]
+    return list(await asyncio.gather(*searches))
+
+
+async def _search_one(
+    state: AppState,
+    request_id: str,
+    prompt: PromptType,
+    params: BeamSearchParams,
+    lora: LoRARequest | None,
+    tenant_id: str | None,
+    tenant_weight: float,
+) -> RequestOutput:
+    engine = state.engine
+    prompt_ids = await engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+    eos = () if params.ignore_eos else tuple(engine.limits.eos_token_ids)
+    keep = candidates_per_step(params.beam_width, len(eos))
+    # One token, greedy, with the top ``keep`` logprobs of the raw distribution; EOS may come
+    # out (it ranks like any token: the rule decides that the beam ends).
+    step_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=keep, ignore_eos=True)
+    step_params.output_kind = RequestOutputKind.FINAL_ONLY
+    search = _Search()
+    beams = [HypothesisBeam(prompt_ids, [], 0)]
+    cums = [0.0]  # each running beam's score: the sum of its tokens' logprobs
+    num_cached = 0
+    for step in range(params.max_tokens):
+        rows = await asyncio.gather(
+            *(
+                _next_logprobs(
+                    state,
+                    f"{request_id}-s{step}-b{b}",
+                    beam.tokens,
+                    step_params,
+                    lora,
+                    tenant_id,
+                    tenant_weight,
+                )
+                for b, beam in enumerate(beams)
+            )
+        )
+        num_cached = max(num_cached, min(cached for _, cached in rows))
+        # Each beam's top ``keep`` hold the best ``keep`` over all beams; ties in beam, then token order.
+        candidates = [(cums[b] + lp, b, tok) for b, (row, _) in enumerate(rows) for tok, lp in row.items()]
+        scored = sorted(candidates, key=lambda c: (-c[0], c[1], c[2]))[:keep]
+        chosen = hf_search_step(
+            search, scored, beams, _lookup(rows), params, eos, engine.limits.max_model_len
+        )
+        if chosen is None:
+            break
+        beams = [
+            HypothesisBeam(
+                [*beams[b].tokens, tok], [*beams[b].logprobs, rows[b][0][tok]], beams[b].num_generated + 1
+            )
+            for _, b, tok, _ in chosen
+        ]
+        cums = [score for score, _, _, _ in chosen]
+    return _output(state, request_id, prompt, prompt_ids, search.finished, eos, num_cached)
+
+
+async def _next_logprobs(
+    state: AppState,
+    request_id: str,
+    tokens: list[int],
+    params: SamplingParams,
+    lora: LoRARequest | None,
+    tenant_id: str | None,
+    tenant_weight: float,
+) -> tuple[dict[int, float], int]:
+    """The top logprobs of the token after ``tokens`` (token id -> logprob), and how many of
+    ``tokens`` the prefix cache served."""
+    streams = await submit(state, request_id, [tokens], params, lora, tenant_id, tenant_weight)
+    try:
+        (final,) = await collect(streams)
+    finally:
+        abort_all(streams)  # a no-op once finished; cancelled (the client left): stops it
+    (completion,) = final.outputs
+    assert completion.logprobs, "a one-token request with logprobs has the token's"
+    return {tok: lp.logprob for tok, lp in completion.logprobs[0].items()}, final.num_cached_tokens
+
+
+def _lookup(rows: list[tuple[dict[int, float], int]]) -> Callable[[int, int], float]:
+    """Beam ``b``'s logprob of ``tok`` in this step's ``rows``."""
+    return lambda b, tok: rows[b][0][tok]
+
+
+def _output(
+    state: AppState,
+    request_id: str,
+    prompt: PromptType,
+    prompt_ids: list[int],
+    finished: list[BeamSearchSequence],
+    eos: tuple[int, ...],
+    num_cached: int,
+) -> RequestOutput:
+    """The search's best beams as one finished request's completions (``n`` = the beam width)."""
+    tokenizer = state.engine.tokenizer
+    completions = []
+    for index, beam in enumerate(finished):
+        generated = beam.tokens[len(prompt_ids) :]
+        shown = (
+            generated[:-1]
+            if beam.finish_reason == "stop" and generated and generated[-1] in eos
+            else generated
+        )
+        completions.append(
+            CompletionOutput(
+                index=index,
+                text=str(tokenizer.decode(shown, skip_special_tokens=True)),
+                token_ids=generated,
+                cumulative_logprob=beam.cum_logprob,
+                finish_reason=beam.finish_reason,
+                stop_reason=generated[-1] if beam.finish_reason == "stop" and generated else None,
+            )
+        )
+    return RequestOutput(
+        request_id=request_id,
+        prompt=prompt if isinstance(prompt, str) else None,
+        prompt_token_ids=prompt_ids,
+        outputs=completions,
+        finished=True,
+        num_cached_tokens=num_cached,
+    )

@@ -1,0 +1,130 @@
+"""``use_beam_search`` on ``/v1/completions`` (vLLM's extra): the server's search, run beside other
+requests, returns the beams of the offline search (``LLM.beam_search``, itself checked against HF
+transformers token for token in tests/platform/engine/test_beam_search.py)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from loraplex import LLM
+from loraplex.platform.api.app import build_app
+from loraplex.platform.engine.async_engine import AsyncEngine
+from loraplex.platform.engine.beam_search import BeamSearchParams
+from loraplex.platform.engine.config import EngineConfig
+from loraplex.platform.engine.engine import LLMEngine
+from loraplex.platform.settings import ServerSettings
+
+MODEL = "gqa_tied"
+
+
+@pytest.fixture(scope="module")
+def client(tiny_dirs: dict[str, Path]) -> Iterator[tuple[TestClient, LLMEngine]]:
+    engine = LLMEngine(EngineConfig(model=str(tiny_dirs[MODEL]), dtype="float32", num_kv_blocks=128))
+    aeng = AsyncEngine(engine)
+    with TestClient(build_app(aeng, ServerSettings(served_model_name="tiny", single_tenant=True))) as c:
+        yield c, engine
+    aeng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_dirs: dict[str, Path]) -> LLM:
+    return LLM(model=str(tiny_dirs[MODEL]), dtype="float32", num_kv_blocks=128)
+
+
+@pytest.mark.parametrize(
+    ("width", "max_tokens", "length_penalty", "ignore_eos"),
+    [(3, 7, 1.0, True), (4, 5, 0.5, False), (1, 4, 1.0, True)],
+)
+def test_server_beams_are_the_offline_beams(
+    client: tuple[TestClient, LLMEngine],
+    offline: LLM,
+    width: int,
+    max_tokens: int,
+    length_penalty: float,
+    ignore_eos: bool,
+) -> None:
+    c, engine = client
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [40, 41, 42]]
+    body = {
+        "model": "tiny",
+        "prompt": prompts,
+        "n": width,
+        "max_tokens": max_tokens,
+        "use_beam_search": True,
+        "length_penalty": length_penalty,
+        "ignore_eos": ignore_eos,
+    }
+    hits_before = engine.stats.prefix_cache.num_hit_tokens
+    r = c.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    params = BeamSearchParams(
+        beam_width=width, max_tokens=max_tokens, length_penalty=length_penalty, ignore_eos=ignore_eos
+    )
+    refs = offline.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+    choices = sorted(data["choices"], key=lambda ch: ch["index"])
+    for i, ref in enumerate(refs):
+        got = [ch for ch in choices if ch["index"] // width == i]
+        assert [ch["text"] for ch in got] == [s.text for s in ref.sequences], f"prompt {i}"
+        assert [ch["finish_reason"] for ch in got] == [s.finish_reason for s in ref.sequences]
+    completion_tokens = sum(
+        len(s.tokens) - len(p) for ref, p in zip(refs, prompts, strict=True) for s in ref.sequences
+    )
+    # vLLM's accounting: each prompt once, the tokens of the beams returned.
+    usage = data["usage"]
+    assert usage["prompt_tokens"] == sum(len(p) for p in prompts)
+    assert usage["completion_tokens"] == completion_tokens
+    if max_tokens > 4:  # every step after the first re-reads the prompt's full blocks from the cache
+        assert engine.stats.prefix_cache.num_hit_tokens > hits_before
+    engine.check_integrity()
+
+
+def test_other_requests_are_served_while_a_search_runs(client: tuple[TestClient, LLMEngine]) -> None:
+    c, engine = client
+    answers: dict[str, int] = {}
+
+    def search() -> None:
+        body = {"model": "tiny", "prompt": [9, 8, 7], "n": 4, "max_tokens": 24, "use_beam_search": True}
+        answers["search"] = c.post("/v1/completions", json=body).status_code
+
+    thread = threading.Thread(target=search)
+    thread.start()
+    plain = {"model": "tiny", "prompt": [3, 4, 5], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    statuses = [c.post("/v1/completions", json=plain).status_code for _ in range(3)]
+    thread.join(timeout=120)
+    assert statuses == [200, 200, 200] and answers == {"search": 200}
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"stream": True}, "stream"),
+        ({"temperature": 0.7}, "temperature"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"stop": ["x"]}, "stop"),
+        ({"n": 0}, "n"),
+    ],
+)
+def test_fields_a_search_cannot_honour_are_refused(
+    client: tuple[TestClient, LLMEngine], extra: dict[str, object], param: str
+) -> None:
+    c, _ = client
+    body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 3, "use_beam_search": True, "n": 2, **extra}
+    r = c.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_chat_and_a_stray_length_penalty_are_refused(client: tuple[TestClient, LLMEngine]) -> None:
+    c, _ = client
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "use_beam_search": True}
+    r = c.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"
+    r = c.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "length_penalty": 0.5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "length_penalty"
