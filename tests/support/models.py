@@ -12,6 +12,7 @@ write_family_gguf                            save one as a GGUF file, as llama.c
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -278,6 +279,15 @@ def write_family_gguf(hf_dir: Path, out: Path, family: str, tokenizer_gguf: Path
     # The dimensions RoPE turns (llama.cpp writes head_dim x partial_rotary_factor).
     partial = float((cfg.rope_parameters or {}).get("partial_rotary_factor") or 1.0)
     writer.add_rope_dimension_count(int(head_dim * partial))
+    rope = cfg.rope_parameters or {}
+    if rope.get("rope_type") == "longrope":  # as llama.cpp's Phi-3 converter: the factors as tensors
+        original = int(cfg.original_max_position_embeddings)
+        writer.add_rope_scaling_orig_ctx_len(original)
+        scale = cfg.max_position_embeddings / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        for kind in ("long", "short"):
+            factors = np.asarray(rope[f"{kind}_factor"], dtype=np.float32)
+            writer.add_tensor(f"rope_factors_{kind}.weight", factors)
     if getattr(cfg, "sliding_window", None):
         writer.add_sliding_window(int(cfg.sliding_window))
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)

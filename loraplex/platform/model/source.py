@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from loraplex.paths import cache_root
 
@@ -65,7 +66,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     logger.info("converting %s (one time; cached at %s)", gguf_path, out_dir)
-    _refuse_lost_rope(gguf_path)
     folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
@@ -73,6 +73,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     # to re-read the GGUF file.
     if getattr(model.config, "quantization_config", None) is not None:
         del model.config.quantization_config
+    _restore_rope(gguf_path, model.config)
     if hasattr(model, "hf_quantizer"):
         model.hf_quantizer = None  # type: ignore[assignment]
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -96,10 +97,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         raise
 
 
-def _refuse_lost_rope(gguf_path: Path) -> None:
-    """Refuse a file whose RoPE turns only part of each head (``rope.dimension_count`` below the
-    head size: Phi-4-mini): transformers' GGUF reader drops that (and Phi-3's LongRoPE factors),
-    so the converted model would be another model, and its tokens wrong."""
+def _restore_rope(gguf_path: Path, config: Any) -> None:
+    """Put back into ``config`` the RoPE that transformers' GGUF reader drops for Phi-3 files (as
+    llama.cpp's converter writes them): the rotary part of each head (``rope.dimension_count``,
+    Phi-4-mini turns 3/4) and LongRoPE's factors (tensors ``rope_factors_long`` / ``_short``,
+    with ``rope.scaling.original_context_length``). Without them the converted model would be
+    another model, and its tokens wrong."""
     import gguf
 
     reader = gguf.GGUFReader(str(gguf_path))
@@ -111,14 +114,32 @@ def _refuse_lost_rope(gguf_path: Path) -> None:
     arch_field = reader.fields.get("general.architecture")
     arch = str(arch_field.contents()) if arch_field is not None else ""
     rotary = number(f"{arch}.rope.dimension_count")
-    heads = number(f"{arch}.attention.head_count")
-    width = number(f"{arch}.embedding_length")
-    head = number(f"{arch}.attention.key_length") or (width // heads if width and heads else None)
-    if rotary is not None and head is not None and rotary < head:
-        raise ValueError(
-            f"{gguf_path.name}: its RoPE turns {rotary} of each head's {head} dimensions (a partial "
-            "rotary, as Phi-4-mini's), which the GGUF conversion cannot carry over; serve the model's "
-            "Hugging Face folder instead (partial rotary is served from there)"
+    heads = int(config.num_attention_heads)
+    head = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if rotary is not None and rotary < head:
+        params["partial_rotary_factor"] = rotary / head
+    factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
+    if "rope_factors_long.weight" in factors and "rope_factors_short.weight" in factors:
+        original = number(f"{arch}.rope.scaling.original_context_length")
+        if original is None:
+            raise ValueError(
+                f"{gguf_path.name}: LongRoPE factors without rope.scaling.original_context_length"
+            )
+        params.update(
+            rope_type="longrope",
+            long_factor=[float(x) for x in factors["rope_factors_long.weight"].data],
+            short_factor=[float(x) for x in factors["rope_factors_short.weight"].data],
+            original_max_position_embeddings=original,
+        )
+        params.pop("factor", None)
+        config.original_max_position_embeddings = original
+    elif factors:
+        raise ValueError(f"{gguf_path.name}: RoPE factor tensors {sorted(factors)} are not understood")
+    if params != dict(getattr(config, "rope_parameters", None) or {}):
+        config.rope_parameters = params
+        logger.info(
+            "%s: RoPE restored from the file (%s)", gguf_path.name, params.get("rope_type", "default")
         )
 
 
