@@ -30,7 +30,9 @@ async def complete(request: Request, state: AppState, call: GatedCall) -> Respon
     body = await read_json(request, CompletionRequest)
     target = await call.resolve(body.model)
     prompts = body.prompts()
-    beam = body.beam_search_params()  # None without use_beam_search; 400 for a field it cannot honour
+    beam = body.beam_search_params(
+        body.max_tokens
+    )  # None without use_beam_search; 400 for a field it cannot honour
     check_prompt_chars(sum(len(p) for p in prompts if isinstance(p, str)), state.limits, "prompt")
     constraint = one_constraint(response_format_constraint(body.response_format), guided_constraint(body))
     params = completion_params(body, state.limits, len(prompts), constraint)

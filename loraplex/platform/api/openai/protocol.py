@@ -53,7 +53,7 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # vLLM's beam search extras: ``n`` beams (``/v1/completions``; openai/beam_search.py)
+    # vLLM's beam search extras: ``n`` beams (both endpoints; openai/beam_search.py)
     use_beam_search: bool = False
     length_penalty: float = 1.0
 
@@ -68,9 +68,10 @@ class SamplingFields(BaseModel):
             return unsupported("logit_bias")
         return None
 
-    def beam_search_params(self) -> BeamSearchParams | None:
-        """With ``use_beam_search``: its ``BeamSearchParams`` (``n`` beams, greedy), or a 400 naming
-        a field the search cannot honour (refused, never ignored); None without it."""
+    def beam_search_params(self, max_tokens: int | None) -> BeamSearchParams | None:
+        """With ``use_beam_search``: its ``BeamSearchParams`` (``n`` beams of up to ``max_tokens``,
+        greedy), or a 400 naming a field the search cannot honour (refused, never ignored); None
+        without it."""
         if not self.use_beam_search:
             if self.length_penalty != 1.0:
                 raise bad_request(
@@ -92,15 +93,15 @@ class SamplingFields(BaseModel):
                     name,
                 )
         for name in ("stop", "stop_token_ids", "structured_outputs", "guided_json", "guided_regex",
-                     "guided_choice", "guided_grammar", "logprobs", "response_format"):  # fmt: skip
+                     "guided_choice", "guided_grammar", "logprobs", "response_format", "tools"):  # fmt: skip
             if getattr(self, name, None):
                 raise bad_request(f"use_beam_search does not take {name}.", name)
-        if self.max_tokens is None:
+        if max_tokens is None:
             raise bad_request("use_beam_search needs max_tokens.", "max_tokens")
         try:
             return BeamSearchParams(
                 beam_width=self.n,
-                max_tokens=self.max_tokens,
+                max_tokens=max_tokens,
                 ignore_eos=self.ignore_eos,
                 length_penalty=self.length_penalty,
             )
@@ -210,6 +211,4 @@ class ChatCompletionRequest(SamplingFields):
             return unsupported("audio")
         if self.prediction is not None:
             return unsupported("prediction")
-        if self.use_beam_search:
-            return unsupported("use_beam_search", "on /v1/chat/completions (it is served on /v1/completions)")
         return self._refuse_common()

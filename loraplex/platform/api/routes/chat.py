@@ -84,6 +84,7 @@ async def create_chat_completion(request: Request, state: StateDep, call: CallDe
     messages, tools = _with_tools(body.text_messages(), plan, str(template))
     check_prompt_chars(sum(len(str(m["content"])) for m in messages), state.limits, "messages")
     params = chat_params(body, state.limits, constraint)
+    beam = body.beam_search_params(params.max_tokens)  # None without use_beam_search
     if constraint is not None:
         await state.engine.compile_grammar(constraint)  # off the loop; 400 naming the problem
 
@@ -101,4 +102,4 @@ async def create_chat_completion(request: Request, state: StateDep, call: CallDe
         include_usage=body.include_usage(),
         tools=plan,
     )
-    return await respond(request, state, call, shape, render, params, target, body.stream)
+    return await respond(request, state, call, shape, render, params, target, body.stream, beam)

@@ -121,10 +121,33 @@ def test_fields_a_search_cannot_honour_are_refused(
     assert r.json()["error"]["param"] == param
 
 
-def test_chat_and_a_stray_length_penalty_are_refused(client: tuple[TestClient, LLMEngine]) -> None:
+def test_chat_beams_are_the_offline_beams_of_the_templated_prompt(
+    client: tuple[TestClient, LLMEngine], offline: LLM
+) -> None:
+    c, engine = client
+    messages = [{"role": "user", "content": "Name three colours."}]
+    body = {"model": "tiny", "messages": messages, "n": 3, "max_tokens": 5, "use_beam_search": True}
+    r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt = list(engine.tokenizer.encode(text, add_special_tokens=False))
+    (ref,) = offline.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=3, max_tokens=5))
+    got = [ch["message"]["content"] for ch in sorted(r.json()["choices"], key=lambda ch: ch["index"])]
+    assert got == [s.text for s in ref.sequences]
+    assert r.json()["usage"]["prompt_tokens"] == len(prompt)
+
+
+def test_tools_and_a_stray_length_penalty_are_refused(client: tuple[TestClient, LLMEngine]) -> None:
     c, _ = client
-    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "use_beam_search": True}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    chat = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3,
+        "use_beam_search": True,
+        "tools": [tool],
+    }
     r = c.post("/v1/chat/completions", json=chat)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
     r = c.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "length_penalty": 0.5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "length_penalty"
