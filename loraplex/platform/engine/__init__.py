@@ -38,4 +38,5 @@
 | ``structured/`` | guided decoding: grammars compiled per constraint, per-sequence state, the masks |
 | ``speculative`` | n-gram (prompt-lookup) drafts, their verification and the KV rolled back |
 | ``beam_search`` | ``LLM.beam_search``: beams that fork block tables and share blocks copy-on-write |
+| ``beam_rule`` | the ranking rule (HF's) of a search step, shared by the offline and the server's search |
 """

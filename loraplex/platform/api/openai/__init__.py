@@ -8,6 +8,7 @@
 | ``submission`` | the engine side of a request: submit its prompts, collect, abort |
 | ``completion`` | ``complete``: a completions body run to its response (the route's and the playground's) |
 | ``serving`` | the client side: admit through the gate, run while the client is connected, answer |
+| ``beam_search`` | ``use_beam_search``: one-token requests per beam, ranked by the offline search's rule |
 | ``streaming`` | SSE chunks, error events, and a response that watches the client |
 | ``responses`` / ``logprobs`` | response bodies and OpenAI's two logprobs shapes |
 | ``tools`` | ``tools`` / ``tool_choice`` checked, forced choices turned into a grammar, calls read back |
