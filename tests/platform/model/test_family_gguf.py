@@ -69,3 +69,36 @@ def test_family_gguf_matches_hf(family: str, tmp_path: Path, smollm2_dir: Path) 
 @pytest.mark.parametrize("family", SLOW)
 def test_family_gguf_matches_hf_slow(family: str, tmp_path: Path, smollm2_dir: Path) -> None:
     _check_family(family, tmp_path, smollm2_dir)
+
+
+@pytest.mark.slow
+def test_llama3_rope_scaling_survives_the_conversion(
+    tmp_path: Path, tiny_dirs: dict[str, Path], smollm2_dir: Path
+) -> None:
+    """llama.cpp stores Llama 3's RoPE scaling as a divisor per frequency (``rope_freqs``), which
+    transformers' GGUF reader drops: the parameters are fitted back, and the model served is HF's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_dir = tiny_dirs["llama3_rope"]
+    path = write_family_gguf(hf_dir, tmp_path / "tiny-llama3.gguf", "llama", default_gguf_path())
+    converted = resolve_model_dir(str(path))
+    want, got = (
+        AutoConfig.from_pretrained(hf_dir).rope_parameters,
+        AutoConfig.from_pretrained(converted).rope_parameters,
+    )
+    for key in (
+        "rope_type",
+        "factor",
+        "low_freq_factor",
+        "high_freq_factor",
+        "original_max_position_embeddings",
+    ):
+        assert got[key] == pytest.approx(want[key]), key
+    hf = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (5, 40, 90)]
+    refs = [hf_greedy(hf, p, 8, (2,)) for p in prompts]
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=128)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
+        assert_greedy_match(out.outputs[0].token_ids, ref, what=f"llama3 gguf prompt {i}")
