@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from loraplex.platform.engine.errors import RequestError
 
 
-@dataclass
-class Logprob:
-    """Log-probability of one token (and its rank in the model's distribution)."""
+class Logprob(NamedTuple):
+    """Log-probability of one token (and its rank in the model's distribution).
+
+    A tuple of atoms, not a dataclass: the garbage collector stops tracking such a tuple (and a
+    dict holding only them) after its first pass, and a whole answer with ``top_logprobs=20`` holds
+    67,000 of them. Tracked, they filled the collector's oldest generation while an answer was
+    built, and each full collection then held the GIL for 100-150 ms, stalling every other
+    request (tests/platform/api/test_hostile_soak.py)."""
 
     logprob: float
     rank: int | None = None

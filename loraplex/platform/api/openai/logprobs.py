@@ -67,12 +67,12 @@ def chat_logprobs(
             {
                 "token": text,
                 "logprob": _value(sampled) if sampled is not None else _FLOOR,
-                "bytes": list(text.encode("utf-8")),
+                "bytes": tuple(text.encode("utf-8")),  # a JSON list; a tuple of ints is not GC-tracked
                 "top_logprobs": [
                     {
                         "token": text_of(t, lp),
                         "logprob": _value(lp),
-                        "bytes": list(text_of(t, lp).encode("utf-8")),
+                        "bytes": tuple(text_of(t, lp).encode("utf-8")),
                     }
                     for t, lp in alternatives[:num_top]
                 ],
