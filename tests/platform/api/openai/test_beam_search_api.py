@@ -4,10 +4,14 @@ transformers token for token in tests/platform/engine/test_beam_search.py)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import random
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -151,3 +155,101 @@ def test_tools_and_a_stray_length_penalty_are_refused(client: tuple[TestClient, 
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
     r = c.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "length_penalty": 0.5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "length_penalty"
+
+
+@pytest.mark.slow
+def test_beams_speculation_aborts_and_preemption_share_steps(tiny_dirs: dict[str, Path]) -> None:
+    """On a server, beam searches are requests like any other: they run in the same steps as
+    speculative ones and plain ones, in a pool tight enough to preempt, while other clients leave
+    mid-answer. The pool holds together throughout (checked on the engine thread as it runs) and
+    is empty at the end; every search still returns the offline search's beams."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    config = EngineConfig(
+        model=str(tiny_dirs[MODEL]),
+        dtype="float32",
+        num_kv_blocks=12,
+        block_size=8,
+        max_num_batched_tokens=32,
+        max_num_seqs=16,
+        speculative_config=json.dumps({**spec, "disable_by_batch_size": None}),
+    )
+    engine = LLMEngine(config)
+    aeng = AsyncEngine(engine)
+    app = build_app(aeng, ServerSettings(served_model_name="tiny", single_tenant=True))
+    rng = random.Random(5)
+    copy = [7, 8, 9, 10, 11, 12, 7, 8, 9, 10, 11, 12, 7, 8, 9]  # ngram drafts find their continuation
+    searches = [[rng.randrange(3, 4000) for _ in range(rng.randrange(3, 20))] for _ in range(4)]
+    checks: list[int] = []
+    failures: list[str] = []
+
+    async def check_while_running(stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await aeng.inspect(lambda e: e.check_integrity())
+                checks.append(1)
+            except AssertionError as exc:  # pragma: no cover - what the test is for
+                failures.append(str(exc))
+            await asyncio.sleep(0.005)
+
+    async def main() -> list[list[str]]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as client:
+            stop = asyncio.Event()
+            checker = asyncio.ensure_future(check_while_running(stop))
+
+            async def search(prompt: list[int]) -> list[str]:
+                body = {"model": "tiny", "prompt": prompt, "n": 3, "max_tokens": 6, "use_beam_search": True}
+                r = await client.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                return [ch["text"] for ch in sorted(r.json()["choices"], key=lambda ch: ch["index"])]
+
+            async def speculative(i: int) -> None:
+                body = {
+                    "model": "tiny",
+                    "prompt": copy,
+                    "max_tokens": 12 + i,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
+                r = await client.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+
+            async def abandoned() -> None:  # a client that gives up mid-answer
+                body = {"model": "tiny", "prompt": copy, "max_tokens": 40, "ignore_eos": True}
+                task = asyncio.ensure_future(client.post("/v1/completions", json=body))
+                await asyncio.sleep(0.05)
+                task.cancel()
+
+            work = (
+                [search(p) for p in searches]
+                + [speculative(i) for i in range(4)]
+                + [abandoned() for _ in range(3)]
+            )
+            results = await asyncio.gather(*work, return_exceptions=True)
+            stop.set()
+            await checker
+        errors = [
+            r for r in results if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)
+        ]
+        assert not errors, errors
+        return [r for r in results[: len(searches)] if isinstance(r, list)]
+
+    try:
+        beams = asyncio.run(main())
+        polls = 0  # the abandoned requests' aborts land on the engine thread
+        while asyncio.run(aeng.inspect(lambda e: e.has_unfinished_requests())) and polls < 200:
+            polls += 1
+        assert not failures, failures[:3]
+        assert len(checks) > 10
+        counts = asyncio.run(
+            aeng.inspect(lambda e: (e.scheduler.num_preemptions, e.speculator.counters.num_drafts))
+        )
+        assert counts[0] > 0 and counts[1] > 0, counts  # the pool preempted, speculation drafted
+        asyncio.run(aeng.inspect(lambda e: e.check_integrity()))
+    finally:
+        aeng.shutdown()
+    offline = LLM(model=str(tiny_dirs[MODEL]), dtype="float32", num_kv_blocks=128)
+    refs = offline.beam_search(
+        [{"prompt_token_ids": p} for p in searches], BeamSearchParams(beam_width=3, max_tokens=6)
+    )
+    assert beams == [[s.text for s in ref.sequences] for ref in refs]
