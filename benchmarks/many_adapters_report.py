@@ -185,8 +185,7 @@ def report_many(
         )
 
     report: dict[str, Any] = {
-        "benchmark": "multi_lora_throughput",
-        "mode": "many_adapters",
+        "benchmark": SCRIPT,  # benchmarks/many_adapters.py (it grew out of multi_lora_throughput.py)
         "command": command_line(SCRIPT, argv),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine_info(),

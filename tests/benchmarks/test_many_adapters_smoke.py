@@ -81,7 +81,7 @@ def test_many_adapters_tiny(tmp_path: Path, tiny_dirs: dict[str, Path]) -> None:
     )  # fmt: skip
     assert out.exists() and plot.exists() and out.with_suffix(".md").exists()
     data = json.loads(out.read_text())
-    assert data["mode"] == "many_adapters" and data["table"] == report["table"]
+    assert data["benchmark"] == "many_adapters" and data["table"] == report["table"]
     assert data["output_token_counts_equal"] is True
     assert data["requests_per_n"] == {"4": 6, "8": 12}
     assert data["mixes"]["N=8 uniform"] == {"requests_per_adapter_used": [1, 2], "distinct_adapters": 8}
