@@ -158,8 +158,9 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         ("/v1/completions", {"suffix": "end"}, "suffix"),
         ("/v1/completions", {"best_of": 3}, "best_of"),
         ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
-        ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
-        ("/v1/chat/completions", {"use_beam_search": True}, "use_beam_search"),
+        # beam search (served since stop 50): what it cannot honour is refused by name
+        ("/v1/completions", {"use_beam_search": True, "top_p": 0.5}, "top_p"),
+        ("/v1/chat/completions", {"use_beam_search": True, "temperature": 0.5}, "temperature"),
         # structured outputs and tools (issue 40): malformed shapes and hostile schemas name the field
         ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
         ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": BAD_SCHEMA}},
