@@ -45,18 +45,7 @@ static inline v16 f16x16(const uint8_t *p) {
     for (int i = 0; i < 16; ++i) {
         uint16_t h;
         memcpy(&h, p + 2 * i, 2);
-        const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
-        uint32_t bits;
-        if (exp == 0) {
-            const float f = (float)mant * (1.0f / 16777216.0f);
-            memcpy(&bits, &f, 4);
-            bits |= sign;
-        } else if (exp == 31) {
-            bits = sign | 0x7F800000u | (mant << 13);
-        } else {
-            bits = sign | ((exp + 112) << 23) | (mant << 13);
-        }
-        memcpy(&tmp[i], &bits, 4);
+        tmp[i] = half_to_float(h);
     }
     return vload(tmp);
 #endif
