@@ -93,7 +93,8 @@ async def _search_one(
                 for b, beam in enumerate(beams)
             )
         )
-        num_cached = max(num_cached, min(cached for _, cached in rows))
+        if step == 0:  # the prompt's tokens the cache served, as a plain request reports them
+            num_cached = rows[0][1]
         # Each beam's top ``keep`` hold the best ``keep`` over all beams; ties in beam, then token order.
         candidates = [(cums[b] + lp, b, tok) for b, (row, _) in enumerate(rows) for tok, lp in row.items()]
         scored = sorted(candidates, key=lambda c: (-c[0], c[1], c[2]))[:keep]
@@ -129,7 +130,8 @@ async def _next_logprobs(
     finally:
         abort_all(streams)  # a no-op once finished; cancelled (the client left): stops it
     (completion,) = final.outputs
-    assert completion.logprobs, "a one-token request with logprobs has the token's"
+    if not completion.logprobs:
+        raise RuntimeError(f"beam search step {request_id} came back without its logprobs")
     return {tok: lp.logprob for tok, lp in completion.logprobs[0].items()}, final.num_cached_tokens
 
 
