@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loraplex.adapters import LoRARequest
+from loraplex.platform.api.errors import bad_request
 from loraplex.platform.api.openai.submission import abort_all, collect, submit
 from loraplex.platform.api.state import AppState
 from loraplex.platform.engine.beam_rule import (
@@ -37,6 +38,21 @@ class _Search:
 
     finished: list[BeamSearchSequence] = field(default_factory=list)
     improvable: bool = True
+
+
+def check_beam_width(state: AppState, params: BeamSearchParams) -> None:
+    """Refuse (400 naming ``n``) a width whose search steps would ask for more logprobs per beam
+    than the server's ``max_logprobs``, before the request is admitted."""
+    num_eos = 0 if params.ignore_eos else len(state.engine.limits.eos_token_ids)
+    need = candidates_per_step(params.beam_width, num_eos)
+    cap = state.engine.limits.max_logprobs
+    if need > cap:
+        widest = max(w for w in range(1, params.beam_width + 1) if candidates_per_step(w, num_eos) <= cap)
+        raise bad_request(
+            f"use_beam_search with n={params.beam_width} ranks {need} candidates per beam, over this "
+            f"server's max_logprobs of {cap}; use n <= {widest}.",
+            "n",
+        )
 
 
 async def beam_search(

@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from loraplex.platform.api.errors import bad_request
 from loraplex.platform.api.observability.record import record_of
-from loraplex.platform.api.openai.beam_search import beam_search
+from loraplex.platform.api.openai.beam_search import beam_search, check_beam_width
 from loraplex.platform.api.openai.responses import ResponseShape
 from loraplex.platform.api.openai.streaming import SSEResponse, sse_events
 from loraplex.platform.api.openai.submission import MeteredStream, abort_all, collect, submit
@@ -90,6 +90,8 @@ async def respond(
     """
     if not stream:
         check_answer_size(state, params, len(prompts) if isinstance(prompts, list) else 1)
+    if beam is not None:
+        check_beam_width(state, beam)
     streams: list[MeteredStream] = []
     record = record_of(request.scope)
     if record is not None:

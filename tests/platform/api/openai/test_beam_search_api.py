@@ -113,6 +113,7 @@ def test_other_requests_are_served_while_a_search_runs(client: tuple[TestClient,
         ({"logprobs": 2}, "logprobs"),
         ({"stop": ["x"]}, "stop"),
         ({"n": 0}, "n"),
+        ({"n": 12}, "n"),  # 2 x 12 candidates per beam: over max_logprobs (20)
     ],
 )
 def test_fields_a_search_cannot_honour_are_refused(
