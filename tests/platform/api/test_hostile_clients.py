@@ -9,6 +9,7 @@ limit it covers (an unbounded per-request queue, no write timeout, ...).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -307,6 +308,15 @@ def _timed_request(host: str, port: int, request: bytes) -> tuple[float, float, 
     return connected - started, time.monotonic() - connected, b"".join(chunks)
 
 
+def _open_sockets() -> int:
+    """Sockets this process holds open (the server's connections among them)."""
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed since it was listed
+            count += os.readlink(f"/proc/self/fd/{name}").startswith("socket:")
+    return count
+
+
 @pytest.mark.slow
 def test_half_open_connections_beyond_the_fd_limit_leave_others_served(live: Live) -> None:
     """Class 3: 600 connections that never finish their headers, those the server closes reopened
@@ -318,12 +328,13 @@ def test_half_open_connections_beyond_the_fd_limit_leave_others_served(live: Liv
     host, port = live.host_port
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     open_before = len(os.listdir("/proc/self/fd"))
+    sockets_before = _open_sockets()
     attacker = subprocess.Popen(
         [sys.executable, "-c", SLOWLORIS, host, str(port), "600", "6"], stdout=subprocess.PIPE, text=True
     )
     worst = {"health": 0.0, "completion": 0.0}
     worst_connect = 0.0
-    most_fds = 0
+    most_sockets = 0
     body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 1}).encode()
     requests = {
         "health": b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
@@ -344,7 +355,7 @@ def test_half_open_connections_beyond_the_fd_limit_leave_others_served(live: Liv
                 assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
                 worst[what] = max(worst[what], answer_s)
                 worst_connect = max(worst_connect, connect_s)
-            most_fds = max(most_fds, len(os.listdir("/proc/self/fd")))
+            most_sockets = max(most_sockets, _open_sockets())
             time.sleep(0.05)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
@@ -356,7 +367,9 @@ def test_half_open_connections_beyond_the_fd_limit_leave_others_served(live: Liv
     # full is dropped and resent after the kernel's 1 s initial retransmission timeout. At most one
     # such retry, never a refusal or a timeout.
     assert worst_connect < SYN_RETRY_S + STALL_S, worst_connect
-    assert most_fds < open_before + MAX_CONNECTIONS + 2 * BACKLOG, (most_fds, open_before)
+    # Sockets, not every descriptor: the process also opens files while it serves (SQLite's journal
+    # and pooled connections for the usage the completions record), which are not connections held.
+    assert most_sockets < sockets_before + MAX_CONNECTIONS + 2 * BACKLOG, (most_sockets, sockets_before)
 
 
 def test_every_response_says_nosniff(live: Live) -> None:
