@@ -1,4 +1,4 @@
-"""Speculative decoding (prompt lookup): the same engine with and without it, side by side.
+"""Speculative decoding (prompt lookup or a draft model): the same engine with and without it.
 
 The bundled SmolLM2-135M-Instruct (its GGUF, ``quantization="gguf"``), 2 threads, greedy, one
 process; each case runs with speculation off and on (alternating, ``--repeats`` times, median),
@@ -16,6 +16,13 @@ Cases:
 * ``copy x16``: 16 such copy requests at once. Past ``disable_by_batch_size`` (4 by default)
   the policy turns speculation off: at 16 sequences a 2-core CPU is compute-bound, and verifying
   k drafts costs k tokens of compute.
+
+With ``--draft MODEL`` the proposer is that draft model (``method: draft_model``) instead of
+prompt lookup; ``--draft bundled`` is the bundled GGUF file, the natural draft of a target served
+from its float32 Hugging Face folder (``--quantization none``): the same model at a quarter of
+the bytes per token, so it agrees with the target almost always::
+
+    .venv/bin/python benchmarks/speculative.py --draft bundled --quantization none --k 4
 
 Figures: generated tokens / wall second, the ratio on/off, and the acceptance rate (accepted /
 proposed draft tokens). llama.cpp's prompt lookup is compared only when ``llama_cpp`` imports
@@ -50,7 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrent", type=int, default=16)
     p.add_argument("--k", type=int, default=SPEC["num_speculative_tokens"], help="num_speculative_tokens")
     p.add_argument("--cases", default="copy1,random1,copy16")
-    p.add_argument("--out", default=str(DEFAULT_OUT))
+    p.add_argument("--draft", default=None, help="draft model (folder, .gguf, 'bundled')")
+    p.add_argument("--draft-quantization", default="auto", help="the draft's weights (engine values)")
+    p.add_argument("--quantization", default="gguf", help="the target's weights (none: its float32 folder)")
+    p.add_argument("--out", default=None, help="JSON results (default results/speculative[_draft].json)")
     return p.parse_args(argv)
 
 
@@ -103,9 +113,16 @@ def main(argv: list[str] | None = None) -> int:
     set_torch_threads(args.threads)
     from loraplex import LLM
 
-    spec = dict(SPEC, num_speculative_tokens=args.k)
+    spec: dict[str, Any] = dict(SPEC, num_speculative_tokens=args.k)
+    if args.draft is not None:
+        from loraplex.platform.model.source import default_gguf_path
+
+        draft = str(default_gguf_path()) if args.draft == "bundled" else args.draft
+        spec = {"model": draft, "num_speculative_tokens": args.k, "quantization": args.draft_quantization}
+    default_out = DEFAULT_OUT if args.draft is None else DEFAULT_OUT.with_name("speculative_draft.json")
+    out = args.out or str(default_out)
     llm = LLM(
-        quantization="gguf",
+        quantization=args.quantization,
         num_threads=args.threads,
         max_num_seqs=max(16, args.concurrent),
         speculative_config=spec,
@@ -127,7 +144,13 @@ def main(argv: list[str] | None = None) -> int:
         ]
     run_batch(llm, [copy_prompt(tok, texts[0], 0)], 8, True)  # warm-up (kernels, caches)
     rows = []
-    results: dict[str, Any] = {"machine": machine_info(), "spec": spec, "gen": args.gen, "cases": {}}
+    results: dict[str, Any] = {
+        "machine": machine_info(),
+        "spec": spec,
+        "quantization": args.quantization,
+        "gen": args.gen,
+        "cases": {},
+    }
     for name, batches in cases.items():
         rates: dict[bool, list[float]] = {False: [], True: []}
         proposed = accepted = 0
@@ -175,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("\nllama.cpp comparison skipped: llama_cpp (llama-cpp-python) is not installed in this venv")
         results["llama_cpp"] = "not installed"
-    write_json(args.out, results)
+    write_json(out, results)
     return 0 if all(r[-1] == "yes" for r in rows) else 1
 
 

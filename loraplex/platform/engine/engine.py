@@ -21,6 +21,7 @@ from loraplex.adapters import StagedAdapter
 from loraplex.adapters.request import LoRARequest
 from loraplex.platform.engine.assembly import assemble
 from loraplex.platform.engine.config import EngineConfig
+from loraplex.platform.engine.draft_model import load_draft_proposer
 from loraplex.platform.engine.errors import (
     AdapterUnavailableError,
     ErrorKind,
@@ -40,9 +41,10 @@ from loraplex.platform.engine.sampler import Sampler
 from loraplex.platform.engine.sampling_params import SamplingParams
 from loraplex.platform.engine.scheduler_output import SchedulerOutput
 from loraplex.platform.engine.sequence import Request, Sequence, tenant_cache_salt
-from loraplex.platform.engine.speculative import Speculator
+from loraplex.platform.engine.speculative import NgramProposer, Proposer, SpeculativeConfig, Speculator
 from loraplex.platform.engine.stats import EngineStats
 from loraplex.platform.engine.structured import GrammarCompiler, GrammarMasker, StepMasks
+from loraplex.platform.model.arch import ModelArch
 from loraplex.platform.model.source import model_display_name
 from loraplex.storage.kv.sliced import SlicedJob
 
@@ -104,7 +106,7 @@ class LLMEngine:
             self.book.retire,
         )
         spec = config.speculative
-        self.speculator = None if spec is None else Speculator(spec)
+        self.speculator = None if spec is None else Speculator(spec, self._proposer(spec, parts.arch))
         """Speculative decoding (``speculative_config``): drafts in the scheduler, verification in
         the output processor; None when off."""
         self.scheduler.speculator = self.outputs.speculator = self.speculator
@@ -125,6 +127,12 @@ class LLMEngine:
             parts.backends,
             self.quantization,
         )
+
+    def _proposer(self, spec: SpeculativeConfig, arch: ModelArch) -> Proposer:
+        """The drafts' source: prompt lookup, or a draft model loaded beside the target."""
+        if spec.method == "draft_model":
+            return load_draft_proposer(spec, self.config, self.info, arch)
+        return NgramProposer(spec)
 
     @property
     def sampler(self) -> Sampler:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -22,6 +24,35 @@ from loraplex.platform.model.llama import LlamaForCausalLM
 from loraplex.storage.kv.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
+
+
+class TokenState(Protocol):
+    """What a batch row reads of its sequence: its tokens and how many have KV already."""
+
+    @property
+    def token_ids(self) -> list[int]: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+
+class BatchRow(Protocol):
+    """One sequence's part of a forward (``ScheduledSeq`` is one; a draft model has its own)."""
+
+    @property
+    def seq(self) -> TokenState: ...
+
+    @property
+    def num_new_tokens(self) -> int: ...
+
+    @property
+    def block_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def num_draft(self) -> int: ...
+
+    @property
+    def completes(self) -> bool: ...
 
 
 class ModelRunner:
@@ -48,11 +79,11 @@ class ModelRunner:
 
     def build_batch(
         self,
-        out: SchedulerOutput,
+        rows: Sequence[BatchRow],
         lora_slots: list[int] | None = None,
         lora_applier: LoRAApplier | None = None,
     ) -> tuple[ForwardBatch, list[int]]:
-        """The step's ``ForwardBatch`` and, per logits row, the index into ``out.scheduled``.
+        """The step's ``ForwardBatch`` and, per logits row, the index into ``rows``.
 
         ``lora_slots`` gives each scheduled sequence's adapter slot (-1 = base model);
         without it, or when no token uses an adapter, the batch has no LoRA part.
@@ -67,7 +98,7 @@ class ModelRunner:
         sampling_idx: list[int] = []
         token_slots: list[int] = []
         num_decodes = 0
-        for i, item in enumerate(out.scheduled):
+        for i, item in enumerate(rows):
             seq = item.seq
             start, n = seq.num_computed_tokens, item.num_new_tokens
             table = item.block_ids
@@ -90,12 +121,12 @@ class ModelRunner:
                 sampling_idx.append(i)
             if lora_slots is not None:
                 token_slots.extend([lora_slots[i]] * n)
-        width = max((len(item.block_ids) for item in out.scheduled), default=0)
+        width = max((len(item.block_ids) for item in rows), default=0)
         dev = self.device
         # PAD, not 0: block 0 is a real block, and a kernel that read a padded entry
         # would attend over another sequence's KV without any error.
-        block_tables = torch.full((len(out.scheduled), width), PAD_BLOCK_ID, dtype=torch.int32)
-        for r, item in enumerate(out.scheduled):
+        block_tables = torch.full((len(rows), width), PAD_BLOCK_ID, dtype=torch.int32)
+        for r, item in enumerate(rows):
             block_tables[r, : len(item.block_ids)] = torch.tensor(item.block_ids, dtype=torch.int32)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
@@ -132,7 +163,17 @@ class ModelRunner:
             src = torch.tensor([c.src for c in out.block_copies], dtype=torch.long, device=self.device)
             dst = torch.tensor([c.dst for c in out.block_copies], dtype=torch.long, device=self.device)
             self.attn.copy_blocks(self.kv_cache.all_tensors, src, dst)
-        batch, sampling_idx = self.build_batch(out, lora_slots, lora_applier)
+        return self.logits_for(out.scheduled, lora_slots, lora_applier)
+
+    @torch.inference_mode()
+    def logits_for(
+        self,
+        rows: Sequence[BatchRow],
+        lora_slots: list[int] | None = None,
+        lora_applier: LoRAApplier | None = None,
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Run the forward over ``rows`` (their KV slots already allocated); the logits of the rows
+        that sample, and per logits row its index into ``rows``."""
+        batch, sampling_idx = self.build_batch(rows, lora_slots, lora_applier)
         hidden = self.model(batch, self.kv_cache, self.attn)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
-        return logits, sampling_idx
+        return self.model.compute_logits(hidden[batch.logits_indices]), sampling_idx

@@ -270,6 +270,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.limits.max_num_batched_tokens
         scheduled: dict[int, ScheduledSeq] = {}
+        if self.speculator is not None:  # every running decode's drafts, proposed together
+            self.speculator.plan(self.running, budget, self.spec_max_len)
 
         # 1. Running sequences, in admission order.
         for seq in list(self.running):
@@ -338,7 +340,7 @@ class Scheduler:
         """Schedule ``seq``'s decode with speculative drafts appended, if the speculator proposes
         any and their slots are free now (drafts never preempt anyone); True if scheduled."""
         assert self.speculator is not None
-        drafts = self.speculator.propose(seq, budget, len(self.running), self.spec_max_len)
+        drafts = self.speculator.propose(seq, budget)
         if not drafts:
             return False
         num_new = 1 + len(drafts)

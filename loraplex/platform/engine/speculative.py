@@ -33,8 +33,9 @@ normally, token by token, beside speculating ones.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -42,7 +43,9 @@ from loraplex.platform.engine.sampler import filter_logits, greedy_tokens
 from loraplex.platform.engine.sampling_params import SamplingParams
 from loraplex.platform.engine.sequence import Sequence
 
-METHODS = ("ngram",)
+logger = logging.getLogger(__name__)
+
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,13 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    model: str | None = None
+    """``draft_model``: the draft, a local HF folder or GGUF file with the target's vocabulary."""
+    quantization: str = "auto"
+    """``draft_model``: how the draft's weights are kept (the engine's ``quantization`` values)."""
+    num_draft_kv_blocks: int | None = None
+    """``draft_model``: blocks of the draft's own paged KV (None: room for ``disable_by_batch_size``
+    sequences of ``max_model_len``, at most ``DRAFT_KV_BYTES``)."""
     disable_by_batch_size: int | None = 4
     """Speculate only while at most this many sequences run (None: always)."""
     min_acceptance: float = 0.2
@@ -69,11 +79,8 @@ class SpeculativeConfig:
         data = json.loads(value) if isinstance(value, str) else dict(value)
         if not isinstance(data, dict):
             raise ValueError("speculative_config must be a JSON object")
-        method = data.pop("method", "ngram")
-        if method == "draft_model" or "model" in data:
-            raise ValueError(
-                "speculative_config method 'draft_model' is not supported yet; use method 'ngram'"
-            )
+        # vLLM's reading: a draft model named without a method is the draft_model method.
+        method = data.pop("method", "draft_model" if data.get("model") else "ngram")
         if method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {METHODS}, got {method!r}")
         known = {f for f in cls.__dataclass_fields__ if f != "method"}
@@ -89,7 +96,29 @@ class SpeculativeConfig:
             raise ValueError("speculative_config prompt_lookup_min must be <= prompt_lookup_max")
         if cfg.disable_by_batch_size is not None and cfg.disable_by_batch_size < 1:
             raise ValueError("speculative_config disable_by_batch_size must be >= 1 (or null)")
+        if method == "draft_model":
+            if not isinstance(cfg.model, str) or not cfg.model:
+                raise ValueError(
+                    "speculative_config method 'draft_model' needs 'model': the draft's folder or .gguf file"
+                )
+        elif cfg.model is not None:
+            raise ValueError(f"speculative_config 'model' is for method 'draft_model', not {method!r}")
+        blocks = cfg.num_draft_kv_blocks
+        if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1):
+            raise ValueError(f"speculative_config num_draft_kv_blocks must be an integer >= 1: {blocks!r}")
         return cfg
+
+
+class Proposer(Protocol):
+    """Proposes drafts for the sequences that speculate this step (n-gram lookup, a draft model)."""
+
+    def propose(self, wants: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
+        """Up to ``k`` draft tokens for each ``(sequence, k)``, by ``seq_id``; none for some is fine."""
+        ...
+
+    def forget(self, seq_id: int) -> None:
+        """``seq_id`` ended: drop what was kept for it."""
+        ...
 
 
 def ngram_propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -106,6 +135,24 @@ def ngram_propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int
                     return follow
                 break
     return []
+
+
+class NgramProposer:
+    """Prompt lookup (``ngram_propose``) for each sequence; keeps nothing between steps."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+
+    def propose(self, wants: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
+        cfg = self.config
+        drafts = {
+            seq.seq_id: ngram_propose(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            for seq, k in wants
+        }
+        return {seq_id: d for seq_id, d in drafts.items() if d}
+
+    def forget(self, seq_id: int) -> None:
+        pass
 
 
 @dataclass
@@ -141,31 +188,51 @@ class _SeqSpec:
 
 
 class Speculator:
-    """Proposes drafts for the scheduler and verifies them for the output processor."""
+    """Plans each step's drafts for the scheduler and verifies them for the output processor."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
         self.config = config
+        self.proposer: Proposer = proposer if proposer is not None else NgramProposer(config)
         self.counters = SpecCounters()
         self._seqs: dict[int, _SeqSpec] = {}
+        self._planned: dict[int, list[int]] = {}
 
-    # -- proposing (the scheduler, per running decode) -----------------------------------
-    def propose(self, seq: Sequence, budget: int, num_running: int, max_model_len: int) -> list[int]:
+    # -- proposing (the scheduler, at the start of each step's planning) -------------------
+    def plan(self, running: list[Sequence], budget: int, max_model_len: int) -> None:
+        """Propose drafts for every running decode that may speculate this step, in one go (a
+        draft model runs its forwards for all of them together); ``propose`` hands them out."""
+        self._planned.clear()
         cfg = self.config
-        if cfg.disable_by_batch_size is not None and num_running > cfg.disable_by_batch_size:
-            return []
+        if cfg.disable_by_batch_size is not None and len(running) > cfg.disable_by_batch_size:
+            return
+        wants = [(seq, k) for seq in running if (k := self._num_wanted(seq, budget, max_model_len)) > 0]
+        if not wants:
+            return
+        try:
+            self._planned = self.proposer.propose(wants)
+        except Exception:  # drafts are an optimisation: their failure must not fail the step
+            logger.exception("speculative proposer failed; %d sequences decode without drafts", len(wants))
+            for seq, _ in wants:
+                self.proposer.forget(seq.seq_id)  # what it kept for them may be half written
+
+    def propose(self, seq: Sequence, budget: int) -> list[int]:
+        """``seq``'s planned drafts, as many as ``budget`` tokens leave room for (with its own)."""
+        drafts = self._planned.pop(seq.seq_id, [])
+        return drafts[: max(0, budget - 1)]
+
+    def _num_wanted(self, seq: Sequence, budget: int, max_model_len: int) -> int:
+        """How many drafts ``seq`` may take this step (0: it decodes normally)."""
         if seq.num_uncomputed_tokens != 1 or not eligible(seq.params, seq):
-            return []
+            return 0
         state = self._seqs.setdefault(seq.seq_id, _SeqSpec())
         if state.backoff > 0:
             state.backoff -= 1
-            return []
+            return 0
         p = seq.params
-        k = min(cfg.num_speculative_tokens, budget - 1, max_model_len - seq.num_tokens - 1)
+        k = min(self.config.num_speculative_tokens, budget - 1, max_model_len - seq.num_tokens - 1)
         if p.max_tokens is not None:
             k = min(k, p.max_tokens - seq.num_output_tokens - 1)
-        if k <= 0:
-            return []
-        return ngram_propose(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        return max(0, k)
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """Count one verification; back off a request whose acceptance is low."""
@@ -183,6 +250,8 @@ class Speculator:
 
     def forget(self, seq: Sequence) -> None:
         self._seqs.pop(seq.seq_id, None)
+        self._planned.pop(seq.seq_id, None)
+        self.proposer.forget(seq.seq_id)
 
 
 def eligible(params: SamplingParams, seq: Sequence) -> bool:
