@@ -142,7 +142,9 @@ class EngineConfig:
     speculative_config: str | None = None
     """Speculative decoding, as vLLM's JSON (``LLM`` also takes the dict): {"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4,
-    "disable_by_batch_size": 4} (engine/speculative.py; docs/operations.md). None: off."""
+    "disable_by_batch_size": 4}, or a draft model: {"method": "draft_model", "model": "/models/draft",
+    "num_speculative_tokens": 4} (engine/speculative.py, engine/draft_model.py; docs/operations.md).
+    None: off."""
     kv_events_config: str | None = None
     """KV cache events for routers, as vLLM's JSON: {"enable_kv_cache_events": true, "endpoint":
     "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "...", "buffer_steps": 10000, "hwm":
