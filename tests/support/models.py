@@ -76,10 +76,27 @@ FAMILY_WINDOW = 32  # the tiny family models' sliding window: prompts go past it
 
 
 def family_config(
-    family: str, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 0
+    family: str,
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 0,
+    **overrides: Any,
 ) -> Any:
     """A tiny HF config of ``family`` (SmolLM2's vocabulary) with every part of the family on:
-    a 32-token window where the family has one, soft-capping, two RoPE bases, LongRoPE."""
+    a 32-token window where the family has one, soft-capping, two RoPE bases, LongRoPE.
+    ``overrides`` are config attributes set on it afterwards (``query_pre_attn_scalar=16``)."""
+    cfg = _family_config(family, hidden, layers, heads, kv_heads, head_dim)
+    for key, value in overrides.items():
+        if not hasattr(cfg, key):
+            raise AttributeError(f"{type(cfg).__name__} has no {key}")
+        setattr(cfg, key, value)
+    return cfg
+
+
+def _family_config(family: str, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int) -> Any:
     from transformers import (
         Gemma2Config,
         Gemma3TextConfig,
@@ -218,8 +235,9 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> di
 # rows are interleaved for its rotary (llama.cpp's ``permute``), Gemma's norms are stored as
 # ``1 + w`` (both undone by transformers' GGUF reader), Phi-3 keeps its fused ``qkv_proj`` /
 # ``gate_up_proj``. Projection weights are stored Q8_0 (the engine keeps the blocks), the rest
-# F32. The tokenizer and chat template are copied from the bundled SmolLM2 GGUF (the tiny
-# models use its vocabulary), so a served file carries them as a real one does.
+# F32 (or everything F32). Metadata as llama.cpp writes it: heads, window, soft-capping, RoPE.
+# The tokenizer and chat template are copied from the bundled SmolLM2 GGUF (the tiny models use
+# its vocabulary), so a served file carries them as a real one does.
 
 GGUF_ARCH = {
     "llama": "llama",
@@ -270,8 +288,12 @@ def _copy_tokenizer(writer: Any, source: Path) -> None:
         writer.add_key_value(key, field.contents(), vtype, sub)
 
 
-def write_family_gguf(hf_dir: Path, out: Path, family: str, tokenizer_gguf: Path) -> Path:
-    """Save the model in ``hf_dir`` (safetensors, float32) as ``out`` (a GGUF of ``family``)."""
+def write_family_gguf(
+    hf_dir: Path, out: Path, family: str, tokenizer_gguf: Path, *, quantize: bool = True
+) -> Path:
+    """Save the model in ``hf_dir`` (safetensors, float32) as ``out`` (a GGUF of ``family``):
+    projections Q8_0, or (``quantize=False``) every tensor F32, which transformers' reader gives
+    back bit for bit, so the converted model can be compared with ``hf_dir``'s exactly."""
     import gguf
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -314,7 +336,14 @@ def write_family_gguf(hf_dir: Path, out: Path, family: str, tokenizer_gguf: Path
             writer.add_tensor(f"rope_factors_{kind}.weight", factors)
     if getattr(cfg, "sliding_window", None):
         writer.add_sliding_window(int(cfg.sliding_window))
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    # Soft-capping as llama.cpp's converters write it: Gemma 2 both values always, Gemma 3 only
+    # a final one (its attention has none).
+    if family == "gemma2":
+        writer.add_attn_logit_softcapping(float(cfg.attn_logit_softcapping))
+        writer.add_final_logit_softcapping(float(cfg.final_logit_softcapping))
+    if family == "gemma3" and cfg.final_logit_softcapping:
+        writer.add_final_logit_softcapping(float(cfg.final_logit_softcapping))
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if quantize else gguf.LlamaFileType.ALL_F32)
     _copy_tokenizer(writer, tokenizer_gguf)
 
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
@@ -334,7 +363,7 @@ def write_family_gguf(hf_dir: Path, out: Path, family: str, tokenizer_gguf: Path
             data = _permute(data, kv_heads)
         if data.ndim == 2 and ".blk." not in f".{name}" and name != "token_embd.weight":
             writer.add_tensor(name, np.ascontiguousarray(data))
-        elif data.ndim == 2:
+        elif data.ndim == 2 and quantize:
             q8 = gguf.quants.quantize(np.ascontiguousarray(data), gguf.GGMLQuantizationType.Q8_0)
             writer.add_tensor(name, q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
