@@ -2,13 +2,16 @@
 Q8_0 projections, the tokenizer and chat template of the bundled SmolLM2 file) is served as a
 file, its blocks kept packed (``quantization="auto"``), and gives HF transformers' greedy tokens
 on the same weights (the directory transformers' GGUF reader de-quantised them into). The chat
-template served is the file's, unchanged.
+template served is the file's, unchanged. And that directory is the model the file was written
+from: what the reader drops of the attention (head size, soft-capping, windows, Gemma's scale)
+is put back from the file, so an F32 file gives the logits of the folder it came from.
 """
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +20,14 @@ from support.models import make_tiny_family_dir, write_family_gguf
 
 from loraplex import LLM, SamplingParams
 from loraplex.kernels.contracts import PackedWeight
-from loraplex.platform.model.source import default_gguf_path, resolve_model_dir
+from loraplex.platform.model.arch import ModelArch
+from loraplex.platform.model.loader import load_hf_config
+from loraplex.platform.model.source import (
+    _restore_attention,
+    _restore_head_dim,
+    default_gguf_path,
+    resolve_model_dir,
+)
 
 FAST = ["phi3", "phi4_mini"]  # fused projections, LongRoPE factors as tensors, a partial rotary
 SLOW = ["gemma2", "qwen2", "qwen3", "mistral", "gemma3"]  # run in CI (-m slow), ~15-20 s each
@@ -27,8 +37,8 @@ def _check_family(family: str, root: Path, smollm2_dir: Path) -> None:
     import gguf
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    # transformers reads no key_length for Qwen3 GGUF files (its head_dim stays 128): use 128.
-    extra = {"head_dim": 128} if family == "qwen3" else {}
+    # Heads neither hidden_size / heads wide nor Qwen3Config's default 128: the file's key_length.
+    extra = {"head_dim": 24} if family == "qwen3" else {}
     hf_dir = make_tiny_family_dir(root / "hf", smollm2_dir, family, seed=21, **extra)
     path = write_family_gguf(hf_dir, root / f"tiny-{family}.gguf", family, default_gguf_path())
     converted = resolve_model_dir(str(path))
@@ -102,3 +112,117 @@ def test_llama3_rope_scaling_survives_the_conversion(
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
         assert_greedy_match(out.outputs[0].token_ids, ref, what=f"llama3 gguf prompt {i}")
+
+
+# Per family, a tiny model whose attention holds what transformers' GGUF reader drops (or keeps)
+# where llama.cpp's files carry it: Mistral's window (a ``llama`` file), Qwen3's key_length (24,
+# not 64 / 4 nor Qwen3Config's 128), Gemma 2's soft-capping (not the class's 50 / 30) and
+# window, Gemma 3's final soft-capping and window (six layers: llama.cpp's 5:1 pattern, which
+# no key holds), Gemma's query_pre_attn_scalar (head_dim, as llama.cpp takes it below 27B; the
+# reader keeps 256), Phi-3's window.
+ATTENTION_FACTS = {
+    "mistral": {},
+    "qwen3": {"head_dim": 24},
+    "gemma2": {"query_pre_attn_scalar": 16},
+    "gemma3": {"layers": 6, "query_pre_attn_scalar": 16, "final_logit_softcapping": 8.0},
+    "phi3": {},
+}
+CONFIG_KEYS = (
+    "model_type",
+    "head_dim",
+    "sliding_window",
+    "layer_types",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "query_pre_attn_scalar",
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(ATTENTION_FACTS))
+def test_gguf_conversion_keeps_the_attention(
+    family: str, tmp_path: Path, smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GGUF file (F32, so the weights come back bit for bit) converts to the model it was
+    written from: the same config values, the same architecture read by our loader (windows per
+    layer, soft-caps, attention scale, head size), and HF's logits over a prompt past the
+    32-token window equal those of the folder it came from."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # A cache of its own: the file's bytes are the same every run, and a shared cache would hand
+    # back a folder converted by older code.
+    monkeypatch.setenv("LORAPLEX_CACHE", str(tmp_path / "cache"))
+    hf_dir = make_tiny_family_dir(tmp_path / "hf", smollm2_dir, family, seed=5, **ATTENTION_FACTS[family])
+    path = write_family_gguf(
+        hf_dir, tmp_path / f"tiny-{family}.gguf", family, default_gguf_path(), quantize=False
+    )
+    converted = resolve_model_dir(str(path))
+    want, got = AutoConfig.from_pretrained(hf_dir), AutoConfig.from_pretrained(converted)
+    assert {k: getattr(got, k, None) for k in CONFIG_KEYS} == {k: getattr(want, k, None) for k in CONFIG_KEYS}
+    ours, theirs = ModelArch.from_hf_config(load_hf_config(converted)), ModelArch.from_hf_config(want)
+    for key in (
+        "family",
+        "head_dim",
+        "layer_windows",
+        "attn_scale",
+        "attn_logit_softcap",
+        "final_logit_softcap",
+    ):
+        assert getattr(ours, key) == getattr(theirs, key), key
+
+    prompt = torch.tensor([[random.Random(3).randrange(3, 49152) for _ in range(45)]])
+    logits = []
+    for folder in (hf_dir, converted):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits.append(model(prompt).logits[0])
+    # Gemma's norms went through 1 + w and back: float rounding, far below what a lost value moves.
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+
+
+def _metadata_gguf(path: Path, arch: str, values: dict[str, tuple[object, str]]) -> tuple[Path, Any]:
+    """A GGUF file of ``arch`` with metadata only (``{key: (value, "uint32" | "float32")}``)
+    and its reader."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, (value, kind) in values.items():
+        getattr(writer, f"add_{kind}")(key, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, gguf.GGUFReader(str(path))
+
+
+@pytest.mark.parametrize(("layers", "scalar"), [(46, 144), (26, 256), (4, 256)])
+def test_gemma2_attention_scale_is_llama_cpps(tmp_path: Path, layers: int, scalar: int) -> None:
+    """No GGUF key holds Gemma's query_pre_attn_scalar: llama.cpp takes hidden / heads for the
+    27B (46 layers: 4608 / 32 = 144, head_dim 128) and head_dim for the others, and so do we."""
+    from transformers import Gemma2Config
+
+    path, reader = _metadata_gguf(tmp_path / "g.gguf", "gemma2", {})
+    head_dim = 128 if layers == 46 else 256
+    config = Gemma2Config(
+        num_hidden_layers=layers, hidden_size=4608, num_attention_heads=32, head_dim=head_dim
+    )
+    assert _restore_attention(path, reader, config) is config
+    assert config.query_pre_attn_scalar == scalar
+
+
+def test_gguf_attention_it_cannot_serve_is_refused(tmp_path: Path) -> None:
+    """Heads of two sizes, soft-capping on a family without it, a windowed Llama with biases:
+    refused by name rather than served as another model."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4)
+    two_sizes = {"llama.attention.key_length": (16, "uint32"), "llama.attention.value_length": (32, "uint32")}
+    with pytest.raises(ValueError, match="heads of two sizes"):
+        _restore_head_dim(*_metadata_gguf(tmp_path / "a.gguf", "llama", two_sizes), config)
+    capped = {"llama.final_logit_softcapping": (30.0, "float32")}
+    with pytest.raises(ValueError, match="final_logit_softcapping in a llama model"):
+        _restore_attention(*_metadata_gguf(tmp_path / "b.gguf", "llama", capped), config)
+    windowed = {"llama.attention.sliding_window": (32, "uint32")}
+    config.attention_bias = True
+    with pytest.raises(ValueError, match="sliding window and biases"):
+        _restore_attention(*_metadata_gguf(tmp_path / "c.gguf", "llama", windowed), config)
