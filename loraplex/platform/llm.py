@@ -20,7 +20,7 @@ from loraplex.platform.engine.config import EngineConfig
 from loraplex.platform.engine.engine import LLMEngine
 from loraplex.platform.engine.inputs import PromptType
 from loraplex.platform.engine.outputs import RequestOutput
-from loraplex.platform.engine.sampling_params import SamplingParams
+from loraplex.platform.engine.sampling_params import RequestOutputKind, SamplingParams
 
 T = TypeVar("T")
 
@@ -97,7 +97,10 @@ class LLM:
             for rid in added:
                 engine.abort_request(rid)
             raise
-        return self._run(ids, use_tqdm)
+        deltas = {
+            rid for rid, sp in zip(ids, params, strict=True) if sp.output_kind is RequestOutputKind.DELTA
+        }
+        return self._run(ids, use_tqdm, deltas)
 
     def beam_search(
         self,
@@ -160,10 +163,13 @@ class LLM:
             return list(value)
         return [cast(T, value)] * n
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool, deltas: set[str]) -> list[RequestOutput]:
+        """Step until every request of ``ids`` finished; each one's whole output, in ``ids`` order
+        (the outputs of the ``deltas`` requests, ``RequestOutputKind.DELTA``, merged)."""
         engine = self.llm_engine
         pending = set(ids)
         done: dict[str, RequestOutput] = {}
+        partial: dict[str, RequestOutput] = {}  # the DELTA requests' outputs so far, merged
         bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", disable=not use_tqdm or len(ids) < 2)
         out_tokens = 0
         try:
@@ -171,6 +177,11 @@ class LLM:
                 if not engine.has_unfinished_requests():
                     raise RuntimeError(f"engine idle with {len(pending)} requests unfinished")
                 for out in engine.step():
+                    if out.request_id in deltas and out.request_id in pending:
+                        merged = partial.setdefault(out.request_id, out)
+                        if merged is not out:
+                            merged.add(out, aggregate=True)  # (the engine keeps no reference to it)
+                        out = merged
                     if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)
                         done[out.request_id] = out

@@ -6,8 +6,9 @@ changes the engine only through commands (add, abort, adapters added and removed
 prefix cache reset, a tenant's KV purged). Only the engine thread ever touches the engine's
 state (``engine_thread``: its loop and inbox): commands (``commands``: objects that apply
 themselves) go to an inbox that the thread drains before every step; each request's outputs
-travel back through its own ``RequestStream`` (``request_stream``: a backlog of one output, a
-newer one replaces an unread one), fed with ``call_soon_threadsafe``.
+travel back through its own ``RequestStream`` (``request_stream``: a backlog of one output; a
+newer one replaces an unread one, or with ``RequestOutputKind.DELTA`` is merged into it), fed
+with ``call_soon_threadsafe``.
 The one exception is reading (staging) an adapter's files, which changes nothing the engine
 serves and runs in a worker thread so the engine never waits for a disk read.
 
@@ -38,7 +39,11 @@ from loraplex.platform.engine.errors import EngineDeadError, EngineOverloadedErr
 from loraplex.platform.engine.limits import EngineLimits
 from loraplex.platform.engine.outputs import RequestOutput
 from loraplex.platform.engine.request_stream import RequestStream
-from loraplex.platform.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from loraplex.platform.engine.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from loraplex.platform.engine.stats import EngineStats
 from loraplex.platform.engine.structured.bounds import COMPILE_TIMEOUT_S, COMPILE_WORKERS
 from loraplex.storage.kv.sliced import SlicedJob
@@ -150,7 +155,8 @@ class AsyncEngine:
         if isinstance(prompt, str):
             prompt = await self.tokenize(prompt)
         loop = asyncio.get_running_loop()
-        stream = RequestStream(self.abort, request_id, loop)
+        delta = params.output_kind is RequestOutputKind.DELTA
+        stream = RequestStream(self.abort, request_id, loop, aggregate=delta)
         self._thread.register(stream)
         accepted: asyncio.Future[None] = loop.create_future()
         self._thread.num_adds_posted += 1
@@ -191,7 +197,8 @@ class AsyncEngine:
         lora_request: LoRARequest | None = None,
         tenant_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its state after every step that advanced it.
+        """Submit a request and yield its state after every step that advanced it (with
+        ``RequestOutputKind.DELTA``: what is new since the last output yielded).
 
         If the caller stops iterating (or is cancelled), the request is aborted.
         """

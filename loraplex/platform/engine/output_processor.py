@@ -1,7 +1,8 @@
 """After the forward: parallel-sampling forks, sampling, stop checks, ``RequestOutput``s.
 
     process(out, logits, sample_idx)   every sampled row: a token, maybe a stop; the outputs
-    request_output(req)                a request as the caller sees it (vLLM's shape)
+    request_output(req)                a request as the caller sees it (vLLM's shape): all of it so
+                                       far, or only what is new (``RequestOutputKind.DELTA``)
 
 Rows that cannot be sampled (NaN or +inf logits, every token banned) fail only their request.
 Before ``min_tokens``, EOS and stop tokens cannot be sampled (vLLM semantics). A finished
@@ -271,33 +272,71 @@ class OutputProcessor:
 
 
 def request_output(req: Request) -> RequestOutput:
-    """The vLLM-shaped ``RequestOutput`` of ``req`` as it stands."""
-    outs = [
-        CompletionOutput(
-            index=s.index,
-            text=s.detokenizer.text,
-            token_ids=s.output_token_ids,
-            cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
-            logprobs=s.logprobs if s.params.logprobs is not None else None,
-            finish_reason=s.finish_reason,
-            stop_reason=s.stop_reason,
-        )
-        for s in sorted(req.seqs, key=lambda s: s.index)
-    ]
+    """The vLLM-shaped ``RequestOutput`` of ``req`` as it stands: all of it, or with
+    ``RequestOutputKind.DELTA`` what is new since its last output (and that is then sent)."""
+    delta = req.params.output_kind is RequestOutputKind.DELTA
+    seqs = sorted(req.seqs, key=lambda s: s.index)
+    if delta:
+        outs = [c for c in map(_delta_completion, seqs) if c is not None]
+    else:
+        outs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.detokenizer.text,
+                token_ids=s.output_token_ids,
+                cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
+                logprobs=s.logprobs if s.params.logprobs is not None else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in seqs
+        ]
     metrics = {"arrival_time": req.arrival_time}
     if req.first_token_time is not None:
         metrics["first_token_time"] = req.first_token_time
     if req.spec_proposed:  # speculative decoding: this request's drafts proposed / accepted
         metrics["spec_num_draft_tokens"] = req.spec_proposed
         metrics["spec_num_accepted_tokens"] = req.spec_accepted
+    with_prompt = not (delta and req.sent_prompt)
+    req.sent_prompt = True
     return RequestOutput(
         request_id=req.request_id,
-        prompt=req.prompt,
-        prompt_token_ids=req.prompt_token_ids,
+        prompt=req.prompt if with_prompt else None,
+        prompt_token_ids=req.prompt_token_ids if with_prompt else [],
         outputs=outs,
         finished=req.finished,
         num_cached_tokens=req.num_cached_tokens,
         lora_name=req.lora_name,
         metrics=metrics,
         error=req.error,
+    )
+
+
+def _delta_completion(seq: Sequence) -> CompletionOutput | None:
+    """What ``seq`` has new since its last ``DELTA`` output (None: nothing), marked as sent.
+
+    O(new tokens): no copy of the text or token list so far. The text holds back a possible
+    stop-string prefix until the sequence finishes (``take_delta``), exactly as a stream of
+    cumulative outputs held it back, so a stop string that a later token completes, which cuts
+    the text there, never cuts text already sent."""
+    finished = seq.status.finished
+    start = seq.num_prompt_tokens + seq.num_sent_tokens
+    if start >= len(seq.token_ids) and (seq.sent_finish or not finished):
+        return None  # nothing new, and its end was sent (a sibling moved) or is still to come
+    text = seq.detokenizer.take_delta(finished)
+    token_ids = seq.token_ids[start:]
+    seq.num_sent_tokens += len(token_ids)
+    logprobs = None
+    if seq.params.logprobs is not None:
+        logprobs = seq.logprobs[seq.num_sent_logprobs :]
+        seq.num_sent_logprobs = len(seq.logprobs)
+    seq.sent_finish = finished
+    return CompletionOutput(
+        index=seq.index,
+        text=text,
+        token_ids=token_ids,
+        cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+        logprobs=logprobs,
+        finish_reason=seq.finish_reason,
+        stop_reason=seq.stop_reason,
     )

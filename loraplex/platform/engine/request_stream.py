@@ -20,23 +20,32 @@ class RequestStream:
     and stops after the finished one; it raises ``EngineDeadError`` if the engine
     dies meanwhile. ``abort()`` is synchronous, idempotent and safe in a cancelled task.
 
-    The backlog is one output: outputs are cumulative (or only the final one), so an output
-    not read yet is replaced by the next one (``num_coalesced`` counts them). A reader that
-    falls behind (a client that stopped reading its stream) costs one output's memory,
-    however many steps the engine runs meanwhile; the finished output and an error are
-    never replaced.
+    The backlog is one output. With ``aggregate`` (the request's outputs are
+    ``RequestOutputKind.DELTA``), an output not read yet absorbs the next one
+    (``RequestOutput.add``: text, token ids and logprobs appended, the newest finish state), so
+    nothing is lost and a reader that falls behind (a client that stopped reading its stream)
+    gets everything since its last read in one output: its memory is what the engine generated
+    meanwhile, once, not one output per step. Otherwise outputs are cumulative (or only the
+    final one), and an unread one is replaced by the next. ``num_coalesced`` counts both. The
+    finished output and an error are never replaced, nor merged into.
     """
 
     def __init__(
-        self, abort: Callable[[str], None], request_id: str, loop: asyncio.AbstractEventLoop
+        self,
+        abort: Callable[[str], None],
+        request_id: str,
+        loop: asyncio.AbstractEventLoop,
+        aggregate: bool = False,
     ) -> None:
         self._abort = abort  # the engine's abort: never blocks, safe from any thread
         self.request_id = request_id
         self.loop = loop
+        self.aggregate = aggregate
+        """The outputs are deltas: merge unread ones rather than keep the newest."""
         self._pending: RequestOutput | BaseException | None = None
         self._ready = asyncio.Event()
         self.num_coalesced = 0
-        """Outputs replaced by a newer one before they were read."""
+        """Outputs merged into (or replaced by) a newer one before they were read."""
         self.finished = False
         self.failure: BaseException | None = None
         """Set by ``fail``: raised by the next read, before any output still pending."""
@@ -66,12 +75,17 @@ class RequestStream:
         return self._pending
 
     def post(self, item: RequestOutput | BaseException) -> None:
-        """Hand the reader ``item`` (on the stream's loop): it replaces an unread running output."""
+        """Hand the reader ``item`` (on the stream's loop): merged into an unread running output
+        (``aggregate``), or replacing it; an error replaces it either way."""
         pending = self._pending
         if isinstance(pending, BaseException) or (pending is not None and pending.finished):
             return  # the end is known already: nothing after it matters
         if pending is not None:
             self.num_coalesced += 1
+            if self.aggregate and isinstance(item, RequestOutput):
+                # In place: the pending output is the stream's own until it is read.
+                pending.add(item, aggregate=True)
+                return
         self._pending = item
         self._ready.set()
 

@@ -62,14 +62,22 @@ def _bool(name: str, value: object) -> bool:
 
 
 class RequestOutputKind(enum.Enum):
-    """What each output of a request carries (vLLM's ``RequestOutputKind``).
+    """What each output of a request carries (vLLM's ``RequestOutputKind``, same values).
 
-    ``CUMULATIVE``: every output holds all the text and tokens so far (the offline API, streams,
-    which read the newest). ``FINAL_ONLY``: the engine posts nothing until the request finished
-    (a non-streamed answer needs only its end, so no step copies text and token lists for it).
+    ``CUMULATIVE``: every output holds all the text, tokens and logprobs so far (the offline
+    API's default). ``DELTA``: every output holds only what is new since the request's last
+    output: ``CompletionOutput.text``, ``token_ids`` and ``logprobs`` are the new part (the text
+    holds back a possible stop-string prefix until it is decided), a completion appears only when
+    it has something new or just finished (``finish_reason`` and ``stop_reason`` on that last
+    one), and the prompt fields are on the first output only (``prompt`` None and
+    ``prompt_token_ids`` empty after it); ``RequestOutput.add`` merges deltas. Streams use it:
+    a step costs what it generated, not a copy of the whole answer so far. ``FINAL_ONLY``: the
+    engine posts nothing until the request finished (a non-streamed answer needs only its end,
+    so no step copies text and token lists for it).
     """
 
     CUMULATIVE = 0
+    DELTA = 1
     FINAL_ONLY = 2
 
 

@@ -64,6 +64,12 @@ class Sequence:
     swapped: SwappedTail | None = None  # its partial last block, held by the tiers while preempted
     grammar: GrammarState | None = None
     """Its guided-decoding state (``params.structured_outputs``), advanced with every sampled token."""
+    num_sent_tokens: int = 0
+    """``RequestOutputKind.DELTA``: output tokens (and ``num_sent_logprobs`` logprob entries)
+    already carried by an output; ``sent_finish``: its finish was (its text cursor is the
+    detokenizer's ``take_delta``)."""
+    num_sent_logprobs: int = 0
+    sent_finish: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -129,6 +135,8 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     grammar: CompiledGrammar | None = None
     """The compiled constraint of ``params.structured_outputs``; each sequence copies its start state."""
+    sent_prompt: bool = False
+    """``RequestOutputKind.DELTA``: an output carried the prompt already (only the first does)."""
     spec_proposed: int = 0  # draft tokens proposed for it (speculative decoding)
     spec_accepted: int = 0  # of which the target accepted
 
