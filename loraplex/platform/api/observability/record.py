@@ -25,7 +25,7 @@ class MeteredRun(Protocol):
 
     @property
     def last(self) -> RequestOutput | None:
-        """The last output read (what the request used)."""
+        """The request as read so far: its last output, or its deltas merged (what it used)."""
 
     @property
     def first_token_s(self) -> float | None:

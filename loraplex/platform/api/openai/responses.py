@@ -16,14 +16,24 @@ from loraplex.platform.engine.outputs import CompletionOutput, RequestOutput
 
 
 def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
-    """OpenAI's ``usage`` summed over the request's prompts."""
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    """OpenAI's ``usage`` summed over the request's prompts (their whole, final outputs)."""
+    return usage_of_counts(
+        [
+            (len(o.prompt_token_ids), o.num_cached_tokens, sum(len(c.token_ids) for c in o.outputs))
+            for o in outputs
+        ]
+    )
+
+
+def usage_of_counts(counts: list[tuple[int, int, int]]) -> dict[str, Any]:
+    """OpenAI's ``usage`` of ``(prompt, cached, completion)`` tokens per prompt, summed."""
+    prompt = sum(c[0] for c in counts)
+    completion = sum(c[2] for c in counts)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)},
+        "prompt_tokens_details": {"cached_tokens": sum(c[1] for c in counts)},
     }
 
 
@@ -103,10 +113,8 @@ class ResponseShape:
             "usage": usage(finals),
         }
 
-    def chunk(
-        self, choices: list[dict[str, Any]], usage_of: list[RequestOutput] | None = None
-    ) -> dict[str, Any]:
-        """One stream chunk; ``usage_of`` makes it the final usage chunk (no choices)."""
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One stream chunk; ``usage`` (``usage_of_counts``) makes it the final usage chunk."""
         body: dict[str, Any] = {
             "id": self.request_id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -114,8 +122,8 @@ class ResponseShape:
             "model": self.model,
             "choices": choices,
         }
-        if usage_of is not None:
-            body["usage"] = usage(usage_of)
+        if usage is not None:
+            body["usage"] = usage
         return body
 
     def delta_choice(

@@ -118,6 +118,9 @@ async def respond(
         return streams
 
     if stream:
+        # Each output carries only what is new (a step costs what it generated, not a copy of
+        # the answer so far); an unread one absorbs the next, so a stalled reader loses nothing.
+        params.output_kind = RequestOutputKind.DELTA
         try:
             submitted = await until_disconnected(request, run_submit())
         except BaseException:
@@ -136,7 +139,7 @@ async def respond(
         on_error = None if record is None else record.failed
         write_timeout_s = state.limits.stream_write_timeout_s or None
         return SSEResponse(
-            sse_events(shape, readers, params.stop_strings, on_error),
+            sse_events(shape, readers, on_error),
             on_close=on_close,
             write_timeout_s=write_timeout_s,
         )

@@ -17,11 +17,11 @@ from starlette.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
 from loraplex.platform.api.errors import APIError, to_api_error
-from loraplex.platform.api.openai.responses import ResponseShape
+from loraplex.platform.api.openai.responses import ResponseShape, usage_of_counts
 from loraplex.platform.api.openai.submission import abort_all, merged, step_failure
 from loraplex.platform.api.openai.tool_stream import ToolStream
 from loraplex.platform.engine.errors import EngineError
-from loraplex.platform.engine.outputs import RequestOutput
+from loraplex.platform.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.platform.engine.request_stream import RequestStream
 
 logger = logging.getLogger(__name__)
@@ -95,14 +95,14 @@ class SSEResponse(StreamingResponse):
 async def sse_events(
     shape: ResponseShape,
     streams: list[RequestStream],
-    stop_strings: list[str],
     on_error: Callable[[APIError], None] | None = None,
 ) -> AsyncIterator[str]:
     """The events of a streamed request: deltas, the usage chunk if asked, then ``[DONE]``;
-    ``on_error`` hears the error of a failed stream (the metrics count it)."""
+    ``streams`` carry ``RequestOutputKind.DELTA`` outputs; ``on_error`` hears the error of a
+    failed stream (the metrics count it)."""
     err: APIError | None = None
     try:
-        async for chunk in _chunks(shape, streams, stop_strings):
+        async for chunk in _chunks(shape, streams):
             yield chunk
     except (APIError, EngineError) as exc:
         err = to_api_error(exc)
@@ -119,50 +119,68 @@ async def sse_events(
 
 
 class _Progress:
-    """What one choice has sent: characters, tokens, their logprobs' text offset, its end."""
+    """What one choice has sent: its logprobs' text offset, whether it started and ended, and the
+    tokens whose text is not out yet (``held``: an incomplete character, a possible stop-string
+    prefix), which go out with the next chunk of it that has text."""
 
     def __init__(self) -> None:
-        self.chars = 0
-        self.tokens = 0
         self.text_offset = 0
         self.started = False
         self.finished = False
+        self.held: CompletionOutput | None = None
 
 
-async def _chunks(
-    shape: ResponseShape, streams: list[RequestStream], stop_strings: list[str]
-) -> AsyncIterator[str]:
-    # Hold back a possible stop-string prefix until the completion ends, so a stop
-    # string split across tokens is never half-sent.
-    hold = max(map(len, stop_strings), default=1) - 1
+class _Usage:
+    """What one engine request used, summed from its deltas (the prompt is on the first only)."""
+
+    def __init__(self) -> None:
+        self.prompt = 0
+        self.cached = 0
+        self.completion = 0
+        self.finished = False
+
+    def add(self, out: RequestOutput) -> None:
+        self.prompt = self.prompt or len(out.prompt_token_ids)
+        self.cached = out.num_cached_tokens
+        self.completion += sum(len(c.token_ids) for c in out.outputs)
+        self.finished = out.finished
+
+
+async def _chunks(shape: ResponseShape, streams: list[RequestStream]) -> AsyncIterator[str]:
+    """The chunks of ``streams``, whose outputs are deltas (``RequestOutputKind.DELTA``): each
+    holds only what is new, so a step costs what it generated. The engine holds back a possible
+    stop-string prefix until the completion ends, so a stop string split across tokens is never
+    half-sent; a delta with tokens but no text yet waits for the next one that has text."""
     tool_stream = ToolStream(shape.tools) if shape.tools is not None and shape.calls_tools else None
     progress: dict[int, _Progress] = {}
-    finals: dict[int, RequestOutput] = {}
+    used = [_Usage() for _ in streams]
     async for p, out in merged(streams):
         if out.error is not None:
             raise step_failure(out)
-        if out.finished:
-            finals[p] = out
+        used[p].add(out)
         choices = []
         for c in out.outputs:
             index = shape.choice_index(p, c)
             sent = progress.setdefault(index, _Progress())
             if sent.finished:  # its finish_reason went out already (siblings still run)
                 continue
-            end = max(sent.chars, len(c.text) - (0 if c.finished() else hold))
-            if end == sent.chars and not c.finished():
+            if sent.held is not None:
+                sent.held.add(c)
+                c, sent.held = sent.held, None
+            if not c.text and not c.finished():
+                sent.held = c.copy()  # (ours to extend: the stream may merge into ``c`` meanwhile)
                 continue
-            logprobs, sent.text_offset = shape.logprobs(c, sent.tokens, len(c.token_ids), sent.text_offset)
-            delta = c.text[sent.chars : end]
+            logprobs, sent.text_offset = shape.logprobs(c, 0, len(c.token_ids), sent.text_offset)
             if tool_stream is not None:
                 # Tool calls go out as delta.tool_calls, one choice entry per chunk.
-                for entry in tool_stream.choices(index, delta, not sent.started, c):
+                for entry in tool_stream.choices(index, c.text, not sent.started, c):
                     yield event(shape.chunk([entry]))
             else:
-                choices.append(shape.delta_choice(index, delta, not sent.started, c.finish_reason, logprobs))
-            sent.chars, sent.tokens, sent.started = end, len(c.token_ids), True
+                choices.append(shape.delta_choice(index, c.text, not sent.started, c.finish_reason, logprobs))
+            sent.started = True
             sent.finished = c.finished()
         if choices:
             yield event(shape.chunk(choices))
-    if shape.include_usage and len(finals) == len(streams):
-        yield event(shape.chunk([], usage_of=[finals[p] for p in range(len(streams))]))
+    if shape.include_usage and all(u.finished for u in used):
+        totals = [(u.prompt, u.cached, u.completion) for u in used]
+        yield event(shape.chunk([], usage=usage_of_counts(totals)))

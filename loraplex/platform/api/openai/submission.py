@@ -31,7 +31,7 @@ def step_failure(out: RequestOutput) -> APIError:
 
 
 class MeteredStream(RequestStream):
-    """A ``RequestStream`` that remembers the last output read from it (what its request used)
+    """A ``RequestStream`` that remembers its request as read so far (``last``: what it used)
     and when its tokens were read: ``first_token_s`` (``time.monotonic``) and ``token_gaps_s``,
     one ``(seconds per token, tokens)`` entry per output that brought new tokens after the first.
 
@@ -44,7 +44,10 @@ class MeteredStream(RequestStream):
         self.inner = inner
         self.request_id = inner.request_id
         self.loop = inner.loop
+        self.aggregate = inner.aggregate
         self.last: RequestOutput | None = None
+        """The request as read so far: the last output read, or with ``aggregate`` (deltas) all
+        of them merged (``RequestOutput.add``, into a copy: the reader keeps each delta)."""
         self.first_token_s: float | None = None
         self.token_gaps_s: list[tuple[float, int]] = []
         self._num_tokens = 0
@@ -60,15 +63,26 @@ class MeteredStream(RequestStream):
 
     @property
     def latest(self) -> RequestOutput | None:
-        """The newest output the engine posted, read or not: what the request used so far (a
-        stalled reader's stream may hold a newer one than ``last``)."""
+        """The request as the engine posted it, read or not: what it used so far (a stalled
+        reader's stream may hold a newer output than ``last``)."""
         pending = self.inner.pending
-        return pending if isinstance(pending, RequestOutput) else self.last
+        if not isinstance(pending, RequestOutput):
+            return self.last
+        if not self.aggregate or self.last is None:
+            return pending
+        latest = self.last.copy()
+        latest.add(pending, aggregate=True)
+        return latest
 
     async def __anext__(self) -> RequestOutput:
         out = await self.inner.__anext__()
-        self.last = out
-        num_tokens = sum(len(c.token_ids) for c in out.outputs)
+        if not self.aggregate:
+            self.last = out
+        elif self.last is None:
+            self.last = out.copy()
+        else:
+            self.last.add(out, aggregate=True)
+        num_tokens = sum(len(c.token_ids) for c in self.last.outputs)
         if num_tokens > self._num_tokens:
             now = time.monotonic()
             if self.first_token_s is None:

@@ -5,6 +5,8 @@ first delta carries the call's id and name and every later one a piece of the ar
 ``"required"`` and ``"auto"`` answers are read whole (a parser needs the full text to tell a
 call from prose), then sent as the content, if any, and one delta per call with its id and name
 followed by its arguments in a few pieces, which clients concatenate as they do OpenAI's.
+The stream hands each choice's text as deltas (``RequestOutputKind.DELTA``); an answer read whole
+keeps its pieces until it ends (what was generated, once: no copy of the text so far per step).
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ class ToolStream:
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self._named: dict[int, ToolCall] = {}
+        self._pieces: dict[int, list[str]] = {}  # an answer read whole: its text so far, by choice
 
     def choices(
         self, index: int, delta: str, first: bool, completion: CompletionOutput
     ) -> list[dict[str, Any]]:
-        """The choice entries (one per chunk, in order) for the new ``delta`` of choice ``index``."""
+        """The choice entries (one per chunk, in order) for the new ``delta`` of choice ``index``;
+        ``completion`` says whether (and why) it finished (its text is not read: every piece of
+        the choice's text comes as a ``delta``, in order)."""
         finished = completion.finished()
         finish = _finish(completion.finish_reason, called=True)
         if self.plan.streams_arguments:
@@ -47,9 +52,12 @@ class ToolStream:
             if finished:
                 out.append(_choice(index, {}, finish))
             return out
+        pieces = self._pieces.setdefault(index, [])
+        pieces.append(delta)
         if not finished:
             return []  # read whole: a parser needs the full text
-        content, calls = self.plan.parse(completion.text)
+        content, calls = self.plan.parse("".join(pieces))
+        del self._pieces[index]
         out = [_choice(index, {"role": "assistant", "content": content or ("" if not calls else None)})]
         out.extend(_choice(index, {"tool_calls": d}) for d in tool_call_deltas(calls))
         out.append(_choice(index, {}, _finish(completion.finish_reason, called=bool(calls))))
