@@ -168,7 +168,7 @@ async def _chunks(shape: ResponseShape, streams: list[RequestStream]) -> AsyncIt
                 sent.held.add(c)
                 c, sent.held = sent.held, None
             if not c.text and not c.finished():
-                sent.held = c.copy()  # (ours to extend: the stream may merge into ``c`` meanwhile)
+                sent.held = c.copy()  # a copy of its own: the next deltas are added to it in place
                 continue
             logprobs, sent.text_offset = shape.logprobs(c, 0, len(c.token_ids), sent.text_offset)
             if tool_stream is not None:
