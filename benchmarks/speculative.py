@@ -25,8 +25,9 @@ the bytes per token, so it agrees with the target almost always::
     .venv/bin/python benchmarks/speculative.py --draft bundled --quantization none --k 4
 
 Figures: generated tokens / wall second, the ratio on/off, and the acceptance rate (accepted /
-proposed draft tokens). llama.cpp's prompt lookup is compared only when ``llama_cpp`` imports
-(it is not installed in this venv by default; the script says so).
+proposed draft tokens). llama.cpp's own prompt lookup runs the single-stream cases after ours
+when ``llama_cpp`` imports (llama-cpp-python, not a dependency: docs/benchmarks.md says how to
+build it here; the script says when it is missing).
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrent", type=int, default=16)
     p.add_argument("--k", type=int, default=SPEC["num_speculative_tokens"], help="num_speculative_tokens")
     p.add_argument("--cases", default="copy1,random1,copy16")
+    p.add_argument(
+        "--disable-by-batch-size", type=int, default=None, help="speculate up to this many running (0: any)"
+    )
     p.add_argument("--draft", default=None, help="draft model (folder, .gguf, 'bundled')")
     p.add_argument("--draft-quantization", default="auto", help="the draft's weights (engine values)")
     p.add_argument("--quantization", default="gguf", help="the target's weights (none: its float32 folder)")
@@ -108,6 +112,48 @@ def run_batch(
     return seconds, [o.outputs[0].token_ids for o in outs], proposed, accepted
 
 
+def llama_cpp_prompt_lookup(cases: dict[str, list[list[list[int]]]], args: argparse.Namespace) -> Any:
+    """llama.cpp's own prompt lookup (llama-cpp-python's ``LlamaPromptLookupDecoding``) on the
+    single-stream cases, off and on, same GGUF file, threads and tokens; its cache is reset before
+    every run (our prefix caching is off too). Returns the figures, or why there are none."""
+    try:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        print("\nllama.cpp comparison skipped: llama_cpp (llama-cpp-python) is not installed in this venv")
+        return "not installed"
+    from loraplex.platform.model.source import default_gguf_path
+
+    path = str(default_gguf_path())
+    common = dict(
+        model_path=path, n_ctx=4096, n_threads=args.threads, n_threads_batch=args.threads, verbose=False
+    )
+    runners = {
+        False: Llama(**common),
+        True: Llama(
+            **common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=args.k, max_ngram_size=4)
+        ),
+    }
+    figures: dict[str, Any] = {}
+    rows = []
+    for name, batches in cases.items():
+        if len(batches[0]) != 1:
+            continue  # llama-cpp-python serves one sequence at a time
+        rates: dict[bool, list[float]] = {False: [], True: []}
+        for (prompt,) in batches:
+            for on, llm in runners.items():
+                llm.reset()
+                start = time.perf_counter()
+                out = llm.create_completion(prompt=prompt, max_tokens=args.gen, temperature=0.0, top_k=1)
+                rates[on].append(out["usage"]["completion_tokens"] / (time.perf_counter() - start))
+        off, on_ = statistics.median(rates[False]), statistics.median(rates[True])
+        figures[name] = dict(off_tok_s=rates[False], on_tok_s=rates[True], ratio=on_ / off)
+        rows.append([name, off, on_, on_ / off])
+    print("\nllama.cpp (llama-cpp-python, same GGUF), prompt lookup off / on:")
+    print(format_table(["case", "off tok/s", "on tok/s", "on/off"], rows, floatfmt=".2f"))
+    return figures
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     set_torch_threads(args.threads)
@@ -119,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
 
         draft = str(default_gguf_path()) if args.draft == "bundled" else args.draft
         spec = {"model": draft, "num_speculative_tokens": args.k, "quantization": args.draft_quantization}
+    if args.disable_by_batch_size is not None:
+        spec["disable_by_batch_size"] = args.disable_by_batch_size or None
     default_out = DEFAULT_OUT if args.draft is None else DEFAULT_OUT.with_name("speculative_draft.json")
     out = args.out or str(default_out)
     llm = LLM(
@@ -193,11 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             floatfmt=".2f",
         )
     )
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        print("\nllama.cpp comparison skipped: llama_cpp (llama-cpp-python) is not installed in this venv")
-        results["llama_cpp"] = "not installed"
+    results["llama_cpp"] = llama_cpp_prompt_lookup(cases, args) if args.draft is None else "ngram only"
     write_json(out, results)
     return 0 if all(r[-1] == "yes" for r in rows) else 1
 

@@ -37,6 +37,7 @@
 | ``kv_events`` | KV cache events for routers: vLLM's config, msgpack layout and ZeroMQ publisher |
 | ``structured/`` | guided decoding: grammars compiled per constraint, per-sequence state, the masks |
 | ``speculative`` | speculation's config and policy, n-gram (prompt-lookup) drafts, their verification |
+| ``spec_policy`` | how many drafts each sequence gets: measured acceptance against measured step cost |
 | ``draft_model`` | drafts from a smaller model on its own paged KV, rolled back with its sequence |
 | ``beam_search`` | ``LLM.beam_search``: beams that fork block tables and share blocks copy-on-write |
 | ``beam_rule`` | the ranking rule (HF's) of a search step, shared by the offline and the server's search |

@@ -107,6 +107,9 @@ class DraftModelProposer:
         drafts: dict[int, list[int]] = {seq_id: [] for seq_id, _, _ in active}
         step = 0
         while active:
+            # One-token rows first: the attention backends take the first ``num_decodes`` rows
+            # as decodes (``AttentionMetadata``), as the scheduler orders a step.
+            active.sort(key=lambda entry: entry[1].num_uncomputed != 1)
             rows = [_DraftRow(kv, kv.num_uncomputed, tuple(kv.blocks)) for _, kv, _ in active]
             logits, _ = self.runner.logits_for(rows)
             self.num_forwards += 1

@@ -306,6 +306,7 @@ class LLMEngine:
         if not self.has_unfinished_requests():
             self.publish_stats()
             return expired
+        started = time.perf_counter()
         try:
             out = self.scheduler.schedule()
         except Exception as exc:
@@ -315,6 +316,8 @@ class LLMEngine:
         outputs = expired + self.book.take_rejected(out)
         if not out.is_empty:
             outputs += self._run(out)
+            if self.speculator is not None:  # the step's cost per row, for the drafts' policy
+                self.speculator.observe_step(out, time.perf_counter() - started)
         self.publish_stats()
         return outputs
 

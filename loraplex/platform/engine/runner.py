@@ -104,7 +104,9 @@ class ModelRunner:
             table = item.block_ids
             ids.extend(seq.token_ids[start : start + n])
             if n == 1:
-                num_decodes += 1
+                # The backends run the first ``num_decodes`` rows with the decode kernel: only a
+                # leading run counts (a one-token row after a longer one is run as a chunk).
+                num_decodes += num_decodes == i
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:

@@ -1,7 +1,7 @@
 """Speculative decoding: prompt-lookup (n-gram) drafts verified in one forward, KV rolled back.
 
 ``speculative_config`` is vLLM's: ``{"method": "ngram", "num_speculative_tokens": k,
-"prompt_lookup_min": 1, "prompt_lookup_max": 4, "disable_by_batch_size": 4}``.
+"prompt_lookup_min": 1, "prompt_lookup_max": 4}``, or a draft model (``draft_model.py``).
 
 Per decode step of a running sequence the proposer looks for the last ``n`` tokens
 (``prompt_lookup_max`` down to ``prompt_lookup_min``) earlier in the sequence and proposes
@@ -22,10 +22,12 @@ KV: the drafts' slots are allocated like any tokens; after verification the sequ
 pool (``KVBlockManager.truncate``). Blocks are made findable for the prefix cache only after
 verification, up to the accepted tokens: a rejected token is never cached.
 
-Policy: speculation is off for a step when more than ``disable_by_batch_size`` sequences run
-(vLLM's knob: a batch already reads the weights once for many tokens), and off for a request
-whose measured acceptance fell below ``min_acceptance`` (it backs off, trying again later).
-Requests with penalties, logprobs, ``n > 1``, pending ``min_tokens`` or structured outputs
+Policy (``spec_policy``): each step, each speculating sequence gets as many drafts (up to ``k``)
+as pay for their rows: its measured acceptance per draft position against the step's measured
+cost per row, so a large batch of a compute-bound CPU speculates only where drafts are nearly
+always accepted, and a single stream nearly always. ``disable_by_batch_size`` (vLLM's knob)
+still turns speculation off past that many running sequences when set. Requests with
+penalties, logprobs, ``n > 1``, pending ``min_tokens`` or structured outputs
 (``structured_outputs``: the grammar masks are computed for one position per step) decode
 normally, token by token, beside speculating ones.
 """
@@ -41,7 +43,9 @@ import torch
 
 from loraplex.platform.engine.sampler import filter_logits, greedy_tokens
 from loraplex.platform.engine.sampling_params import SamplingParams
+from loraplex.platform.engine.scheduler_output import SchedulerOutput
 from loraplex.platform.engine.sequence import Sequence
+from loraplex.platform.engine.spec_policy import PositionCounts, StepCost, allot_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -61,15 +65,21 @@ class SpeculativeConfig:
     quantization: str = "auto"
     """``draft_model``: how the draft's weights are kept (the engine's ``quantization`` values)."""
     num_draft_kv_blocks: int | None = None
-    """``draft_model``: blocks of the draft's own paged KV (None: room for ``disable_by_batch_size``
-    sequences of ``max_model_len``, at most ``DRAFT_KV_BYTES``)."""
-    disable_by_batch_size: int | None = 4
-    """Speculate only while at most this many sequences run (None: always)."""
+    """``draft_model``: blocks of the draft's own paged KV (None: room for ``disable_by_batch_size``,
+    else ``max_num_seqs``, sequences of ``max_model_len``, at most ``DRAFT_KV_BYTES``)."""
+    disable_by_batch_size: int | None = None
+    """Speculate only while at most this many sequences run (None: the cost rule alone decides)."""
     min_acceptance: float = 0.2
-    """A request whose acceptance rate (after ``warmup`` drafts) falls below this stops proposing
-    for ``backoff_steps`` decode steps."""
-    warmup: int = 16
+    """A draft position whose estimated acceptance is under this is never proposed."""
+    warmup: int = 4
+    """Drafts the engine-wide acceptance rate counts for in a request's own estimate (a new
+    request starts from what the others did; after ``warmup`` drafts its own weigh as much)."""
     backoff_steps: int = 32
+    """A request given no drafts for this many decode steps is given one (a probe)."""
+    cost_fixed_rows: float = 16.0
+    """Before the engine has timed steps of different sizes: the rows whose compute costs as much
+    as a step's fixed part (weights read once, the Python around the forward). Measured on a
+    2-core CPU with the bundled model: ~15."""
 
     @classmethod
     def parse(cls, value: str | dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
@@ -182,9 +192,9 @@ class SpecCounters:
 
 @dataclass
 class _SeqSpec:
-    proposed: int = 0
-    accepted: int = 0
-    backoff: int = 0
+    counts: PositionCounts = field(default_factory=PositionCounts)
+    idle: int = 0
+    """Decode steps since it was last given drafts."""
 
 
 class Speculator:
@@ -194,18 +204,48 @@ class Speculator:
         self.config = config
         self.proposer: Proposer = proposer if proposer is not None else NgramProposer(config)
         self.counters = SpecCounters()
+        self.positions = PositionCounts()
+        """Engine-wide acceptance per draft position (every request's estimate starts from it)."""
+        self.cost = StepCost(config.cost_fixed_rows)
         self._seqs: dict[int, _SeqSpec] = {}
         self._planned: dict[int, list[int]] = {}
 
     # -- proposing (the scheduler, at the start of each step's planning) -------------------
     def plan(self, running: list[Sequence], budget: int, max_model_len: int) -> None:
-        """Propose drafts for every running decode that may speculate this step, in one go (a
-        draft model runs its forwards for all of them together); ``propose`` hands them out."""
+        """Allot this step's drafts (``spec_policy``) and propose them for every sequence that got
+        some, in one go (a draft model runs its forwards for all of them together); ``propose``
+        hands them out."""
         self._planned.clear()
         cfg = self.config
         if cfg.disable_by_batch_size is not None and len(running) > cfg.disable_by_batch_size:
             return
-        wants = [(seq, k) for seq in running if (k := self._num_wanted(seq, budget, max_model_len)) > 0]
+        candidates: list[tuple[int, list[float]]] = []
+        probes: dict[int, int] = {}
+        decodes: dict[int, Sequence] = {}
+        for seq in running:
+            if seq.num_uncomputed_tokens != 1:
+                continue
+            decodes[seq.seq_id] = seq
+            k = self._max_drafts(seq, budget, max_model_len)
+            if k <= 0:
+                continue
+            state = self._seqs.setdefault(seq.seq_id, _SeqSpec())
+            if state.idle >= cfg.backoff_steps:
+                probes[seq.seq_id] = 1  # its estimate may be stale: one draft to measure again
+                continue
+            probs = []
+            for j in range(k):
+                p = state.counts.rate(j, self.positions.rate(j, 0.5, cfg.warmup), cfg.warmup)
+                if p < cfg.min_acceptance:
+                    break
+                probs.append(p)
+            candidates.append((seq.seq_id, probs))
+        given = allot_drafts(candidates, len(decodes), self.cost.fixed_rows())
+        given.update(probes)
+        for seq_id in decodes:
+            state = self._seqs.setdefault(seq_id, _SeqSpec())
+            state.idle = 0 if seq_id in given else state.idle + 1
+        wants = [(decodes[seq_id], k) for seq_id, k in given.items()]
         if not wants:
             return
         try:
@@ -220,13 +260,9 @@ class Speculator:
         drafts = self._planned.pop(seq.seq_id, [])
         return drafts[: max(0, budget - 1)]
 
-    def _num_wanted(self, seq: Sequence, budget: int, max_model_len: int) -> int:
-        """How many drafts ``seq`` may take this step (0: it decodes normally)."""
-        if seq.num_uncomputed_tokens != 1 or not eligible(seq.params, seq):
-            return 0
-        state = self._seqs.setdefault(seq.seq_id, _SeqSpec())
-        if state.backoff > 0:
-            state.backoff -= 1
+    def _max_drafts(self, seq: Sequence, budget: int, max_model_len: int) -> int:
+        """The most drafts ``seq`` may take this step (0: it decodes normally)."""
+        if not eligible(seq.params, seq):
             return 0
         p = seq.params
         k = min(self.config.num_speculative_tokens, budget - 1, max_model_len - seq.num_tokens - 1)
@@ -234,19 +270,20 @@ class Speculator:
             k = min(k, p.max_tokens - seq.num_output_tokens - 1)
         return max(0, k)
 
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """A step's wall time, for the cost fit: decode steps only (a prefill chunk's rows cost
+        what a matrix product's do, not a decode's)."""
+        if out.scheduled and all(item.num_new_tokens == 1 + item.num_draft for item in out.scheduled):
+            self.cost.observe(out.num_batched_tokens, seconds)
+
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
-        """Count one verification; back off a request whose acceptance is low."""
+        """Count one verification (engine-wide, per request, per draft position)."""
         self.counters.count(proposed, accepted)
+        self.positions.count(proposed, accepted)
         req = seq.request
         req.spec_proposed += proposed
         req.spec_accepted += accepted
-        state = self._seqs.setdefault(seq.seq_id, _SeqSpec())
-        state.proposed += proposed
-        state.accepted += accepted
-        cfg = self.config
-        if state.proposed >= cfg.warmup and state.accepted < cfg.min_acceptance * state.proposed:
-            state.backoff = cfg.backoff_steps
-            state.proposed = state.accepted = 0  # judged afresh after the back-off
+        self._seqs.setdefault(seq.seq_id, _SeqSpec()).counts.count(proposed, accepted)
 
     def forget(self, seq: Sequence) -> None:
         self._seqs.pop(seq.seq_id, None)
