@@ -25,6 +25,7 @@ says, which lowers acceptance, never the tokens (vLLM's GPU path drafts the same
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from loraplex.kernels.registry import (
@@ -89,6 +90,9 @@ class DraftModelProposer:
         self._clock = 0
         self.num_forwards = 0
         """Draft forwards run (each proposes one token for every row)."""
+        self.seconds_per_draft = 0.0
+        """What one more draft costs: a one-token pass's time per row (smoothed; 0 before the
+        first). The catch-up pass is left out: it pays for the tokens the target emitted, once."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -111,8 +115,13 @@ class DraftModelProposer:
             # as decodes (``AttentionMetadata``), as the scheduler orders a step.
             active.sort(key=lambda entry: entry[1].num_uncomputed != 1)
             rows = [_DraftRow(kv, kv.num_uncomputed, tuple(kv.blocks)) for _, kv, _ in active]
+            started = time.perf_counter()
             logits, _ = self.runner.logits_for(rows)
             self.num_forwards += 1
+            if all(row.num_new_tokens == 1 for row in rows):  # a pure draft pass: its cost per draft
+                per_draft = (time.perf_counter() - started) / len(rows)
+                weight = 0.1 if self.seconds_per_draft else 1.0
+                self.seconds_per_draft += weight * (per_draft - self.seconds_per_draft)
             tokens = greedy_tokens(logits).tolist()
             step += 1
             still: list[tuple[int, _DraftKV, int]] = []

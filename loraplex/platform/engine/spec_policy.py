@@ -11,9 +11,11 @@ rule is applied greedily over every sequence's candidate positions, likeliest fi
 
 - ``p_j`` per sequence: its own counts (draft ``j`` proposed, accepted), shrunk towards the
   engine-wide rate for position ``j`` (a new request starts from what requests like it did).
-- ``fixed`` and ``per_row``: a least-squares fit of recent decode steps' wall time on their
-  rows (drafts make the rows vary); before the fit has rows of different sizes,
-  ``cost_fixed_rows`` (the rows whose cost equals the fixed part) stands in.
+- ``fixed`` and ``per_row``: a least-squares fit of recent decode steps' wall time (without the
+  proposer's) on their rows (drafts make the rows vary); before the fit has rows of different
+  sizes, ``cost_fixed_rows`` (the rows whose cost equals the fixed part) stands in.
+- What a draft costs to propose (a draft model's forwards): measured seconds per draft token,
+  charged in rows beside the verification row.
 - A sequence that gets no drafts for ``backoff_steps`` steps is given one (a probe), so its
   estimate can recover when its text turns repetitive.
 """
@@ -66,27 +68,35 @@ class StepCost:
 
     def fixed_rows(self) -> float:
         """``fixed / per_row``: the rows whose cost equals the fixed part of a step."""
+        return self._fit()[0]
+
+    def row_seconds(self) -> float | None:
+        """What one row costs, in seconds (None before any step was timed)."""
+        return self._fit()[1]
+
+    def _fit(self) -> tuple[float, float | None]:
         n = len(self._steps)
-        if n < 8:
-            return self.prior_fixed_rows
+        if n == 0:
+            return self.prior_fixed_rows, None
         mean_x = sum(x for x, _ in self._steps) / n
         mean_y = sum(y for _, y in self._steps) / n
         sxx = sum((x - mean_x) ** 2 for x, _ in self._steps)
-        if sxx < n:  # rows hardly vary (variance under one row): the slope is not identified
-            return self.prior_fixed_rows
+        if n < 8 or sxx < n:  # rows hardly vary (variance under one row): the slope is not identified
+            return self.prior_fixed_rows, mean_y / (self.prior_fixed_rows + mean_x)
         per_row = sum((x - mean_x) * (y - mean_y) for x, y in self._steps) / sxx
         if per_row <= 0:  # noise swamped the rows' cost: a step costs about the same at any size
-            return float("inf")
-        return max(0.0, mean_y - per_row * mean_x) / per_row
+            return float("inf"), None
+        return max(0.0, mean_y - per_row * mean_x) / per_row, per_row
 
 
 def allot_drafts(
-    candidates: list[tuple[int, list[float]]], num_rows: int, fixed_rows: float
+    candidates: list[tuple[int, list[float]]], num_rows: int, fixed_rows: float, draft_rows: float = 0.0
 ) -> dict[int, int]:
     """Drafts per sequence: ``candidates`` holds each sequence's key and its ``p_j`` for the
     positions it may fill; ``num_rows`` the step's rows without drafts (one per decode). A draft
     is taken, likeliest first, while its ``p_j`` exceeds ``MARGIN`` times what its row costs in
-    tokens (``per_row * N / T``, in rows: ``N / (fixed_rows + rows)``)."""
+    tokens (``per_row * N / T``, in rows: ``N / (fixed_rows + rows)``). ``draft_rows``: what
+    proposing one draft costs, in rows (a draft model's forwards; ~0 for prompt lookup)."""
     ranked: list[tuple[float, int, int]] = []
     for key, probs in candidates:
         best = 1.0
@@ -100,9 +110,10 @@ def allot_drafts(
     for p, j, key in ranked:
         if given.get(key, 0) != j:
             continue  # an earlier position of this sequence was not taken
-        if p * (fixed_rows + rows) <= MARGIN * tokens:
+        cost = 1.0 + draft_rows
+        if p * (fixed_rows + rows) <= MARGIN * tokens * cost:
             break
         given[key] = j + 1
         tokens += p
-        rows += 1
+        rows += cost
     return given

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -50,6 +51,7 @@ from loraplex.platform.engine.spec_policy import PositionCounts, StepCost, allot
 logger = logging.getLogger(__name__)
 
 METHODS = ("ngram", "draft_model")
+DRAFT_POLICIES = ("measured", "always")
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,9 @@ class SpeculativeConfig:
     request starts from what the others did; after ``warmup`` drafts its own weigh as much)."""
     backoff_steps: int = 32
     """A request given no drafts for this many decode steps is given one (a probe)."""
+    draft_policy: str = "measured"
+    """``measured``: drafts per sequence and step by the cost rule (``spec_policy``); ``always``:
+    every eligible decode gets ``num_speculative_tokens`` drafts each step (vLLM's behaviour)."""
     cost_fixed_rows: float = 16.0
     """Before the engine has timed steps of different sizes: the rows whose compute costs as much
     as a step's fixed part (weights read once, the Python around the forward). Measured on a
@@ -91,6 +96,12 @@ class SpeculativeConfig:
             raise ValueError("speculative_config must be a JSON object")
         # vLLM's reading: a draft model named without a method is the draft_model method.
         method = data.pop("method", "draft_model" if data.get("model") else "ngram")
+        if method == "draft_model":
+            # A draft model that sits steps out must catch its KV up when it comes back (a
+            # prefill of what the target emitted meanwhile), a cost the measured rule does not
+            # see: by default it drafts every step, up to 4 running sequences.
+            data.setdefault("draft_policy", "always")
+            data.setdefault("disable_by_batch_size", 4)
         if method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {METHODS}, got {method!r}")
         known = {f for f in cls.__dataclass_fields__ if f != "method"}
@@ -113,6 +124,10 @@ class SpeculativeConfig:
                 )
         elif cfg.model is not None:
             raise ValueError(f"speculative_config 'model' is for method 'draft_model', not {method!r}")
+        if cfg.draft_policy not in DRAFT_POLICIES:
+            raise ValueError(
+                f"speculative_config draft_policy must be one of {DRAFT_POLICIES}, got {cfg.draft_policy!r}"
+            )
         blocks = cfg.num_draft_kv_blocks
         if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1):
             raise ValueError(f"speculative_config num_draft_kv_blocks must be an integer >= 1: {blocks!r}")
@@ -128,6 +143,11 @@ class Proposer(Protocol):
 
     def forget(self, seq_id: int) -> None:
         """``seq_id`` ended: drop what was kept for it."""
+        ...
+
+    @property
+    def seconds_per_draft(self) -> float:
+        """What proposing one more draft token costs (0: next to nothing, as a lookup)."""
         ...
 
 
@@ -163,6 +183,10 @@ class NgramProposer:
 
     def forget(self, seq_id: int) -> None:
         pass
+
+    @property
+    def seconds_per_draft(self) -> float:
+        return 0.0
 
 
 @dataclass
@@ -207,6 +231,10 @@ class Speculator:
         self.positions = PositionCounts()
         """Engine-wide acceptance per draft position (every request's estimate starts from it)."""
         self.cost = StepCost(config.cost_fixed_rows)
+        self._draft_seconds = 0.0
+        """What the proposer takes for one more draft token (its own measure)."""
+        self._proposing_seconds = 0.0
+        """The proposer's time in this step (kept out of the step's time in the cost fit)."""
         self._seqs: dict[int, _SeqSpec] = {}
         self._planned: dict[int, list[int]] = {}
 
@@ -216,11 +244,12 @@ class Speculator:
         some, in one go (a draft model runs its forwards for all of them together); ``propose``
         hands them out."""
         self._planned.clear()
+        self._proposing_seconds = 0.0
         cfg = self.config
         if cfg.disable_by_batch_size is not None and len(running) > cfg.disable_by_batch_size:
             return
         candidates: list[tuple[int, list[float]]] = []
-        probes: dict[int, int] = {}
+        forced: dict[int, int] = {}
         decodes: dict[int, Sequence] = {}
         for seq in running:
             if seq.num_uncomputed_tokens != 1:
@@ -230,8 +259,11 @@ class Speculator:
             if k <= 0:
                 continue
             state = self._seqs.setdefault(seq.seq_id, _SeqSpec())
+            if cfg.draft_policy == "always":
+                forced[seq.seq_id] = k
+                continue
             if state.idle >= cfg.backoff_steps:
-                probes[seq.seq_id] = 1  # its estimate may be stale: one draft to measure again
+                forced[seq.seq_id] = 1  # its estimate may be stale: one draft to measure again
                 continue
             probs = []
             for j in range(k):
@@ -240,16 +272,21 @@ class Speculator:
                     break
                 probs.append(p)
             candidates.append((seq.seq_id, probs))
-        given = allot_drafts(candidates, len(decodes), self.cost.fixed_rows())
-        given.update(probes)
+        row_seconds = self.cost.row_seconds()
+        draft_rows = self._draft_seconds / row_seconds if row_seconds else 0.0
+        given = allot_drafts(candidates, len(decodes), self.cost.fixed_rows(), draft_rows)
+        given.update(forced)
         for seq_id in decodes:
             state = self._seqs.setdefault(seq_id, _SeqSpec())
             state.idle = 0 if seq_id in given else state.idle + 1
         wants = [(decodes[seq_id], k) for seq_id, k in given.items()]
         if not wants:
             return
+        started = time.perf_counter()
         try:
             self._planned = self.proposer.propose(wants)
+            self._proposing_seconds = time.perf_counter() - started
+            self._draft_seconds = self.proposer.seconds_per_draft
         except Exception:  # drafts are an optimisation: their failure must not fail the step
             logger.exception("speculative proposer failed; %d sequences decode without drafts", len(wants))
             for seq, _ in wants:
@@ -274,7 +311,7 @@ class Speculator:
         """A step's wall time, for the cost fit: decode steps only (a prefill chunk's rows cost
         what a matrix product's do, not a decode's)."""
         if out.scheduled and all(item.num_new_tokens == 1 + item.num_draft for item in out.scheduled):
-            self.cost.observe(out.num_batched_tokens, seconds)
+            self.cost.observe(out.num_batched_tokens, seconds - self._proposing_seconds)
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """Count one verification (engine-wide, per request, per draft position)."""

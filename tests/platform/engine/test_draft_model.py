@@ -51,7 +51,7 @@ def _spec(draft: Path, **kw: Any) -> dict[str, Any]:
         "model": str(draft),  # no method: vLLM reads a named model as method draft_model
         "num_speculative_tokens": 3,
         "disable_by_batch_size": None,  # on in every batch here: the mixed batches are the point
-        "min_acceptance": 0.0,
+        "draft_policy": "always",  # k drafts every step: the draft KV's bookkeeping is the point
     }
     spec.update(kw)
     return spec
@@ -91,6 +91,7 @@ def _run_checked(llm: LLM, prompts: list[list[int]], params: list[SamplingParams
 def test_config() -> None:
     cfg = SpeculativeConfig.parse({"model": "/m", "num_speculative_tokens": 2})
     assert cfg.method == "draft_model" and cfg.model == "/m"
+    assert cfg.draft_policy == "always" and cfg.disable_by_batch_size == 4  # a draft model's defaults
     with pytest.raises(ValueError, match="needs 'model'"):
         SpeculativeConfig.parse({"method": "draft_model"})
     with pytest.raises(ValueError, match="'model' is for method 'draft_model'"):

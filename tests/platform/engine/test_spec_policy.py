@@ -34,6 +34,16 @@ def test_a_large_batch_takes_only_the_drafts_nearly_always_accepted() -> None:
     assert allot_drafts(candidates, num_rows=16, fixed_rows=0.0) == {}  # all compute: nothing pays
 
 
+def test_a_costly_draft_must_promise_more() -> None:
+    """A draft model's forwards cost rows of their own: the same drafts at one stream, free to
+    propose (prompt lookup), or costing 1, 3 or 12 rows each."""
+    candidates = [(1, [0.9, 0.6, 0.3])]
+    assert allot_drafts(candidates, num_rows=1, fixed_rows=8.0) == {1: 3}
+    assert allot_drafts(candidates, num_rows=1, fixed_rows=8.0, draft_rows=1.0) == {1: 2}
+    assert allot_drafts(candidates, num_rows=1, fixed_rows=8.0, draft_rows=3.0) == {1: 1}
+    assert allot_drafts(candidates, num_rows=1, fixed_rows=8.0, draft_rows=12.0) == {}
+
+
 def test_a_later_position_is_never_likelier_than_an_earlier_one() -> None:
     """Draft j needs drafts 0..j-1 accepted: an estimate that rises again is capped."""
     given = allot_drafts([(1, [0.4, 0.9])], num_rows=4, fixed_rows=4.0)
