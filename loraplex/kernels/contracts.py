@@ -351,6 +351,16 @@ class PointwiseBackend(abc.ABC):
         """``r = residual + delta``; return ``(weight * r / sqrt(mean(r^2) + eps), r)``."""
 
     @abc.abstractmethod
+    def head_rms_norm(
+        self,
+        x: torch.Tensor,  # [num_tokens, num_heads * head_dim], may be a row-strided view; normed in place
+        weight: torch.Tensor,  # [head_dim]
+        eps: float,
+    ) -> None:
+        """RMSNorm of every ``head_dim``-wide head of ``x`` with ``weight``, in place (Qwen3's and
+        Gemma 3's q and k norms, before RoPE)."""
+
+    @abc.abstractmethod
     def rotary(
         self,
         qk: torch.Tensor,  # [num_tokens, num_rot_heads * head_dim] (q heads then k heads), rotated in place

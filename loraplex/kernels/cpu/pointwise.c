@@ -2,6 +2,8 @@
  * Per-token elementwise ops of a decoder layer, fused, for the CPU (float32):
  *
  *   add_rms_norm   residual[t] += delta[t] (if given); y[t] = w * residual[t] / rms(residual[t])
+ *   head_rms_norm  every head of a row-strided [rows, heads * head_dim] block RMS-normed in place
+ *                  (Qwen3 / Gemma 3's q and k norms, per head before RoPE)
  *   rope_neox      q and k heads of a fused qkv row rotated in place (rotate-half RoPE)
  *   silu_mul       out[t] = silu(gate[t]) * up[t] from a fused gate|up row
  *
@@ -50,6 +52,25 @@ int64_t loraplex_add_rms_norm_f32(const float *delta, int64_t delta_stride, floa
         float *out = y + t * y_stride;
 #pragma omp simd
         for (int64_t i = 0; i < dim; ++i) out[i] = weight[i] * (r[i] * inv);
+    }
+    return 0;
+}
+
+/* x[t, h*head_dim : (h+1)*head_dim] = w * x[..] / rms(x[..]) for every row t and head h, in
+ * place: one call for a fused qkv row's q heads (or its k heads) at row stride `row_stride`.
+ * The arithmetic is add_rms_norm's without a delta, one head at a time. */
+int64_t loraplex_head_rms_norm_f32(float *x, int64_t row_stride, int64_t num_heads, int64_t head_dim,
+                                   const float *weight, int64_t rows, float eps, int num_threads) {
+    const int64_t items = rows * num_heads;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (items * head_dim >= PW_PARALLEL_MIN)
+    for (int64_t i = 0; i < items; ++i) {
+        float *r = x + (i / num_heads) * row_stride + (i % num_heads) * head_dim;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < head_dim; ++j) sum += r[j] * r[j];
+        const float inv = 1.0f / sqrtf(sum / (float)head_dim + eps);
+#pragma omp simd
+        for (int64_t j = 0; j < head_dim; ++j) r[j] = weight[j] * (r[j] * inv);
     }
     return 0;
 }

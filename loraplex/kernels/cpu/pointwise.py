@@ -14,6 +14,7 @@ _I64, _F32, _PTR, _INT = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes
 _NORM = ("loraplex_add_rms_norm_f32", (_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _F32, _INT))
 _ROPE = ("loraplex_rope_neox_f32", (_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _INT))
 _SILU = ("loraplex_silu_mul_f32", (_PTR, _I64, _PTR, _I64, _I64, _I64, _INT))
+_HEAD_NORM = ("loraplex_head_rms_norm_f32", (_PTR, _I64, _I64, _I64, _PTR, _I64, _F32, _INT))
 
 
 def _fn(spec: tuple[str, tuple[Any, ...]]) -> Any | None:
@@ -21,8 +22,14 @@ def _fn(spec: tuple[str, tuple[Any, ...]]) -> Any | None:
 
 
 def c_kernels() -> dict[str, Any] | None:
-    """The bound C entry points by name (``add_rms_norm``, ``rope_neox``, ``silu_mul``), or None."""
-    fns = {"add_rms_norm": _fn(_NORM), "rope_neox": _fn(_ROPE), "silu_mul": _fn(_SILU)}
+    """The bound C entry points by name (``add_rms_norm``, ``head_rms_norm``, ``rope_neox``,
+    ``silu_mul``), or None."""
+    fns = {
+        "add_rms_norm": _fn(_NORM),
+        "head_rms_norm": _fn(_HEAD_NORM),
+        "rope_neox": _fn(_ROPE),
+        "silu_mul": _fn(_SILU),
+    }
     return None if any(f is None for f in fns.values()) else fns
 
 
@@ -40,6 +47,21 @@ class CpuPointwiseBackend(PortablePointwiseBackend):
     """C kernels where the tensors are float32 CPU rows; the portable ops otherwise."""
 
     name = "cpu"
+
+    def head_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        kernel = _fn(_HEAD_NORM)
+        head_dim = weight.shape[0]
+        if (
+            kernel is None
+            or not _rows_ok(x)
+            or x.shape[1] % head_dim
+            or weight.dtype != torch.float32
+            or not weight.is_contiguous()
+        ):
+            super().head_rms_norm(x, weight, eps)
+            return
+        heads, threads = x.shape[1] // head_dim, torch.get_num_threads()
+        kernel(x.data_ptr(), x.stride(0), heads, head_dim, weight.data_ptr(), x.shape[0], eps, threads)
 
     def add_rms_norm(
         self, delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float

@@ -33,6 +33,10 @@ class PortablePointwiseBackend(PointwiseBackend):
             residual = residual + delta
         return rms_norm(residual, weight, eps), residual
 
+    def head_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        heads = x.view(x.shape[0], -1, weight.shape[0])
+        heads.copy_(rms_norm(heads, weight, eps))
+
     def rotary(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> None:
         num_tokens = qk.shape[0]
         heads = qk.view(num_tokens, -1, head_dim)

@@ -88,6 +88,8 @@ class CpuGraph:
                 ptr(layer.down_bias),
                 layer.scale,
                 layer.sliding_window or 0,  # a windowed layer's window (Mistral, Qwen2); 0: none
+                ptr(layer.q_norm),  # per-head q and k norms (Qwen3), or None
+                ptr(layer.k_norm),
             )
             for layer in model.layers
         ]
@@ -119,12 +121,11 @@ class CpuGraph:
         if not isinstance(attn, CpuAttentionBackend) or not attn.extend_in_c:
             return None, "attention is not on the C decode and extend kernels (attention_backend)"
         arch = model.arch
-        # The graph runs Llama's layer (with biases and per-layer windows: Qwen2, Mistral,
-        # Phi-3 once fused); the parts other families add run on the layer-by-layer path.
+        # The graph runs Llama's layer (with biases, per-layer windows and per-head q/k norms:
+        # Qwen2/3, Mistral, Phi-3 once fused); what Gemma adds runs on the layer-by-layer path.
         extras = [
             name
             for name, present in (
-                ("q/k norm", arch.qk_norm),
                 ("Gemma norms", arch.gemma_norms),
                 ("embedding scale", arch.embed_scale is not None),
                 ("GeLU", arch.activation != "silu"),
@@ -246,9 +247,23 @@ class CpuGraph:
         norm, rope, kv_write = k["add_rms_norm"], k["rope_neox"], k["kv_write"]
         decode, extend, silu = k["decode"], k["extend"], k["silu_mul"]
         rot_heads = heads + kv_heads
-        for i, (w_in, p_qkv, b_qkv, p_o, b_o, w_post, p_gu, b_gu, p_down, b_down, scale, window) in enumerate(
-            self._layers
-        ):
+        head_norm = k["head_rms_norm"]
+        for i, (
+            w_in,
+            p_qkv,
+            b_qkv,
+            p_o,
+            b_o,
+            w_post,
+            p_gu,
+            b_gu,
+            p_down,
+            b_down,
+            scale,
+            window,
+            w_qn,
+            w_kn,
+        ) in enumerate(self._layers):
             (f_qkv, w_qkv, t_qkv), (f_o, w_o, t_o) = p_qkv, p_o
             (f_gu, w_gu, t_gu), (f_down, w_down, t_down) = p_gu, p_down
             kc, vc = caches[i]
@@ -262,6 +277,9 @@ class CpuGraph:
                 _lora_ok(lora_k(x_p, h, qkv_p, qkv_w, *site.args, nt))
             elif lora is not None:
                 lora(i, "qkv", x, qkv)
+            if w_qn is not None:  # per-head RMSNorm of q, then of k (the layer path's two calls)
+                head_norm(qkv_p, qkv_w, heads, head_dim, w_qn, n, eps, nt)
+                head_norm(qkv_p + 4 * q, qkv_w, kv_heads, head_dim, w_kn, n, eps, nt)
             rope(qkv_p, qkv_w, rot_heads, head_dim, cos_p, sin_p, cs_stride, n, nt)
             if kv_write(
                 qkv_p + 4 * q,

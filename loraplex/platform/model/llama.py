@@ -155,16 +155,12 @@ class DecoderLayer(nn.Module):
         return down, residual
 
     def _qk_norm(self, qkv: torch.Tensor) -> None:
-        """RMSNorm of every q and k head (its own weight for q and for k), in place in ``qkv``."""
-        arch, d = self.arch, self.arch.head_dim
+        """RMSNorm of every q and k head (its own weight for q and for k), in place in ``qkv``
+        (the CPU graph makes the same two kernel calls)."""
+        q, kv, eps = self.arch.q_size, self.arch.kv_size, self.arch.rms_norm_eps
         assert self.q_norm is not None and self.k_norm is not None
-        for lo, hi, weight in (
-            (0, arch.q_size, self.q_norm),
-            (arch.q_size, arch.q_size + arch.kv_size, self.k_norm),
-        ):
-            heads = qkv[:, lo:hi].reshape(-1, d)
-            normed, _ = self.pointwise.add_rms_norm(None, heads, weight, arch.rms_norm_eps)
-            qkv[:, lo:hi] = normed.view(qkv.shape[0], hi - lo)
+        self.pointwise.head_rms_norm(qkv[:, :q], self.q_norm, eps)
+        self.pointwise.head_rms_norm(qkv[:, q : q + kv], self.k_norm, eps)
 
 
 class LlamaForCausalLM(nn.Module):

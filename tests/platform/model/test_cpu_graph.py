@@ -2,7 +2,7 @@
 
 Same kernels, same order, same arguments: every logprob the engine reports must be equal
 bit for bit with and without ``enforce_eager``, on every tiny model shape (MHA, GQA,
-tied embeddings, q/k/v bias, Qwen2, llama3 RoPE scaling) and on batches that mix decodes,
+tied embeddings, q/k/v bias, Qwen2, Qwen3's q/k norms, llama3 RoPE scaling) and on batches that mix decodes,
 prefill chunks and prefix-cache hits in one step, and with LoRA adapters in the batch.
 A graph that is not in use would pass that trivially, so each test also checks it is on.
 """
@@ -72,6 +72,19 @@ def test_graph_equals_layer_by_layer(name: str, tiny_dirs: dict[str, Path]) -> N
     got, want = _run(graph, prompts, params), _run(eager, prompts, params)
     assert got == want
     assert any(cached > 0 for *_, cached in got), "the workload should hit the prefix cache"
+
+
+@pytest.mark.slow
+def test_qwen3_runs_in_the_graph_and_equals_layer_by_layer(smollm2_dir: Path, tmp_path: Path) -> None:
+    """Qwen3's per-head q/k norms are two kernel calls of the graph (the layer path's same two):
+    identical logprobs, a windowed-layer mix included, with the graph on."""
+    from support.models import make_tiny_family_dir
+
+    model = make_tiny_family_dir(tmp_path / "qwen3", smollm2_dir, "qwen3", seed=5)
+    prompts, params = _workload(seed=3)
+    graph, eager = _engines(model, num_kv_blocks=96, block_size=8, max_num_seqs=6, max_num_batched_tokens=24)
+    assert graph.llm_engine.arch.qk_norm
+    assert _run(graph, prompts, params) == _run(eager, prompts, params)
 
 
 @pytest.mark.slow
