@@ -1,4 +1,5 @@
-"""The fused C pointwise kernels (RMSNorm with residual add, RoPE, SiLU-and-mul) and C KV writes.
+"""The fused C pointwise kernels (RMSNorm with residual add, per-head RMSNorm, RoPE, SiLU-and-mul)
+and C KV writes.
 
 Compared with float64 math written out here, and with the portable (torch) backend,
 on SmolLM2's shapes and odd ones: strided rows, 1 row and enough rows that the
@@ -37,6 +38,22 @@ def test_add_rms_norm_matches_float64(rows: int, with_delta: bool) -> None:
     torch.testing.assert_close(new_residual.double(), r64, atol=1e-6, rtol=0)
     if delta is not None:
         assert new_residual.data_ptr() == residual.data_ptr(), "the residual is updated in place"
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("backend", [CpuPointwiseBackend(), PortablePointwiseBackend()], ids=["c", "torch"])
+def test_head_rms_norm_matches_float64_in_place(rows: int, backend: PortablePointwiseBackend) -> None:
+    """Qwen3's q norm: 9 heads of 64 inside a fused qkv row (strided), normed in place; the k
+    heads after them and the rest of the row untouched."""
+    g = _gen(200 + rows)
+    qkv = torch.randn(rows, 960, generator=g)
+    before = qkv.clone()
+    weight = torch.randn(64, generator=g)
+    backend.head_rms_norm(qkv[:, :576], weight, 1e-6)
+    h64 = before[:, :576].double().view(rows, 9, 64)
+    expected = weight.double() * h64 / torch.sqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(qkv[:, :576].double().view(rows, 9, 64), expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(qkv[:, 576:], before[:, 576:])
 
 
 @pytest.mark.parametrize("rows", ROWS)
