@@ -33,6 +33,19 @@ from loraplex.platform.engine.sampling_params import RequestOutputKind, Sampling
 
 
 @dataclass
+class BeamProgress:
+    """Each prompt's running beams as a (partial) ``RequestOutput``, updated after every search
+    step: what a search that ends early (the client left, a step failed) has generated, so its
+    usage is counted like an aborted plain request's (the prompt and the tokens so far)."""
+
+    outputs: dict[int, RequestOutput] = field(default_factory=dict)
+
+    def so_far(self) -> list[RequestOutput]:
+        """The prompts' outputs in prompt order (those that ran a step)."""
+        return [self.outputs[i] for i in sorted(self.outputs)]
+
+
+@dataclass
 class _Search:
     """One prompt's finished hypotheses, and whether a running beam can still beat them."""
 
@@ -63,11 +76,14 @@ async def beam_search(
     lora: LoRARequest | None,
     tenant_id: str | None,
     tenant_weight: float,
+    progress: BeamProgress | None = None,
 ) -> list[RequestOutput]:
     """Search every prompt (concurrently); one finished ``RequestOutput`` per prompt whose
-    completions are its best ``beam_width`` beams, best first."""
+    completions are its best ``beam_width`` beams, best first. ``progress`` follows the running
+    beams, for the usage of a search that does not finish."""
+    progress = progress if progress is not None else BeamProgress()
     searches = [
-        _search_one(state, f"{request_id}-{i}", p, params, lora, tenant_id, tenant_weight)
+        _search_one(state, f"{request_id}-{i}", p, params, lora, tenant_id, tenant_weight, progress, i)
         for i, p in enumerate(prompts)
     ]
     return list(await asyncio.gather(*searches))
@@ -81,6 +97,8 @@ async def _search_one(
     lora: LoRARequest | None,
     tenant_id: str | None,
     tenant_weight: float,
+    progress: BeamProgress,
+    index: int,
 ) -> RequestOutput:
     engine = state.engine
     prompt_ids = await engine.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
@@ -126,6 +144,7 @@ async def _search_one(
             for _, b, tok, _ in chosen
         ]
         cums = [score for score, _, _, _ in chosen]
+        progress.outputs[index] = _running(request_id, prompt, prompt_ids, beams, cums, num_cached)
     return _output(state, request_id, prompt, prompt_ids, search.finished, eos, num_cached)
 
 
@@ -149,6 +168,29 @@ async def _next_logprobs(
     if not completion.logprobs:
         raise RuntimeError(f"beam search step {request_id} came back without its logprobs")
     return {tok: lp.logprob for tok, lp in completion.logprobs[0].items()}, final.num_cached_tokens
+
+
+def _running(
+    request_id: str,
+    prompt: PromptType,
+    prompt_ids: list[int],
+    beams: list[HypothesisBeam],
+    cums: list[float],
+    num_cached: int,
+) -> RequestOutput:
+    """The running beams as an unfinished request's output (token ids only: it is for usage)."""
+    completions = [
+        CompletionOutput(index=b, text="", token_ids=beam.tokens[len(prompt_ids) :], cumulative_logprob=cum)
+        for b, (beam, cum) in enumerate(zip(beams, cums, strict=True))
+    ]
+    return RequestOutput(
+        request_id=request_id,
+        prompt=prompt if isinstance(prompt, str) else None,
+        prompt_token_ids=prompt_ids,
+        outputs=completions,
+        finished=False,
+        num_cached_tokens=num_cached,
+    )
 
 
 def _lookup(rows: list[tuple[dict[int, float], int]]) -> Callable[[int, int], float]:

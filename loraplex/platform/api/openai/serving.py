@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from loraplex.platform.api.errors import bad_request
 from loraplex.platform.api.observability.record import record_of
-from loraplex.platform.api.openai.beam_search import beam_search, check_beam_width
+from loraplex.platform.api.openai.beam_search import BeamProgress, beam_search, check_beam_width
 from loraplex.platform.api.openai.responses import ResponseShape
 from loraplex.platform.api.openai.streaming import SSEResponse, sse_events
 from loraplex.platform.api.openai.submission import MeteredStream, abort_all, collect, submit
@@ -182,7 +182,9 @@ async def _respond_beams(
 ) -> Response:
     """The answer of a beam search: its best beams as the ``n`` choices of each prompt. Usage
     counts each prompt once and the tokens of the beams returned (vLLM's accounting), though
-    every search step ran one request per beam."""
+    every search step ran one request per beam; a search that ends early counts its running
+    beams' tokens so far, as an aborted plain request counts what it generated."""
+    progress = BeamProgress()
     search = beam_search(
         state,
         shape.request_id,
@@ -191,6 +193,7 @@ async def _respond_beams(
         target.lora,
         admission.tenant_id,
         admission.tenant_weight,
+        progress,
     )
     end: RequestEnd = "error"
     finals: list[RequestOutput] | None = None
@@ -198,7 +201,7 @@ async def _respond_beams(
         finals = await until_disconnected(request, search)
         end = "ok" if finals is not None else "aborted"
     finally:
-        admission.close(finals or [], end)
+        admission.close(finals or progress.so_far(), end)
     if finals is None:
         return Response(status_code=CLIENT_CLOSED)
     body = await anyio.to_thread.run_sync(_encode, shape, finals, limiter=_builder())

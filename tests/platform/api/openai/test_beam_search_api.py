@@ -254,3 +254,38 @@ def test_beams_speculation_aborts_and_preemption_share_steps(tiny_dirs: dict[str
         [{"prompt_token_ids": p} for p in searches], BeamSearchParams(beam_width=3, max_tokens=6)
     )
     assert beams == [[s.text for s in ref.sequences] for ref in refs]
+
+
+def test_a_search_that_ends_early_leaves_its_beams_so_far(tiny_dirs: dict[str, Path]) -> None:
+    """A search cancelled mid-way (the client left) has its running beams in ``BeamProgress``:
+    what the server counts as its usage (the prompt and each beam's tokens so far), as an
+    aborted plain request counts what it generated."""
+    from loraplex.platform.api.openai.beam_search import BeamProgress, beam_search
+    from loraplex.platform.api.state import app_state
+    from loraplex.platform.api.tenancy.tenant_gate import tokens_used
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_dirs[MODEL]), dtype="float32", num_kv_blocks=128))
+    aeng = AsyncEngine(engine)
+    state = app_state(build_app(aeng, ServerSettings(served_model_name="tiny", single_tenant=True)))
+    progress = BeamProgress()
+    prompt = [1, 57, 58, 59, 60]
+    params = BeamSearchParams(beam_width=3, max_tokens=40, ignore_eos=True)
+
+    async def main() -> None:
+        search = asyncio.ensure_future(beam_search(state, "b", [prompt], params, None, None, 1.0, progress))
+        while not progress.outputs or len(progress.outputs[0].outputs[0].token_ids) < 3:
+            assert not search.done()
+            await asyncio.sleep(0.005)
+        search.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await search
+
+    try:
+        asyncio.run(main())
+    finally:
+        aeng.shutdown()
+    (out,) = progress.so_far()
+    assert out.prompt_token_ids == prompt and not out.finished
+    assert len(out.outputs) == 3 and all(3 <= len(c.token_ids) < 40 for c in out.outputs)
+    prompt_tokens, _, completion_tokens = tokens_used(progress.so_far())
+    assert prompt_tokens == len(prompt) and completion_tokens == sum(len(c.token_ids) for c in out.outputs)
