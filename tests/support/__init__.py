@@ -13,6 +13,7 @@
 | ``servers`` | uvicorn on loopback: ``start_server``, ``start_ui_server``; ``sse_lines``, ``wait_until`` |
 | ``hostile`` | ``live``: a gateway in a thread of the test process (hostile-client tests); ``rss_bytes`` |
 | ``replicas`` | gateway replicas as processes on one database and Redis (``start_replica``, ``Replica``) |
+| ``speculation`` | copy prompts, ``run_checked`` (pool checked every step), the random speculation workload |
 | ``drafts`` | ``make_layer_draft``: a model's first layers as a draft model (speculative decoding) |
 | ``fidelity`` | HF greedy references and ``assert_greedy_match`` |
 | ``admin_ui`` | signing in to the admin UI; Debian's chromium for the browser tests |

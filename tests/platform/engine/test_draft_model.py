@@ -4,7 +4,6 @@ the draft's KV follows its sequence (a model drafting for itself is accepted alm
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
@@ -12,16 +11,11 @@ import pytest
 import torch
 from support.drafts import make_layer_draft
 from support.models import make_tiny_model_dir
+from support.speculation import copy_prompt, random_workload, run_checked
 
 from loraplex import LLM, SamplingParams
 from loraplex.platform.engine.draft_model import DraftModelProposer
 from loraplex.platform.engine.speculative import SpeculativeConfig
-
-
-def _prompt(seed: int, length: int = 24, copy: bool = True) -> list[int]:
-    rng = random.Random(seed)
-    text = [rng.randrange(100, 2000) for _ in range(length)]
-    return [1, *text, *text[: length // 2]] if copy else [1, *text]
 
 
 @pytest.fixture(scope="module")
@@ -71,23 +65,6 @@ def _proposer(llm: LLM) -> DraftModelProposer:
     return speculator.proposer
 
 
-def _run_checked(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-    engine = llm.llm_engine
-    ids = []
-    for prompt, sp in zip(prompts, params, strict=True):
-        rid = engine.next_request_id()
-        engine.add_request(rid, prompt, sp)
-        ids.append(rid)
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                assert out.error is None, out.error
-                done[out.request_id] = out.outputs[0].token_ids
-        engine.check_integrity()
-    return [done[r] for r in ids]
-
-
 def test_config() -> None:
     cfg = SpeculativeConfig.parse({"model": "/m", "num_speculative_tokens": 2})
     assert cfg.method == "draft_model" and cfg.model == "/m"
@@ -105,11 +82,11 @@ def test_a_model_drafting_for_itself_is_accepted_and_exact(models: dict[str, Pat
     near 1 shows the draft KV follows each sequence through verification and rollback; the tokens
     equal those without speculation, in batches mixing prefill chunks and decodes."""
     target = models["target"]
-    prompts = [_prompt(s) for s in range(4)] + [_prompt(9, 30, copy=False), [1, 77, 78]]
+    prompts = [copy_prompt(s) for s in range(4)] + [copy_prompt(9, 30, copy=False), [1, 77, 78]]
     params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True) for _ in prompts]
-    plain = _run_checked(_llm(target, None), prompts, params)
+    plain = run_checked(_llm(target, None), prompts, params)
     llm = _llm(target, _spec(target))
-    assert _run_checked(llm, prompts, params) == plain
+    assert run_checked(llm, prompts, params) == plain
     counters = llm.llm_engine.speculator.counters  # type: ignore[union-attr]
     assert counters.num_draft_tokens > 40
     assert counters.num_accepted_tokens >= 0.9 * counters.num_draft_tokens, counters
@@ -123,11 +100,11 @@ def test_layer_draft_greedy_equals_plain_and_hf(models: dict[str, Path]) -> None
     from transformers import AutoModelForCausalLM
 
     target, draft = models["target"], models["draft"]
-    prompts = [_prompt(s) for s in range(5)] + [_prompt(11, 20, copy=False)]
+    prompts = [copy_prompt(s) for s in range(5)] + [copy_prompt(11, 20, copy=False)]
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True) for _ in prompts]
-    plain = _run_checked(_llm(target, None), prompts, params)
+    plain = run_checked(_llm(target, None), prompts, params)
     llm = _llm(target, _spec(draft))
-    spec = _run_checked(llm, prompts, params)
+    spec = run_checked(llm, prompts, params)
     assert spec == plain
     counters = llm.llm_engine.speculator.counters  # type: ignore[union-attr]
     assert counters.num_draft_tokens > 0 and counters.num_accepted_tokens > 0
@@ -162,9 +139,9 @@ def test_drafts_are_the_draft_models_own_greedy_tokens(
         return drafts
 
     monkeypatch.setattr(proposer, "propose", recording)
-    prompts = [_prompt(s, 24) for s in range(3)] + [_prompt(5, 16, copy=False)]
+    prompts = [copy_prompt(s, 24) for s in range(3)] + [copy_prompt(5, 16, copy=False)]
     params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True) for _ in prompts]
-    _run_checked(llm, prompts, params)
+    run_checked(llm, prompts, params)
     counters = llm.llm_engine.speculator.counters  # type: ignore[union-attr]
     assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens  # rejections happened
     hf = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
@@ -181,16 +158,16 @@ def test_preemption_sampling_and_a_small_draft_pool(models: dict[str, Path]) -> 
     pool of 12 blocks for 8 sequences of 5-7 blocks each (draft KV evicted, some steps without
     drafts): greedy tokens unchanged, sampled requests run to their length, pools consistent."""
     target, draft = models["target"], models["draft"]
-    prompts = [_prompt(s, 32) for s in range(8)]
+    prompts = [copy_prompt(s, 32) for s in range(8)]
     params = [
         SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
         if i % 2 == 0
         else SamplingParams(max_tokens=16, temperature=0.8, seed=i, ignore_eos=True)
         for i in range(len(prompts))
     ]
-    plain = _run_checked(_llm(target, None, num_kv_blocks=24), prompts, params)
+    plain = run_checked(_llm(target, None, num_kv_blocks=24), prompts, params)
     llm = _llm(target, _spec(draft, num_draft_kv_blocks=12), num_kv_blocks=24)
-    spec = _run_checked(llm, prompts, params)
+    spec = run_checked(llm, prompts, params)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     for i in range(0, len(prompts), 2):
         assert spec[i] == plain[i], f"greedy request {i} differs"
@@ -216,7 +193,7 @@ def test_greedy_with_lora(models: dict[str, Path], tmp_path: Path) -> None:
         target, adapter, seed=3, spec=dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     )
     lora = LoRARequest("a", 1, str(adapter))
-    prompts = [_prompt(s) for s in range(3)]
+    prompts = [copy_prompt(s) for s in range(3)]
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     outs = []
     for spec in (None, _spec(draft)):
@@ -230,32 +207,9 @@ def test_random_workload_invariants(models: dict[str, Path]) -> None:
     """Draft-model speculation, parallel sampling, aborts and preemption at random: both pools are
     consistent after every step and every surviving request finishes."""
     llm = _llm(models["target"], _spec(models["draft"], num_draft_kv_blocks=16), num_kv_blocks=20)
+    random_workload(llm, seed=7, steps=120, max_new=20)
     engine = llm.llm_engine
-    rng = random.Random(7)
-    live: set[str] = set()
-    for step in range(120):
-        if rng.random() < 0.3 and len(live) < 10:
-            rid = engine.next_request_id()
-            n = rng.choice([1, 1, 2])
-            temp = rng.choice([0.0, 0.0, 1.0])
-            sp = SamplingParams(max_tokens=rng.randrange(4, 20), temperature=temp, n=n, ignore_eos=True)
-            engine.add_request(rid, _prompt(rng.randrange(4), rng.choice([8, 16, 24])), sp)
-            live.add(rid)
-        if live and rng.random() < 0.08:
-            victim = rng.choice(sorted(live))
-            engine.abort_request(victim)
-            live.discard(victim)
-        for out in engine.step():
-            if out.finished:
-                live.discard(out.request_id)
-        engine.check_integrity()
-        if step > 100 and not live:
-            break
-    while engine.has_unfinished_requests():
-        engine.step()
-        engine.check_integrity()
     assert engine.speculator is not None and engine.speculator.counters.num_drafts > 0
-    assert engine.kv.block_manager.num_free_blocks == engine.kv.block_manager.num_blocks
     proposer = _proposer(llm)
     assert proposer.num_free_blocks == proposer.num_blocks
 
@@ -277,9 +231,9 @@ def test_a_failing_draft_forward_costs_only_its_drafts(
     """The draft's forward raises on some steps: those steps decode without drafts, every request
     still gets its exact greedy tokens, and the draft KV of the sequences concerned is dropped."""
     target = models["target"]
-    prompts = [_prompt(s) for s in range(3)]
+    prompts = [copy_prompt(s) for s in range(3)]
     params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True) for _ in prompts]
-    plain = _run_checked(_llm(target, None), prompts, params)
+    plain = run_checked(_llm(target, None), prompts, params)
     llm = _llm(target, _spec(target))
     proposer = _proposer(llm)
     forward = proposer.runner.logits_for
@@ -293,6 +247,6 @@ def test_a_failing_draft_forward_costs_only_its_drafts(
         return forward(*args, **kw)
 
     monkeypatch.setattr(proposer.runner, "logits_for", flaky)
-    assert _run_checked(llm, prompts, params) == plain
+    assert run_checked(llm, prompts, params) == plain
     assert calls > 6
     assert proposer.num_free_blocks == proposer.num_blocks

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.speculation import copy_prompt, random_workload, run_checked
 
 from loraplex import LLM, SamplingParams
 from loraplex.platform.engine.speculative import SpeculativeConfig, ngram_propose, verify
@@ -21,14 +22,6 @@ SPEC: dict[str, Any] = {
     "prompt_lookup_max": 3,
     "disable_by_batch_size": None,  # on in every batch here: the mixed batches are the point
 }
-
-
-def copy_prompt(seed: int, length: int = 24) -> list[int]:
-    """A random passage, then the passage again cut short: a model continues by copying, and the
-    proposer has something to look up."""
-    rng = random.Random(seed)
-    text = [rng.randrange(100, 2000) for _ in range(length)]
-    return [1, *text, *text[: length // 2]]
 
 
 def test_ngram_propose() -> None:
@@ -76,23 +69,6 @@ def _llm(model: Path, spec: dict[str, Any] | None, **kw: Any) -> LLM:
     return LLM(model=str(model), speculative_config=spec, **args)
 
 
-def _run_checked(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-    engine = llm.llm_engine
-    ids = []
-    for prompt, sp in zip(prompts, params, strict=True):
-        rid = engine.next_request_id()
-        engine.add_request(rid, prompt, sp)
-        ids.append(rid)
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                assert out.error is None, out.error
-                done[out.request_id] = out.outputs[0].token_ids
-        engine.check_integrity()
-    return [done[r] for r in ids]
-
-
 @pytest.mark.slow
 def test_greedy_equals_no_spec_and_hf(tiny_dirs: dict[str, Path]) -> None:
     from support.fidelity import assert_greedy_match, hf_greedy
@@ -101,9 +77,9 @@ def test_greedy_equals_no_spec_and_hf(tiny_dirs: dict[str, Path]) -> None:
     model = tiny_dirs["mha_untied"]
     prompts = [copy_prompt(s) for s in range(6)] + [[1, 77, 78, 79, 80, 81, 82]]
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True) for _ in prompts]
-    plain = _run_checked(_llm(model, None), prompts, params)
+    plain = run_checked(_llm(model, None), prompts, params)
     spec_llm = _llm(model, SPEC)
-    spec = _run_checked(spec_llm, prompts, params)
+    spec = run_checked(spec_llm, prompts, params)
     assert spec == plain
     counters = spec_llm.llm_engine.speculator.counters  # type: ignore[union-attr]
     assert counters.num_draft_tokens > 0 and counters.num_accepted_tokens > 0
@@ -123,9 +99,9 @@ def test_greedy_with_preemption_and_mixed_sampling(tiny_dirs: dict[str, Path]) -
         else SamplingParams(max_tokens=20, temperature=0.8, seed=i, ignore_eos=True)
         for i in range(len(prompts))
     ]
-    plain = _run_checked(_llm(model, None, num_kv_blocks=24), prompts, params)
+    plain = run_checked(_llm(model, None, num_kv_blocks=24), prompts, params)
     tight = _llm(model, SPEC, num_kv_blocks=24)
-    spec = _run_checked(tight, prompts, params)
+    spec = run_checked(tight, prompts, params)
     assert tight.llm_engine.scheduler.num_preemptions > 0
     for i in range(0, len(prompts), 2):
         assert spec[i] == plain[i], f"greedy request {i} differs"
@@ -158,34 +134,10 @@ def test_greedy_with_lora(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
 def test_random_workload_invariants(tiny_dirs: dict[str, Path]) -> None:
     """Speculation, parallel sampling, aborts and preemption at random: the pool is consistent
     after every step, and every surviving request finishes."""
-    model = tiny_dirs["gqa_tied"]
-    llm = _llm(model, SPEC, num_kv_blocks=20, enable_prefix_caching=True)
+    llm = _llm(tiny_dirs["gqa_tied"], SPEC, num_kv_blocks=20, enable_prefix_caching=True)
+    random_workload(llm, seed=7, steps=150, max_new=24)
     engine = llm.llm_engine
-    rng = random.Random(7)
-    live: set[str] = set()
-    for step in range(150):
-        if rng.random() < 0.3 and len(live) < 10:
-            rid = engine.next_request_id()
-            n = rng.choice([1, 1, 2])
-            temp = rng.choice([0.0, 0.0, 1.0])
-            sp = SamplingParams(max_tokens=rng.randrange(4, 24), temperature=temp, n=n, ignore_eos=True)
-            engine.add_request(rid, copy_prompt(rng.randrange(4), rng.choice([8, 16, 24])), sp)
-            live.add(rid)
-        if live and rng.random() < 0.08:
-            victim = rng.choice(sorted(live))
-            engine.abort_request(victim)
-            live.discard(victim)
-        for out in engine.step():
-            if out.finished:
-                live.discard(out.request_id)
-        engine.check_integrity()
-        if step > 120 and not live:
-            break
-    while engine.has_unfinished_requests():
-        engine.step()
-        engine.check_integrity()
     assert engine.speculator is not None and engine.speculator.counters.num_drafts > 0
-    assert engine.kv.block_manager.num_free_blocks == engine.kv.block_manager.num_blocks
 
 
 def test_metrics_in_vllm_dialect_and_per_request(tiny_dirs: dict[str, Path]) -> None:
@@ -250,6 +202,6 @@ def test_beams_then_speculation_on_one_pool(tiny_dirs: dict[str, Path]) -> None:
                 engine.check_integrity()
         assert not engine.has_unfinished_requests()
         sp = SamplingParams(max_tokens=16, temperature=rng.choice([0.0, 1.0]), ignore_eos=True)
-        _run_checked(llm, [copy_prompt(rng.randrange(9), 16) for _ in range(3)], [sp] * 3)
+        run_checked(llm, [copy_prompt(rng.randrange(9), 16) for _ in range(3)], [sp] * 3)
     assert engine.scheduler.num_preemptions > 0
     assert engine.kv.block_manager.num_free_blocks == engine.kv.block_manager.num_blocks
