@@ -231,8 +231,6 @@ class Speculator:
         self.positions = PositionCounts()
         """Engine-wide acceptance per draft position (every request's estimate starts from it)."""
         self.cost = StepCost(config.cost_fixed_rows)
-        self._draft_seconds = 0.0
-        """What the proposer takes for one more draft token (its own measure)."""
         self._proposing_seconds = 0.0
         """The proposer's time in this step (kept out of the step's time in the cost fit)."""
         self._seqs: dict[int, _SeqSpec] = {}
@@ -273,7 +271,7 @@ class Speculator:
                 probs.append(p)
             candidates.append((seq.seq_id, probs))
         row_seconds = self.cost.row_seconds()
-        draft_rows = self._draft_seconds / row_seconds if row_seconds else 0.0
+        draft_rows = self.proposer.seconds_per_draft / row_seconds if row_seconds else 0.0
         given = allot_drafts(candidates, len(decodes), self.cost.fixed_rows(), draft_rows)
         given.update(forced)
         for seq_id in decodes:
@@ -286,7 +284,6 @@ class Speculator:
         try:
             self._planned = self.proposer.propose(wants)
             self._proposing_seconds = time.perf_counter() - started
-            self._draft_seconds = self.proposer.seconds_per_draft
         except Exception:  # drafts are an optimisation: their failure must not fail the step
             logger.exception("speculative proposer failed; %d sequences decode without drafts", len(wants))
             for seq, _ in wants:
