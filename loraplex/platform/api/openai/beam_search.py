@@ -183,14 +183,7 @@ def _running(
         CompletionOutput(index=b, text="", token_ids=beam.tokens[len(prompt_ids) :], cumulative_logprob=cum)
         for b, (beam, cum) in enumerate(zip(beams, cums, strict=True))
     ]
-    return RequestOutput(
-        request_id=request_id,
-        prompt=prompt if isinstance(prompt, str) else None,
-        prompt_token_ids=prompt_ids,
-        outputs=completions,
-        finished=False,
-        num_cached_tokens=num_cached,
-    )
+    return _request_output(request_id, prompt, prompt_ids, completions, False, num_cached)
 
 
 def _lookup(rows: list[tuple[dict[int, float], int]]) -> Callable[[int, int], float]:
@@ -227,11 +220,23 @@ def _output(
                 stop_reason=generated[-1] if beam.finish_reason == "stop" and generated else None,
             )
         )
+    return _request_output(request_id, prompt, prompt_ids, completions, True, num_cached)
+
+
+def _request_output(
+    request_id: str,
+    prompt: PromptType,
+    prompt_ids: list[int],
+    completions: list[CompletionOutput],
+    finished: bool,
+    num_cached: int,
+) -> RequestOutput:
+    """One prompt's search as a request's output (the text prompt shown only when it was text)."""
     return RequestOutput(
         request_id=request_id,
         prompt=prompt if isinstance(prompt, str) else None,
         prompt_token_ids=prompt_ids,
         outputs=completions,
-        finished=True,
+        finished=finished,
         num_cached_tokens=num_cached,
     )
